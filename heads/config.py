@@ -1,0 +1,64 @@
+"""What every heads config shares: the base it was trained on and the headstart format version.
+
+Heads configs are dataclasses whose `to_dict()` is the engine's config.json (vLLM / SGLang read
+it as is); the extra `base_*` and `headstart_format` keys are ignored by the engines and let
+`load_heads` refuse heads trained for another base.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+HEADSTART_FORMAT = 1
+
+
+@dataclass
+class HeadsConfig:
+    """Base-model facts recorded with every heads checkpoint (a mismatch is an error)."""
+
+    base_model_name_or_path: str = ""
+    base_hidden_size: int = 0
+    base_vocab_size: int = 0
+    base_num_hidden_layers: int = 0
+    headstart_format: int = HEADSTART_FORMAT
+
+    def validate(self) -> None:
+        if self.headstart_format > HEADSTART_FORMAT:
+            raise ValueError(
+                f"heads written by a newer headstart (format {self.headstart_format} > "
+                f"{HEADSTART_FORMAT}); upgrade headstart to load them"
+            )
+
+    def check_base(self, base_config) -> None:
+        """Raise if `base_config` is not the kind of base these heads were trained on."""
+        ours = {
+            "hidden_size": self.base_hidden_size,
+            "vocab_size": self.base_vocab_size,
+            "num_hidden_layers": self.base_num_hidden_layers,
+        }
+        for key, expected in ours.items():
+            got = getattr(base_config, key)
+            if expected and got != expected:
+                raise ValueError(
+                    f"these heads were trained on base '{self.base_model_name_or_path}' with "
+                    f"{key}={expected}, but the given base '{getattr(base_config, 'name_or_path', '?')}' "
+                    f"has {key}={got}; load the heads with the base they were trained for"
+                )
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]):
+        """Build from a config.json dict; keys this class does not know are ignored (engines
+        add their own), a key of the wrong type is an error."""
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+    def save(self, folder: str | Path) -> None:
+        path = Path(folder) / "config.json"
+        path.write_text(json.dumps(self.to_dict(), indent=2, sort_keys=True) + "\n")

@@ -1,0 +1,333 @@
+"""EAGLE draft layers: one decoder layer that autoregresses on the base's features.
+
+- EAGLE-1 (Li et al. 2024, "EAGLE: Speculative Sampling Requires Rethinking Feature
+  Uncertainty", arXiv:2401.15077): input at position t is fc([embed(x_{t+1}), f_t]) (2H -> H),
+  one Llama decoder layer without input_layernorm predicts the feature f_{t+1}; the base's
+  embeddings and lm_head are shared. Saved as a plain 1-layer Llama (`fc.weight`, `layers.0.*`).
+- EAGLE-3 (Li et al. 2025, "EAGLE-3: Scaling up Inference Acceleration of Large Language Models
+  via Training-Time Test", arXiv:2503.01840): the first input fuses three base layers,
+  fc([a_low, a_mid, a_high]) (3H -> H); the "midlayer" attends over
+  [input_layernorm(embed(x)), hidden_norm(h)] (2H); its own final norm and lm_head cover a
+  reduced draft vocabulary, mapped back with `d2t` (target = draft + d2t[draft]). Saved in the
+  `LlamaForCausalLMEagle3` layout that vLLM and SGLang load.
+
+Both are built from transformers' own Llama blocks (attention, MLP, RMSNorm, rotary embedding),
+so the base's head_dim, GQA, rope_theta / rope_scaling and max positions carry over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import nn
+from transformers import DynamicCache, LlamaConfig
+from transformers.models.llama.modeling_llama import (
+    LlamaAttention,
+    LlamaDecoderLayer,
+    LlamaMLP,
+    LlamaRMSNorm,
+    LlamaRotaryEmbedding,
+)
+
+from heads.base import base_signature, default_aux_layer_ids
+from heads.checkpoint import PretrainedHeads
+from heads.config import HEADSTART_FORMAT, HeadsConfig
+
+
+@dataclass
+class EagleConfig(HeadsConfig):
+    """EAGLE draft layer configuration (version 1 or 3).
+
+    The Llama fields mirror the base's (the draft layer has the base's width, heads and rope).
+    `vocab_size` is the base vocabulary; `draft_vocab_size` (EAGLE-3 only) the reduced one;
+    `aux_layer_ids` the base layers whose *entering* hidden states are fused (EAGLE-3 only).
+    """
+
+    version: int = 3
+    hidden_size: int = 4096
+    intermediate_size: int = 14336
+    num_attention_heads: int = 32
+    num_key_value_heads: int = 8
+    head_dim: int = 128
+    rms_norm_eps: float = 1e-5
+    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    max_position_embeddings: int = 8192
+    vocab_size: int = 128256
+    draft_vocab_size: int = 32000
+    target_hidden_size: int = 4096
+    aux_layer_ids: list[int] = field(default_factory=lambda: [2, 16, 29])
+    hidden_act: str = "silu"
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_base(cls, base_config, version: int = 3, draft_vocab_size: int | None = None,
+                  aux_layer_ids: list[int] | None = None, **kwargs) -> EagleConfig:
+        """Size a draft layer for a base config. EAGLE-3's default draft vocabulary is
+        min(32000, V) (EAGLE-3's choice for Llama-3's 128k vocabulary)."""
+        if version not in (1, 3):
+            raise ValueError(f"EAGLE version must be 1 or 3, got {version}")
+        H = base_config.hidden_size
+        L = base_config.num_hidden_layers
+        return cls(
+            version=version,
+            hidden_size=H,
+            intermediate_size=base_config.intermediate_size,
+            num_attention_heads=base_config.num_attention_heads,
+            num_key_value_heads=base_config.num_key_value_heads,
+            head_dim=getattr(base_config, "head_dim", None) or H // base_config.num_attention_heads,
+            rms_norm_eps=base_config.rms_norm_eps,
+            rope_parameters=dict(base_config.rope_parameters),
+            max_position_embeddings=base_config.max_position_embeddings,
+            vocab_size=base_config.vocab_size,
+            draft_vocab_size=(draft_vocab_size or min(32000, base_config.vocab_size)) if version == 3 else base_config.vocab_size,
+            target_hidden_size=H,
+            aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(L)),
+            attention_bias=getattr(base_config, "attention_bias", False),
+            mlp_bias=getattr(base_config, "mlp_bias", False),
+            bos_token_id=base_config.bos_token_id,
+            eos_token_id=base_config.eos_token_id,
+            headstart_format=HEADSTART_FORMAT,
+            **base_signature(base_config),
+            **kwargs,
+        )
+
+    def validate(self) -> None:
+        super().validate()
+        if self.version not in (1, 3):
+            raise ValueError(f"EAGLE version must be 1 or 3, got {self.version}")
+        if self.version == 3:
+            if len(self.aux_layer_ids) != 3:
+                raise ValueError(f"EAGLE-3 fuses three base layers, got aux_layer_ids={self.aux_layer_ids}")
+            if self.base_num_hidden_layers and not all(0 <= i < self.base_num_hidden_layers for i in self.aux_layer_ids):
+                raise ValueError(f"aux_layer_ids {self.aux_layer_ids} must lie in [0, {self.base_num_hidden_layers})")
+            if not 0 < self.draft_vocab_size <= self.vocab_size:
+                raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in (0, {self.vocab_size}]")
+
+    def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
+        """The LlamaConfig of the draft layer's transformers building blocks."""
+        config = LlamaConfig(
+            hidden_size=self.hidden_size,
+            intermediate_size=self.intermediate_size,
+            num_hidden_layers=1,
+            num_attention_heads=self.num_attention_heads,
+            num_key_value_heads=self.num_key_value_heads,
+            head_dim=self.head_dim,
+            rms_norm_eps=self.rms_norm_eps,
+            rope_parameters=dict(self.rope_parameters),
+            max_position_embeddings=self.max_position_embeddings,
+            vocab_size=self.vocab_size,
+            hidden_act=self.hidden_act,
+            attention_bias=self.attention_bias,
+            mlp_bias=self.mlp_bias,
+        )
+        config._attn_implementation = attn_implementation
+        return config
+
+    def to_dict(self) -> dict[str, Any]:
+        """config.json in the engines' layout (plus headstart's base record)."""
+        rope = dict(self.rope_parameters)
+        d = {
+            "model_type": "llama",
+            "architectures": ["LlamaForCausalLMEagle3"] if self.version == 3 else ["LlamaForCausalLM"],
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": 1,
+            "num_attention_heads": self.num_attention_heads,
+            "num_key_value_heads": self.num_key_value_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "rope_theta": rope.get("rope_theta", 10000.0),
+            "rope_scaling": None if rope.get("rope_type", "default") == "default" else rope,
+            "rope_parameters": rope,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "hidden_act": self.hidden_act,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "tie_word_embeddings": False,
+            "bos_token_id": self.bos_token_id,
+            "eos_token_id": self.eos_token_id,
+            "torch_dtype": "bfloat16",
+        }
+        if self.version == 3:
+            d["draft_vocab_size"] = self.draft_vocab_size
+            d["target_hidden_size"] = self.target_hidden_size
+            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+        for key in ("base_model_name_or_path", "base_hidden_size", "base_vocab_size",
+                    "base_num_hidden_layers", "headstart_format"):
+            d[key] = getattr(self, key)
+        return d
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> EagleConfig:
+        data = dict(data)
+        is_v3 = any("Eagle3" in a for a in data.get("architectures") or [])
+        data["version"] = 3 if is_v3 else 1
+        if "rope_parameters" not in data:
+            rope = dict(data.get("rope_scaling") or {"rope_type": "default"})
+            rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+            data["rope_parameters"] = rope
+        if "head_dim" not in data or data["head_dim"] is None:
+            data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        if is_v3:
+            data["aux_layer_ids"] = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            data.setdefault("target_hidden_size", data["hidden_size"])
+            if data["aux_layer_ids"] is None and data.get("base_num_hidden_layers"):
+                data["aux_layer_ids"] = list(default_aux_layer_ids(data["base_num_hidden_layers"]))
+        else:
+            data["draft_vocab_size"] = data["vocab_size"]
+            data.pop("aux_layer_ids", None)
+        return super().from_dict(data)
+
+
+class Eagle3Layer(nn.Module):
+    """EAGLE-3's midlayer: attention over [input_layernorm(embed), hidden_norm(h)] (2H), then MLP.
+
+    Tensor names follow the engines: `input_layernorm`, `hidden_norm`, `self_attn.{q,k,v,o}_proj`,
+    `post_attention_layernorm`, `mlp.{gate,up,down}_proj`.
+    """
+
+    def __init__(self, config: LlamaConfig) -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.self_attn = LlamaAttention(config, layer_idx=0)
+        # q/k/v read the concatenated 2H input; transformers' attention only uses their outputs.
+        attn = self.self_attn
+        for name in ("q_proj", "k_proj", "v_proj"):
+            old = getattr(attn, name)
+            setattr(attn, name, nn.Linear(2 * H, old.out_features, bias=old.bias is not None))
+        self.mlp = LlamaMLP(config)
+        self.input_layernorm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+        self.post_attention_layernorm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+
+    def forward(self, inputs_embeds, hidden, position_embeddings, attention_mask, cache) -> torch.Tensor:
+        residual = hidden
+        x = torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden)], dim=-1)  # (B,T,2H)
+        x, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+        x = residual + x
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class EagleDraft(PretrainedHeads):
+    """An EAGLE draft layer (version 1 or 3), step-wise with its own KV cache.
+
+    Inputs at position t: the base's embedding of token x_{t+1} and a hidden state at t (the base's
+    feature for EAGLE-1, the fused aux layers or the draft's own previous output for EAGLE-3).
+    `forward` returns the draft's hidden state (B,T,H); `compute_logits` turns it into logits over
+    the draft vocabulary (EAGLE-1: the base lm_head, pass it in; EAGLE-3: own norm + lm_head).
+    """
+
+    def __init__(self, config: EagleConfig, attn_implementation: str = "sdpa") -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        llama = config.llama_config(attn_implementation)
+        self.llama_config = llama
+        H = config.hidden_size
+        self.rotary_emb = LlamaRotaryEmbedding(llama)
+        if config.version == 1:
+            self.fc = nn.Linear(2 * H, H, bias=False)
+            layer = LlamaDecoderLayer(llama, layer_idx=0)
+            del layer.input_layernorm  # EAGLE-1 feeds the fused input to attention unnormalised
+            layer.input_layernorm = nn.Identity()
+            self.layers = nn.ModuleList([layer])
+        else:
+            self.fc = nn.Linear(3 * config.target_hidden_size, H, bias=False)
+            self.midlayer = Eagle3Layer(llama)
+            self.norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
+            self.lm_head = nn.Linear(H, config.draft_vocab_size, bias=False)
+            Vd = config.draft_vocab_size
+            self.register_buffer("d2t", torch.zeros(Vd, dtype=torch.long))
+            t2d = torch.zeros(config.vocab_size, dtype=torch.bool)
+            t2d[:Vd] = True
+            self.register_buffer("t2d", t2d)
+        self._init_weights(llama.initializer_range)
+
+    def _init_weights(self, std: float) -> None:
+        for module in self.modules():
+            if isinstance(module, nn.Linear):
+                nn.init.normal_(module.weight, std=std)
+                if module.bias is not None:
+                    nn.init.zeros_(module.bias)
+
+    def new_cache(self) -> DynamicCache:
+        """An empty KV cache for step-wise drafting."""
+        return DynamicCache(config=self.llama_config)
+
+    def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
+        """EAGLE-3: (B,T,3H) concatenated aux layers -> (B,T,H)."""
+        return self.fc(aux_hidden)
+
+    def forward(
+        self,
+        inputs_embeds: torch.Tensor,
+        hidden: torch.Tensor,
+        position_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        cache: DynamicCache | None = None,
+    ) -> torch.Tensor:
+        """inputs_embeds (B,T,H), hidden (B,T,H), position_ids (B,T) -> draft hidden (B,T,H).
+
+        `attention_mask` is a 4D additive float mask (B,1,T,past+T); None means causal.
+        """
+        B, T, _ = inputs_embeds.shape
+        past = cache.get_seq_length() if cache is not None else 0
+        if attention_mask is None:
+            attention_mask = causal_mask(past, T, inputs_embeds.dtype, inputs_embeds.device).expand(B, 1, T, past + T)
+        position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
+        if self.config.version == 1:
+            x = self.fc(torch.cat([inputs_embeds, hidden], dim=-1))  # (B,T,2H) -> (B,T,H)
+            return self.layers[0](x, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache)
+        return self.midlayer(inputs_embeds, hidden, position_embeddings, attention_mask, cache)
+
+    def compute_logits(self, hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
+        """(B,T,H) -> (B,T,V_draft): EAGLE-1 through the base lm_head, EAGLE-3 its own."""
+        if self.config.version == 1:
+            if base_lm_head is None:
+                raise ValueError("EAGLE-1 shares the base lm_head: pass base.lm_head")
+            return base_lm_head(hidden)
+        return self.lm_head(self.norm(hidden))
+
+    def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary indices to base token ids (EAGLE-3: draft + d2t[draft])."""
+        if self.config.version == 1:
+            return draft_ids
+        return draft_ids + self.d2t[draft_ids]
+
+    @torch.no_grad()
+    def set_vocab_map(self, draft_to_base: torch.Tensor) -> None:
+        """EAGLE-3: set d2t / t2d from the sorted base ids kept in the draft vocabulary."""
+        ids = torch.as_tensor(draft_to_base, dtype=torch.long)
+        if ids.numel() != self.config.draft_vocab_size:
+            raise ValueError(f"need {self.config.draft_vocab_size} base ids, got {ids.numel()}")
+        self.d2t.copy_(ids - torch.arange(ids.numel()))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+        check_vocab_map(self.d2t, self.t2d)
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
+    """Raise unless d2t / t2d describe one strictly increasing set of base ids."""
+    target = d2t + torch.arange(d2t.numel(), device=d2t.device)
+    if d2t.numel() > 1 and not bool((target[1:] > target[:-1]).all()):
+        raise ValueError("inconsistent d2t: draft->target ids (draft + d2t[draft]) must be strictly increasing")
+    if int(t2d.sum()) != d2t.numel():
+        raise ValueError(f"inconsistent t2d: marks {int(t2d.sum())} tokens but the draft vocabulary has {d2t.numel()}")
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= t2d.numel() or not bool(t2d[target].all())):
+        raise ValueError("inconsistent d2t / t2d: d2t maps to base ids that t2d does not mark")
+
+
+def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
+    """Additive causal mask (1,1,T,past+T): each new token sees the past and itself/earlier."""
+    q = torch.arange(T, device=device).unsqueeze(1) + past
+    k = torch.arange(past + T, device=device).unsqueeze(0)
+    return torch.zeros(T, past + T, dtype=dtype, device=device).masked_fill(k > q, torch.finfo(dtype).min)[None, None]

@@ -1,0 +1,152 @@
+"""Medusa heads (Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with
+Multiple Decoding Heads", arXiv:2401.10774).
+
+K heads read the base's last hidden state h_t. The base's own lm_head predicts token t+1; head k
+(0-based) predicts token t+k+2. Each head is L residual blocks `x + SiLU(W x + b)` followed by an
+lm_head. W starts at zero, so a fresh head's logits equal the base lm_head's exactly.
+
+The module layout and config are vLLM's `MedusaModel` (tensors `blocks.{h}.layers.{l}.weight`,
+`lm_heads.{h}.weight`), so a saved folder loads in vLLM as is. With `original_lm_head` the heads
+share the base's frozen lm_head, saved once as `lm_head.weight` (what vLLM reads in that mode).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+
+from heads.base import base_signature
+from heads.checkpoint import PretrainedHeads
+from heads.config import HEADSTART_FORMAT, HeadsConfig
+
+
+@dataclass
+class MedusaConfig(HeadsConfig):
+    """Medusa heads' configuration, serialised as vLLM's `MedusaModel` config.json.
+
+    Attributes:
+        hidden_size: the base's hidden size H.
+        vocab_size: the base's vocabulary V.
+        num_heads: K, the number of heads (head k predicts token t+k+2).
+        num_hidden_layers: L, residual blocks per head.
+        medusa_fc_bias: whether the residual blocks' linears have a bias (Medusa's reference
+            heads do).
+        original_lm_head: share the base's frozen lm_head instead of one trainable lm_head
+            per head (fewer parameters, ~K*V*H; vLLM `original_lm_head`).
+        truncated_vocab_size: a reduced draft vocabulary (the most frequent tokens, `token_map`)
+            or None for the full vocabulary.
+    """
+
+    hidden_size: int = 4096
+    vocab_size: int = 32000
+    num_heads: int = 4
+    num_hidden_layers: int = 1
+    medusa_fc_bias: bool = True
+    original_lm_head: bool = False
+    truncated_vocab_size: int | None = None
+    model_type: str = "medusa"
+    architectures: list[str] = field(default_factory=lambda: ["MedusaModel"])
+
+    @classmethod
+    def from_base(cls, base_config, num_heads: int = 4, num_layers: int = 1, **kwargs) -> MedusaConfig:
+        """Size the heads for a base model's config (`model.config` or `AutoConfig`)."""
+        return cls(
+            hidden_size=base_config.hidden_size,
+            vocab_size=base_config.vocab_size,
+            num_heads=num_heads,
+            num_hidden_layers=num_layers,
+            headstart_format=HEADSTART_FORMAT,
+            **base_signature(base_config),
+            **kwargs,
+        )
+
+    @property
+    def draft_vocab_size(self) -> int:
+        return self.truncated_vocab_size or self.vocab_size
+
+    def validate(self) -> None:
+        super().validate()
+        if self.num_heads < 1 or self.num_hidden_layers < 0:
+            raise ValueError(f"num_heads must be >= 1 and num_hidden_layers >= 0, got {self.num_heads}, {self.num_hidden_layers}")
+        if self.truncated_vocab_size is not None and not 0 < self.truncated_vocab_size <= self.vocab_size:
+            raise ValueError(f"truncated_vocab_size={self.truncated_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
+
+
+class ResidualBlock(nn.Module):
+    """L layers of `x <- x + SiLU(W x + b)`, W zero-initialised (so the block starts as identity)."""
+
+    def __init__(self, hidden_size: int, num_layers: int, bias: bool) -> None:
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        self.act = nn.SiLU()
+        for layer in self.layers:
+            nn.init.zeros_(layer.weight)
+            if bias:
+                nn.init.zeros_(layer.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for layer in self.layers:
+            x = x + self.act(layer(x))
+        return x
+
+
+class MedusaHeads(PretrainedHeads):
+    """K Medusa heads: `forward(hidden (B,T,H)) -> logits (K,B,T,V_draft)`.
+
+    `V_draft` is `truncated_vocab_size` when set (then `token_map[j]` is the base token id of draft
+    index j), else the base vocabulary. Call `init_from_base(base)` on fresh heads to copy (own
+    heads) or tie (shared heads) the base lm_head; `load_heads` does it for loaded shared heads.
+    """
+
+    def __init__(self, config: MedusaConfig) -> None:
+        super().__init__()
+        config.validate()
+        self.config = config
+        H, Vd, K = config.hidden_size, config.draft_vocab_size, config.num_heads
+        self.blocks = nn.ModuleList(
+            ResidualBlock(H, config.num_hidden_layers, config.medusa_fc_bias) for _ in range(K)
+        )
+        if config.original_lm_head:
+            self.lm_head = nn.Linear(H, Vd, bias=False)
+            self.lm_head.requires_grad_(False)
+        else:
+            self.lm_heads = nn.ModuleList(nn.Linear(H, Vd, bias=False) for _ in range(K))
+        if config.truncated_vocab_size is not None:
+            self.register_buffer("token_map", torch.arange(Vd, dtype=torch.long))
+        else:
+            self.token_map = None
+
+    @torch.no_grad()
+    def init_from_base(self, base: nn.Module, token_map: torch.Tensor | None = None) -> MedusaHeads:
+        """Start the lm_heads from the base's (copy for own heads, tie for a shared head).
+
+        With a reduced draft vocabulary, `token_map` (V_draft,) gives the base ids to keep.
+        """
+        weight = base.get_output_embeddings().weight  # (V, H)
+        if self.token_map is not None:
+            if token_map is None or token_map.numel() != self.config.draft_vocab_size:
+                raise ValueError(f"a reduced draft vocabulary needs a token_map of {self.config.draft_vocab_size} ids")
+            self.token_map.copy_(token_map)
+            weight = weight[token_map.to(weight.device)]
+        if self.config.original_lm_head:
+            self.lm_head.weight = weight if self.token_map is None else nn.Parameter(weight.clone(), requires_grad=False)
+        else:
+            for head in self.lm_heads:
+                head.weight.copy_(weight)
+        return self
+
+    def head_lm(self, k: int) -> nn.Linear:
+        return self.lm_head if self.config.original_lm_head else self.lm_heads[k]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden (B,T,H) -> logits (K,B,T,V_draft)."""
+        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(self.blocks)])
+
+    def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        """Map draft-vocabulary indices to base token ids (identity for the full vocabulary)."""
+        return draft_ids if self.token_map is None else self.token_map[draft_ids]
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.parameters() if p.requires_grad)
