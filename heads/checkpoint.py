@@ -55,14 +55,22 @@ class PretrainedHeads(nn.Module):
             shutil.rmtree(tmp, ignore_errors=True)
         return folder
 
-    def push_to_hub(self, repo_id: str, *, private: bool | None = None, token: str | None = None,
-                    commit_message: str = "Upload headstart heads") -> str:
+    def push_to_hub(
+        self,
+        repo_id: str,
+        *,
+        private: bool | None = None,
+        token: str | None = None,
+        commit_message: str = "Upload headstart heads",
+    ) -> str:
         """Save to a temporary folder and upload it to the Hugging Face Hub; returns the URL."""
         from heads.hub import push_folder
 
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
-            return push_folder(tmp, repo_id, private=private, token=token, commit_message=commit_message)
+            return push_folder(
+                tmp, repo_id, private=private, token=token, commit_message=commit_message
+            )
 
 
 def read_config(folder: Path) -> dict:
@@ -84,7 +92,8 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             f" Found {', '.join(pickled)}: pickled checkpoints are never loaded (they can run code). "
             "Convert it once, in an environment you trust, with "
             "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')."
-            if pickled else ""
+            if pickled
+            else ""
         )
         raise FileNotFoundError(f"{folder} has no .safetensors weights.{hint}")
     tensors: dict[str, torch.Tensor] = {}
@@ -92,12 +101,15 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
         try:
             tensors.update(load_file(f))
         except (SafetensorError, OSError, ValueError) as e:
-            raise ValueError(f"{f} is unreadable or truncated ({e}); re-download or re-save it") from e
+            raise ValueError(
+                f"{f} is unreadable or truncated ({e}); re-download or re-save it"
+            ) from e
     return tensors
 
 
-def load_state_checked(module: nn.Module, tensors: dict[str, torch.Tensor], where: str,
-                       optional: tuple[str, ...] = ()) -> None:
+def load_state_checked(
+    module: nn.Module, tensors: dict[str, torch.Tensor], where: str, optional: tuple[str, ...] = ()
+) -> None:
     """Copy `tensors` into `module` after checking names and shapes; nothing changes on error."""
     expected = module.state_dict()
     missing = [k for k in expected if k not in tensors and k not in optional]
@@ -109,7 +121,9 @@ def load_state_checked(module: nn.Module, tensors: dict[str, torch.Tensor], wher
         problems.append(f"unexpected tensors: {', '.join(unexpected)}")
     for k, t in tensors.items():
         if k in expected and tuple(t.shape) != tuple(expected[k].shape):
-            problems.append(f"tensor {k} has shape {tuple(t.shape)}, config says {tuple(expected[k].shape)}")
+            problems.append(
+                f"tensor {k} has shape {tuple(t.shape)}, config says {tuple(expected[k].shape)}"
+            )
     if problems:
         raise ValueError(f"{where} does not match its config.json: " + "; ".join(problems))
     with torch.no_grad():
@@ -117,25 +131,40 @@ def load_state_checked(module: nn.Module, tensors: dict[str, torch.Tensor], wher
             expected[k].copy_(t.to(expected[k].dtype))
 
 
-def resolve_folder(path_or_repo_id: str | os.PathLike, revision: str | None = None,
-                   token: str | None = None) -> Path:
+def resolve_folder(
+    path_or_repo_id: str | os.PathLike, revision: str | None = None, token: str | None = None
+) -> Path:
     """A local folder as is, else download a Hub repo's config, weights and card."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
-    if path.exists() or str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
+    if (
+        path.exists()
+        or str(path_or_repo_id).startswith((".", "/", "~"))
+        or str(path_or_repo_id).count("/") != 1
+    ):
         raise FileNotFoundError(f"heads folder not found: {path_or_repo_id}")
     from huggingface_hub import snapshot_download
 
-    return Path(snapshot_download(
-        str(path_or_repo_id), revision=revision, token=token,
-        allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
-    ))
+    return Path(
+        snapshot_download(
+            str(path_or_repo_id),
+            revision=revision,
+            token=token,
+            allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
+        )
+    )
 
 
-def load_heads(path_or_repo_id: str | os.PathLike, base: nn.Module | None = None, *,
-               revision: str | None = None, token: str | None = None,
-               device: torch.device | str | None = None, dtype: torch.dtype | None = None):
+def load_heads(
+    path_or_repo_id: str | os.PathLike,
+    base: nn.Module | None = None,
+    *,
+    revision: str | None = None,
+    token: str | None = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
+):
     """Load Medusa heads or an EAGLE draft layer from a folder or a Hub repo id.
 
     The class is chosen from config.json (`model_type: medusa`; `LlamaForCausalLMEagle3`; a

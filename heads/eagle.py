@@ -52,7 +52,9 @@ class EagleConfig(HeadsConfig):
     num_key_value_heads: int = 8
     head_dim: int = 128
     rms_norm_eps: float = 1e-5
-    rope_parameters: dict = field(default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0})
+    rope_parameters: dict = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 10000.0}
+    )
     max_position_embeddings: int = 8192
     vocab_size: int = 128256
     draft_vocab_size: int = 32000
@@ -65,8 +67,14 @@ class EagleConfig(HeadsConfig):
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_base(cls, base_config, version: int = 3, draft_vocab_size: int | None = None,
-                  aux_layer_ids: list[int] | None = None, **kwargs) -> EagleConfig:
+    def from_base(
+        cls,
+        base_config,
+        version: int = 3,
+        draft_vocab_size: int | None = None,
+        aux_layer_ids: list[int] | None = None,
+        **kwargs,
+    ) -> EagleConfig:
         """Size a draft layer for a base config. EAGLE-3's default draft vocabulary is
         min(32000, V) (EAGLE-3's choice for Llama-3's 128k vocabulary)."""
         if version not in (1, 3):
@@ -84,7 +92,9 @@ class EagleConfig(HeadsConfig):
             rope_parameters=dict(base_config.rope_parameters),
             max_position_embeddings=base_config.max_position_embeddings,
             vocab_size=base_config.vocab_size,
-            draft_vocab_size=(draft_vocab_size or min(32000, base_config.vocab_size)) if version == 3 else base_config.vocab_size,
+            draft_vocab_size=(draft_vocab_size or min(32000, base_config.vocab_size))
+            if version == 3
+            else base_config.vocab_size,
             target_hidden_size=H,
             aux_layer_ids=list(aux_layer_ids or default_aux_layer_ids(L)),
             attention_bias=getattr(base_config, "attention_bias", False),
@@ -102,11 +112,19 @@ class EagleConfig(HeadsConfig):
             raise ValueError(f"EAGLE version must be 1 or 3, got {self.version}")
         if self.version == 3:
             if len(self.aux_layer_ids) != 3:
-                raise ValueError(f"EAGLE-3 fuses three base layers, got aux_layer_ids={self.aux_layer_ids}")
-            if self.base_num_hidden_layers and not all(0 <= i < self.base_num_hidden_layers for i in self.aux_layer_ids):
-                raise ValueError(f"aux_layer_ids {self.aux_layer_ids} must lie in [0, {self.base_num_hidden_layers})")
+                raise ValueError(
+                    f"EAGLE-3 fuses three base layers, got aux_layer_ids={self.aux_layer_ids}"
+                )
+            if self.base_num_hidden_layers and not all(
+                0 <= i < self.base_num_hidden_layers for i in self.aux_layer_ids
+            ):
+                raise ValueError(
+                    f"aux_layer_ids {self.aux_layer_ids} must lie in [0, {self.base_num_hidden_layers})"
+                )
             if not 0 < self.draft_vocab_size <= self.vocab_size:
-                raise ValueError(f"draft_vocab_size={self.draft_vocab_size} must be in (0, {self.vocab_size}]")
+                raise ValueError(
+                    f"draft_vocab_size={self.draft_vocab_size} must be in (0, {self.vocab_size}]"
+                )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig of the draft layer's transformers building blocks."""
@@ -133,7 +151,9 @@ class EagleConfig(HeadsConfig):
         rope = dict(self.rope_parameters)
         d = {
             "model_type": "llama",
-            "architectures": ["LlamaForCausalLMEagle3"] if self.version == 3 else ["LlamaForCausalLM"],
+            "architectures": ["LlamaForCausalLMEagle3"]
+            if self.version == 3
+            else ["LlamaForCausalLM"],
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
             "num_hidden_layers": 1,
@@ -158,8 +178,13 @@ class EagleConfig(HeadsConfig):
             d["draft_vocab_size"] = self.draft_vocab_size
             d["target_hidden_size"] = self.target_hidden_size
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
-        for key in ("base_model_name_or_path", "base_hidden_size", "base_vocab_size",
-                    "base_num_hidden_layers", "headstart_format"):
+        for key in (
+            "base_model_name_or_path",
+            "base_hidden_size",
+            "base_vocab_size",
+            "base_num_hidden_layers",
+            "headstart_format",
+        ):
             d[key] = getattr(self, key)
         return d
 
@@ -175,7 +200,9 @@ class EagleConfig(HeadsConfig):
         if "head_dim" not in data or data["head_dim"] is None:
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if is_v3:
-            data["aux_layer_ids"] = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+            data["aux_layer_ids"] = (data.get("eagle_config") or {}).get(
+                "eagle_aux_hidden_state_layer_ids"
+            )
             data.setdefault("target_hidden_size", data["hidden_size"])
             if data["aux_layer_ids"] is None and data.get("base_num_hidden_layers"):
                 data["aux_layer_ids"] = list(default_aux_layer_ids(data["base_num_hidden_layers"]))
@@ -206,10 +233,16 @@ class Eagle3Layer(nn.Module):
         self.hidden_norm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
         self.post_attention_layernorm = LlamaRMSNorm(H, eps=config.rms_norm_eps)
 
-    def forward(self, inputs_embeds, hidden, position_embeddings, attention_mask, cache) -> torch.Tensor:
+    def forward(
+        self, inputs_embeds, hidden, position_embeddings, attention_mask, cache
+    ) -> torch.Tensor:
         residual = hidden
-        x = torch.cat([self.input_layernorm(inputs_embeds), self.hidden_norm(hidden)], dim=-1)  # (B,T,2H)
-        x, _ = self.self_attn(x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache)
+        x = torch.cat(
+            [self.input_layernorm(inputs_embeds), self.hidden_norm(hidden)], dim=-1
+        )  # (B,T,2H)
+        x, _ = self.self_attn(
+            x, position_embeddings=position_embeddings, attention_mask=attention_mask, cache=cache
+        )
         x = residual + x
         return x + self.mlp(self.post_attention_layernorm(x))
 
@@ -279,14 +312,23 @@ class EagleDraft(PretrainedHeads):
         B, T, _ = inputs_embeds.shape
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:
-            attention_mask = causal_mask(past, T, inputs_embeds.dtype, inputs_embeds.device).expand(B, 1, T, past + T)
+            attention_mask = causal_mask(past, T, inputs_embeds.dtype, inputs_embeds.device).expand(
+                B, 1, T, past + T
+            )
         position_embeddings = self.rotary_emb(inputs_embeds, position_ids)
         if self.config.version == 1:
             x = self.fc(torch.cat([inputs_embeds, hidden], dim=-1))  # (B,T,2H) -> (B,T,H)
-            return self.layers[0](x, attention_mask=attention_mask, position_embeddings=position_embeddings, cache=cache)
+            return self.layers[0](
+                x,
+                attention_mask=attention_mask,
+                position_embeddings=position_embeddings,
+                cache=cache,
+            )
         return self.midlayer(inputs_embeds, hidden, position_embeddings, attention_mask, cache)
 
-    def compute_logits(self, hidden: torch.Tensor, base_lm_head: nn.Module | None = None) -> torch.Tensor:
+    def compute_logits(
+        self, hidden: torch.Tensor, base_lm_head: nn.Module | None = None
+    ) -> torch.Tensor:
         """(B,T,H) -> (B,T,V_draft): EAGLE-1 through the base lm_head, EAGLE-3 its own."""
         if self.config.version == 1:
             if base_lm_head is None:
@@ -319,10 +361,16 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Raise unless d2t / t2d describe one strictly increasing set of base ids."""
     target = d2t + torch.arange(d2t.numel(), device=d2t.device)
     if d2t.numel() > 1 and not bool((target[1:] > target[:-1]).all()):
-        raise ValueError("inconsistent d2t: draft->target ids (draft + d2t[draft]) must be strictly increasing")
+        raise ValueError(
+            "inconsistent d2t: draft->target ids (draft + d2t[draft]) must be strictly increasing"
+        )
     if int(t2d.sum()) != d2t.numel():
-        raise ValueError(f"inconsistent t2d: marks {int(t2d.sum())} tokens but the draft vocabulary has {d2t.numel()}")
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= t2d.numel() or not bool(t2d[target].all())):
+        raise ValueError(
+            f"inconsistent t2d: marks {int(t2d.sum())} tokens but the draft vocabulary has {d2t.numel()}"
+        )
+    if target.numel() and (
+        int(target.min()) < 0 or int(target.max()) >= t2d.numel() or not bool(t2d[target].all())
+    ):
         raise ValueError("inconsistent d2t / t2d: d2t maps to base ids that t2d does not mark")
 
 
@@ -330,4 +378,6 @@ def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive causal mask (1,1,T,past+T): each new token sees the past and itself/earlier."""
     q = torch.arange(T, device=device).unsqueeze(1) + past
     k = torch.arange(past + T, device=device).unsqueeze(0)
-    return torch.zeros(T, past + T, dtype=dtype, device=device).masked_fill(k > q, torch.finfo(dtype).min)[None, None]
+    return torch.zeros(T, past + T, dtype=dtype, device=device).masked_fill(
+        k > q, torch.finfo(dtype).min
+    )[None, None]

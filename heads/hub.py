@@ -86,17 +86,28 @@ llm = LLM(model="{base}",
 """
 
 
-def push_folder(folder: str | Path, repo_id: str, *, private: bool | None = None,
-                token: str | None = None, commit_message: str = "Upload headstart heads") -> str:
+def push_folder(
+    folder: str | Path,
+    repo_id: str,
+    *,
+    private: bool | None = None,
+    token: str | None = None,
+    commit_message: str = "Upload headstart heads",
+) -> str:
     """Create `repo_id` if needed and upload a saved heads folder; returns the commit URL."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
     card = folder / "README.md"
     if card.is_file():  # the card names the repo it lives in
-        card.write_text(card.read_text().replace('"REPO"', f'"{repo_id}"').replace(
-            "path REPO", f"path {repo_id}"))
+        card.write_text(
+            card.read_text()
+            .replace('"REPO"', f'"{repo_id}"')
+            .replace("path REPO", f"path {repo_id}")
+        )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(folder_path=str(folder), repo_id=repo_id, commit_message=commit_message)
+    info = api.upload_folder(
+        folder_path=str(folder), repo_id=repo_id, commit_message=commit_message
+    )
     return str(getattr(info, "commit_url", info))

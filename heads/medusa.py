@@ -50,7 +50,9 @@ class MedusaConfig(HeadsConfig):
     architectures: list[str] = field(default_factory=lambda: ["MedusaModel"])
 
     @classmethod
-    def from_base(cls, base_config, num_heads: int = 4, num_layers: int = 1, **kwargs) -> MedusaConfig:
+    def from_base(
+        cls, base_config, num_heads: int = 4, num_layers: int = 1, **kwargs
+    ) -> MedusaConfig:
         """Size the heads for a base model's config (`model.config` or `AutoConfig`)."""
         return cls(
             hidden_size=base_config.hidden_size,
@@ -69,9 +71,16 @@ class MedusaConfig(HeadsConfig):
     def validate(self) -> None:
         super().validate()
         if self.num_heads < 1 or self.num_hidden_layers < 0:
-            raise ValueError(f"num_heads must be >= 1 and num_hidden_layers >= 0, got {self.num_heads}, {self.num_hidden_layers}")
-        if self.truncated_vocab_size is not None and not 0 < self.truncated_vocab_size <= self.vocab_size:
-            raise ValueError(f"truncated_vocab_size={self.truncated_vocab_size} must be in (0, vocab_size={self.vocab_size}]")
+            raise ValueError(
+                f"num_heads must be >= 1 and num_hidden_layers >= 0, got {self.num_heads}, {self.num_hidden_layers}"
+            )
+        if (
+            self.truncated_vocab_size is not None
+            and not 0 < self.truncated_vocab_size <= self.vocab_size
+        ):
+            raise ValueError(
+                f"truncated_vocab_size={self.truncated_vocab_size} must be in (0, vocab_size={self.vocab_size}]"
+            )
 
 
 class ResidualBlock(nn.Module):
@@ -79,7 +88,9 @@ class ResidualBlock(nn.Module):
 
     def __init__(self, hidden_size: int, num_layers: int, bias: bool) -> None:
         super().__init__()
-        self.layers = nn.ModuleList(nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers))
+        self.layers = nn.ModuleList(
+            nn.Linear(hidden_size, hidden_size, bias=bias) for _ in range(num_layers)
+        )
         self.act = nn.SiLU()
         for layer in self.layers:
             nn.init.zeros_(layer.weight)
@@ -127,11 +138,17 @@ class MedusaHeads(PretrainedHeads):
         weight = base.get_output_embeddings().weight  # (V, H)
         if self.token_map is not None:
             if token_map is None or token_map.numel() != self.config.draft_vocab_size:
-                raise ValueError(f"a reduced draft vocabulary needs a token_map of {self.config.draft_vocab_size} ids")
+                raise ValueError(
+                    f"a reduced draft vocabulary needs a token_map of {self.config.draft_vocab_size} ids"
+                )
             self.token_map.copy_(token_map)
             weight = weight[token_map.to(weight.device)]
         if self.config.original_lm_head:
-            self.lm_head.weight = weight if self.token_map is None else nn.Parameter(weight.clone(), requires_grad=False)
+            self.lm_head.weight = (
+                weight
+                if self.token_map is None
+                else nn.Parameter(weight.clone(), requires_grad=False)
+            )
         else:
             for head in self.lm_heads:
                 head.weight.copy_(weight)

@@ -1,0 +1,84 @@
+"""Writing heads in other engines' layouts.
+
+vLLM and SGLang read headstart's native folders as they are (DESIGN.md), so exporting to them is
+a checked copy. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
+`{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head), plus
+a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
+refused with the reason, never silently dropped.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+from safetensors.torch import save_file
+
+from heads.checkpoint import CONFIG_NAME, load_heads
+from heads.medusa import MedusaHeads
+
+TARGETS = ("vllm", "sglang", "tgi", "trtllm")
+
+
+class ExportError(ValueError):
+    """The heads cannot be represented in the requested engine's format."""
+
+
+def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
+    """Export the heads folder `src` to `target` (one of TARGETS) into folder `out`."""
+    if target not in TARGETS:
+        raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    heads = load_heads(src)  # validates the folder before anything is written
+    out = Path(out)
+    if out.resolve() == Path(src).resolve():
+        raise ExportError("--out must differ from the source folder")
+    is_medusa = isinstance(heads, MedusaHeads)
+    if target in ("vllm", "sglang"):
+        if target == "sglang" and is_medusa:
+            raise ExportError(
+                "SGLang has no Medusa support; export Medusa heads to vllm, tgi or trtllm"
+            )
+        out.mkdir(parents=True, exist_ok=True)
+        for name in (CONFIG_NAME, "model.safetensors", "README.md"):
+            if (Path(src) / name).is_file():
+                shutil.copy2(Path(src) / name, out / name)
+        return out
+    if not is_medusa:
+        raise ExportError(
+            f"{target} export is for Medusa heads; for EAGLE draft layers use the native folder "
+            "with vLLM or SGLang"
+        )
+    _write_medusa_lm_head(heads, target, out)
+    return out
+
+
+def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:
+    cfg = heads.config
+    if cfg.original_lm_head:
+        raise ExportError(
+            f"{target} needs one lm_head per Medusa head, but these heads share the base's "
+            "lm_head (original_lm_head); train with own lm_heads (heads.original_lm_head=false)"
+        )
+    if cfg.truncated_vocab_size is not None:
+        raise ExportError(
+            f"{target} has no reduced draft vocabulary (token_map); train with the full vocabulary"
+        )
+    L = cfg.num_hidden_layers
+    tensors = {}
+    for h, block in enumerate(heads.blocks):
+        for i, layer in enumerate(block.layers):
+            tensors[f"{h}.{i}.linear.weight"] = layer.weight.detach().contiguous()
+            if layer.bias is not None:
+                tensors[f"{h}.{i}.linear.bias"] = layer.bias.detach().contiguous()
+        tensors[f"{h}.{L}.weight"] = heads.lm_heads[h].weight.detach().contiguous()
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, out / "medusa_lm_head.safetensors")
+    config = {
+        "medusa_num_heads": cfg.num_heads,
+        "medusa_num_layers": L,
+        "hidden_size": cfg.hidden_size,
+        "vocab_size": cfg.vocab_size,
+        "base_model_name_or_path": cfg.base_model_name_or_path,
+    }
+    (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -1,0 +1,32 @@
+"""Export a heads folder to another engine's layout.
+
+python scripts/export.py DIR --to vllm|sglang|tgi|trtllm --out OUT_DIR
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from heads.export import TARGETS, ExportError, export_heads
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("heads", help="a heads folder (config.json + model.safetensors)")
+    parser.add_argument("--to", required=True, choices=TARGETS, help="target engine")
+    parser.add_argument("--out", required=True, help="output folder")
+    args = parser.parse_args(argv)
+    try:
+        out = export_heads(args.heads, args.to, args.out)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {args.to} layout to {out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

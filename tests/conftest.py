@@ -1,0 +1,44 @@
+"""Shared fixtures: the tiny random Llama (2 layers, H=64, V=256) and the embedded SmolLM2."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+    max_position_embeddings=512,
+    bos_token_id=1,
+    eos_token_id=2,
+    pad_token_id=0,
+    tie_word_embeddings=False,
+)
+
+
+def make_tiny_llama(seed: int = 0, attn: str = "sdpa", **overrides) -> LlamaForCausalLM:
+    """A frozen random Llama in fp32; `overrides` change TINY's fields."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(**{**TINY, **overrides})
+    config._attn_implementation = attn
+    model = LlamaForCausalLM(config).eval().requires_grad_(False)
+    model.config.name_or_path = f"tiny-llama-{seed}"
+    return model
+
+
+@pytest.fixture(scope="session")
+def tiny_llama() -> LlamaForCausalLM:
+    return make_tiny_llama()
+
+
+@pytest.fixture(scope="session")
+def smollm2():
+    """(model, tokenizer) of the embedded SmolLM2-135M-Instruct (fp32, CPU)."""
+    from heads import load_base
+
+    return load_base("smollm2-135m-instruct", device="cpu")

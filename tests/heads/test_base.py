@@ -1,0 +1,39 @@
+import pytest
+import torch
+
+import heads.base as base_module
+from heads import load_base
+
+
+@pytest.mark.slow
+def test_embedded_model_loads_generates_and_caches(smollm2, monkeypatch):
+    model, tokenizer = smollm2
+    assert model.config.num_hidden_layers == 30 and model.config.hidden_size == 576
+    assert model.config.vocab_size == 49152 and model.dtype == torch.float32
+    assert not model.training and not any(p.requires_grad for p in model.parameters())
+    assert model.config._attn_implementation == "sdpa"
+    assert tokenizer.chat_template
+    ids = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "Name a colour."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    out = model.generate(ids, max_new_tokens=8, do_sample=False)
+    assert out.shape[1] == ids.shape[1] + 8 or tokenizer.eos_token_id in out[0, ids.shape[1] :]
+    assert tokenizer.decode(out[0, ids.shape[1] :]).strip()
+    # The second load must read the cached safetensors copy, not convert the GGUF again.
+    cached = base_module.cache_dir() / base_module.EMBEDDED_NAME
+    assert (cached / "model.safetensors").is_file()
+
+    def no_conversion(*args, **kwargs):
+        raise AssertionError("GGUF converted again")
+
+    monkeypatch.setattr(base_module, "_convert_gguf", no_conversion)
+    again, _ = load_base("smollm2-135m-instruct", device="cpu")
+    assert torch.equal(again.lm_head.weight, model.lm_head.weight)
+
+
+def test_missing_gguf_file_is_clear(tmp_path):
+    with pytest.raises(FileNotFoundError, match="GGUF file not found"):
+        load_base(tmp_path / "absent.gguf")

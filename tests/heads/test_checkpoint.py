@@ -1,0 +1,216 @@
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
+from tests.conftest import make_tiny_llama
+
+
+def _medusa(base, **kw):
+    heads = MedusaHeads(
+        MedusaConfig.from_base(base.config, num_heads=3, num_layers=2, **kw)
+    ).init_from_base(base)
+    for p in heads.parameters():  # move off the zero init so the round trip is meaningful
+        if p.requires_grad:
+            p.data.normal_(0, 0.02)
+    return heads
+
+
+def _eagle(base, version):
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=version, draft_vocab_size=32))
+    if version == 3:
+        draft.set_vocab_map(torch.arange(0, 256, 8))
+    return draft
+
+
+def _all_heads(base):
+    return {
+        "medusa": _medusa(base),
+        "medusa-shared": _medusa(base, original_lm_head=True),
+        "eagle1": _eagle(base, 1),
+        "eagle3": _eagle(base, 3),
+    }
+
+
+@pytest.mark.parametrize("kind", ["medusa", "medusa-shared", "eagle1", "eagle3"])
+def test_save_load_bit_exact(tiny_llama, tmp_path, kind):
+    heads = _all_heads(tiny_llama)[kind].eval()
+    heads.save_pretrained(tmp_path)
+    assert {p.name for p in tmp_path.iterdir()} == {"config.json", "model.safetensors", "README.md"}
+    again = load_heads(tmp_path, base=tiny_llama)
+    assert type(again) is type(heads)
+    hidden = torch.randn(1, 4, 64)
+    if isinstance(heads, MedusaHeads):
+        assert torch.equal(heads(hidden), again(hidden))
+    else:
+        emb, pos = torch.randn(1, 4, 64), torch.arange(4)[None]
+        a = heads.compute_logits(heads(emb, hidden, pos), tiny_llama.lm_head)
+        b = again.compute_logits(again(emb, hidden, pos), tiny_llama.lm_head)
+        assert torch.equal(a, b)
+    for name, t in heads.state_dict().items():
+        assert torch.equal(t, again.state_dict()[name]), name
+
+
+def test_medusa_layout_is_vllm(tiny_llama, tmp_path):
+    _medusa(tiny_llama).save_pretrained(tmp_path / "own")
+    cfg = json.loads((tmp_path / "own/config.json").read_text())
+    assert cfg["model_type"] == "medusa" and cfg["architectures"] == ["MedusaModel"]
+    for key, value in {
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "num_heads": 3,
+        "num_hidden_layers": 2,
+        "medusa_fc_bias": True,
+        "original_lm_head": False,
+        "truncated_vocab_size": None,
+        "base_hidden_size": 64,
+        "base_vocab_size": 256,
+        "base_num_hidden_layers": 2,
+        "headstart_format": 1,
+        "base_model_name_or_path": "tiny-llama-0",
+    }.items():
+        assert cfg[key] == value, key
+    names = set(load_file(tmp_path / "own/model.safetensors"))
+    expected = {
+        f"blocks.{h}.layers.{i}.{w}" for h in range(3) for i in range(2) for w in ("weight", "bias")
+    }
+    expected |= {f"lm_heads.{h}.weight" for h in range(3)}
+    assert names == expected
+    _medusa(tiny_llama, original_lm_head=True).save_pretrained(tmp_path / "shared")
+    names = set(load_file(tmp_path / "shared/model.safetensors"))
+    assert "lm_head.weight" in names and not any(n.startswith("lm_heads") for n in names)
+
+
+def test_eagle3_layout_is_engines(tiny_llama, tmp_path):
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"]
+    assert (
+        cfg["num_hidden_layers"] == 1
+        and cfg["draft_vocab_size"] == 32
+        and cfg["target_hidden_size"] == 64
+    )
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    t = load_file(tmp_path / "model.safetensors")
+    assert t["fc.weight"].shape == (64, 192)
+    assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 128
+    assert "midlayer.hidden_norm.weight" in t and "norm.weight" in t
+    assert t["lm_head.weight"].shape == (32, 64)
+    assert (
+        t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and t["t2d"].shape == (256,)
+    )
+    assert (t["d2t"] + torch.arange(32)).tolist() == list(range(0, 256, 8))
+
+
+def test_eagle1_layout_is_plain_llama(tiny_llama, tmp_path):
+    _eagle(tiny_llama, 1).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert (
+        cfg["model_type"] == "llama"
+        and cfg["num_hidden_layers"] == 1
+        and "draft_vocab_size" not in cfg
+    )
+    t = load_file(tmp_path / "model.safetensors")
+    assert t["fc.weight"].shape == (64, 128)
+    assert "layers.0.self_attn.q_proj.weight" in t and "layers.0.input_layernorm.weight" not in t
+
+
+def test_mismatched_base_names_both_sides(tiny_llama, tmp_path):
+    _medusa(tiny_llama).save_pretrained(tmp_path)
+    other = make_tiny_llama(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"hidden_size=64.*hidden_size=32"):
+        load_heads(tmp_path, base=other)
+    deeper = make_tiny_llama(num_hidden_layers=3)
+    with pytest.raises(ValueError, match="num_hidden_layers"):
+        load_heads(tmp_path, base=deeper)
+
+
+@pytest.mark.parametrize("change", ["missing", "unexpected", "misshaped"])
+def test_bad_tensors_are_named(tiny_llama, tmp_path, change):
+    heads = _eagle(tiny_llama, 3)
+    heads.save_pretrained(tmp_path)
+    t = load_file(tmp_path / "model.safetensors")
+    if change == "missing":
+        del t["norm.weight"]
+        pattern = "missing tensors: norm.weight"
+    elif change == "unexpected":
+        t["extra.weight"] = torch.zeros(2)
+        pattern = "unexpected tensors: extra.weight"
+    else:
+        t["fc.weight"] = torch.zeros(64, 128)
+        pattern = r"fc.weight has shape \(64, 128\)"
+    save_file(t, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match=pattern):
+        load_heads(tmp_path, base=tiny_llama)
+
+
+def test_pickle_only_is_refused(tiny_llama, tmp_path):
+    heads = _medusa(tiny_llama)
+    heads.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(heads.state_dict(), tmp_path / "pytorch_model.bin")
+    with pytest.raises(FileNotFoundError, match="pytorch_model.bin.*never loaded"):
+        load_heads(tmp_path)
+
+
+def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
+    _medusa(tiny_llama).save_pretrained(tmp_path)
+    data = (tmp_path / "model.safetensors").read_bytes()
+    (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
+    with pytest.raises(ValueError, match="unreadable or truncated"):
+        load_heads(tmp_path)
+
+
+def test_inconsistent_vocab_map_is_refused(tiny_llama, tmp_path):
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path)
+    t = load_file(tmp_path / "model.safetensors")
+    t["d2t"] = t["d2t"].flip(0)  # offsets no longer give increasing ids
+    save_file(t, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="d2t"):
+        load_heads(tmp_path)
+    t["d2t"] = t["d2t"].flip(0)
+    t["t2d"][1] = True  # one more marked token than the draft vocabulary holds
+    save_file(t, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="t2d"):
+        load_heads(tmp_path)
+
+
+def test_not_a_heads_folder(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        load_heads(tmp_path / "nope")
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
+    with pytest.raises(ValueError, match="neither Medusa"):
+        load_heads(tmp_path)
+
+
+def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
+    uploads = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            uploads["created"] = repo_id
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            from pathlib import Path
+
+            uploads["files"] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+            return "https://hub/commit/1"
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    heads = _eagle(tiny_llama, 3)
+    assert heads.push_to_hub("me/tiny-eagle3") == "https://hub/commit/1"
+    assert uploads["created"] == "me/tiny-eagle3"
+    assert set(uploads["files"]) == {"config.json", "model.safetensors", "README.md"}
+    card = uploads["files"]["README.md"].decode()
+    assert "base_model: tiny-llama-0" in card and "EAGLE-3" in card
+    assert (
+        '"model": "me/tiny-eagle3"' in card
+        and "--speculative-draft-model-path me/tiny-eagle3" in card
+    )

@@ -1,0 +1,101 @@
+import pytest
+import torch
+
+from heads import EagleConfig, EagleDraft, default_aux_layer_ids, read_hidden_states
+from heads.eagle import check_vocab_map
+from tests.conftest import make_tiny_llama
+
+
+def test_aux_layer_convention_is_state_entering_layer():
+    # EAGLE-3 / vLLM: hidden states entering layers 2, L//2, L-3.
+    assert default_aux_layer_ids(32) == (2, 16, 29)
+    assert default_aux_layer_ids(30) == (2, 15, 27)
+    assert default_aux_layer_ids(2) == (1, 1, 0)  # clamped for tiny models
+
+
+def test_read_hidden_states_index_is_input_of_layer(tiny_llama):
+    ids = torch.tensor([[5, 6, 7]])
+    captured = {}
+    layer = tiny_llama.model.layers[1]
+    handle = layer.register_forward_pre_hook(lambda m, args: captured.setdefault("x", args[0]))
+    try:
+        logits, last, aux = read_hidden_states(tiny_llama, ids, [1])
+    finally:
+        handle.remove()
+    torch.testing.assert_close(aux[0], captured["x"])
+    torch.testing.assert_close(logits, tiny_llama(ids).logits)
+    torch.testing.assert_close(tiny_llama.lm_head(last), logits)
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_stepwise_with_cache_equals_full_forward(tiny_llama, version):
+    draft = EagleDraft(
+        EagleConfig.from_base(tiny_llama.config, version=version, draft_vocab_size=64)
+    ).eval()
+    T = 6
+    emb = tiny_llama.model.embed_tokens(torch.randint(0, 256, (1, T)))
+    hidden = torch.randn(1, T, 64)
+    pos = torch.arange(T)[None]
+    full = draft(emb, hidden, pos)
+    cache = draft.new_cache()
+    first = draft(emb[:, :4], hidden[:, :4], pos[:, :4], cache=cache)
+    rest = [
+        draft(emb[:, t : t + 1], hidden[:, t : t + 1], pos[:, t : t + 1], cache=cache)
+        for t in (4, 5)
+    ]
+    torch.testing.assert_close(torch.cat([first, *rest], 1), full, atol=1e-5, rtol=1e-5)
+    assert cache.get_seq_length() == T
+
+
+def test_eagle1_has_no_input_layernorm_and_shares_lm_head(tiny_llama):
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
+    names = set(draft.state_dict())
+    assert not any("input_layernorm" in n for n in names)
+    assert draft.fc.weight.shape == (64, 128)
+    with pytest.raises(ValueError, match="base.lm_head"):
+        draft.compute_logits(torch.randn(1, 1, 64))
+
+
+def test_eagle3_shapes_follow_base_gqa_and_head_dim():
+    base = make_tiny_llama(
+        num_hidden_layers=8, head_dim=32, num_attention_heads=4, num_key_value_heads=1
+    )
+    cfg = EagleConfig.from_base(base.config, version=3, draft_vocab_size=32)
+    draft = EagleDraft(cfg)
+    sd = draft.state_dict()
+    assert cfg.aux_layer_ids == [2, 4, 5]
+    assert sd["fc.weight"].shape == (64, 192)
+    assert sd["midlayer.self_attn.q_proj.weight"].shape == (4 * 32, 128)  # q/k/v take 2H
+    assert sd["midlayer.self_attn.k_proj.weight"].shape == (1 * 32, 128)
+    assert sd["midlayer.self_attn.o_proj.weight"].shape == (64, 4 * 32)
+    assert sd["lm_head.weight"].shape == (32, 64)
+    assert sd["d2t"].dtype == torch.int64 and sd["t2d"].dtype == torch.bool
+
+
+def test_eagle3_rope_scaling_carries_over():
+    scaling = {
+        "rope_type": "llama3",
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 256,
+        "rope_theta": 500000.0,
+    }
+    base = make_tiny_llama(rope_parameters=scaling)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    torch.testing.assert_close(draft.rotary_emb.inv_freq, base.model.rotary_emb.inv_freq)
+    assert draft.config.to_dict()["rope_scaling"]["rope_type"] == "llama3"
+
+
+def test_vocab_map_roundtrip_and_errors(tiny_llama):
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=3, draft_vocab_size=4))
+    draft.set_vocab_map(torch.tensor([3, 10, 11, 200]))
+    assert draft.to_base_ids(torch.tensor([0, 1, 2, 3])).tolist() == [3, 10, 11, 200]
+    assert draft.t2d.sum() == 4 and draft.t2d[200]
+    bad_d2t = torch.tensor([5, 5, 0, 0])  # targets 5, 6, 2, 3: not increasing
+    with pytest.raises(ValueError, match="increasing"):
+        check_vocab_map(bad_d2t, draft.t2d)
+    t2d = draft.t2d.clone()
+    t2d[50] = True
+    with pytest.raises(ValueError, match="t2d"):
+        check_vocab_map(draft.d2t, t2d)

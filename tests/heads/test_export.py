@@ -1,0 +1,94 @@
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from heads.export import ExportError, export_heads
+
+
+@pytest.fixture
+def medusa_dir(tiny_llama, tmp_path):
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1)
+    ).init_from_base(tiny_llama)
+    heads.save_pretrained(tmp_path / "medusa")
+    return tmp_path / "medusa", heads
+
+
+@pytest.mark.parametrize("target", ["tgi", "trtllm"])
+def test_medusa_lm_head_layout(medusa_dir, tmp_path, target):
+    src, heads = medusa_dir
+    export_heads(src, target, tmp_path / target)
+    t = load_file(tmp_path / target / "medusa_lm_head.safetensors")
+    assert set(t) == {
+        "0.0.linear.weight",
+        "0.0.linear.bias",
+        "0.1.weight",
+        "1.0.linear.weight",
+        "1.0.linear.bias",
+        "1.1.weight",
+    }
+    assert torch.equal(t["1.1.weight"], heads.lm_heads[1].weight)
+    cfg = json.loads((tmp_path / target / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == 2 and cfg["medusa_num_layers"] == 1
+
+
+def test_vllm_export_is_native_copy(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    export_heads(src, "vllm", tmp_path / "v")
+    assert (tmp_path / "v/model.safetensors").read_bytes() == (
+        src / "model.safetensors"
+    ).read_bytes()
+
+
+def test_refusals(tiny_llama, medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    with pytest.raises(ExportError, match="SGLang has no Medusa"):
+        export_heads(src, "sglang", tmp_path / "s")
+    shared = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=2, original_lm_head=True)
+    ).init_from_base(tiny_llama)
+    shared.save_pretrained(tmp_path / "shared")
+    with pytest.raises(ExportError, match="one lm_head per Medusa head"):
+        export_heads(tmp_path / "shared", "trtllm", tmp_path / "t")
+    EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
+    with pytest.raises(ExportError, match="Medusa heads"):
+        export_heads(tmp_path / "e1", "tgi", tmp_path / "t2")
+    export_heads(tmp_path / "e1", "sglang", tmp_path / "s1")
+    assert (tmp_path / "s1/config.json").is_file()
+
+
+def test_cli(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    ok = subprocess.run(
+        [
+            sys.executable,
+            "scripts/export.py",
+            str(src),
+            "--to",
+            "tgi",
+            "--out",
+            str(tmp_path / "o"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert ok.returncode == 0, ok.stderr
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "scripts/export.py",
+            str(src),
+            "--to",
+            "sglang",
+            "--out",
+            str(tmp_path / "p"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr

@@ -1,0 +1,52 @@
+import pytest
+import torch
+
+from heads import MedusaConfig, MedusaHeads, load_heads
+
+
+def test_fresh_head_reproduces_base_lm_head(tiny_llama):
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=3, num_layers=2)
+    ).init_from_base(tiny_llama)
+    hidden = torch.randn(2, 5, 64)
+    logits = heads(hidden)
+    assert logits.shape == (3, 2, 5, 256)  # (K,B,T,V)
+    for k in range(3):
+        torch.testing.assert_close(logits[k], tiny_llama.lm_head(hidden), rtol=0, atol=0)
+
+
+def test_shared_lm_head_is_frozen_and_tied(tiny_llama):
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=2, original_lm_head=True)
+    ).init_from_base(tiny_llama)
+    assert heads.lm_head.weight is tiny_llama.lm_head.weight
+    assert not heads.lm_head.weight.requires_grad
+    H = 64
+    assert heads.num_trainable_parameters() == 2 * (H * H + H)  # only the residual blocks
+
+
+def test_trainable_parameter_count_own_heads(tiny_llama):
+    K, L, H, V = 4, 2, 64, 256
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=K, num_layers=L))
+    assert heads.num_trainable_parameters() == K * (L * (H * H + H) + V * H)
+    no_bias = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=K, num_layers=L, medusa_fc_bias=False)
+    )
+    assert no_bias.num_trainable_parameters() == K * (L * H * H + V * H)
+
+
+def test_reduced_vocab_maps_back_to_base_ids(tiny_llama, tmp_path):
+    keep = torch.tensor([0, 2, 3, 7, 100, 255])
+    cfg = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=6)
+    heads = MedusaHeads(cfg).init_from_base(tiny_llama, token_map=keep)
+    hidden = torch.randn(1, 3, 64)
+    torch.testing.assert_close(heads(hidden)[0], tiny_llama.lm_head(hidden)[..., keep])
+    assert heads.to_base_ids(torch.tensor([4])).item() == 100
+    heads.save_pretrained(tmp_path)
+    again = load_heads(tmp_path, base=tiny_llama)
+    torch.testing.assert_close(again.token_map, keep)
+
+
+def test_config_validation():
+    with pytest.raises(ValueError, match="truncated_vocab_size"):
+        MedusaHeads(MedusaConfig(vocab_size=10, truncated_vocab_size=20))
