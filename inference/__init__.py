@@ -1,0 +1,27 @@
+"""headstart inference: token trees, tree attention, lossless verification, the decode loop."""
+
+from inference.draft import Draft, Drafter, Sampling
+from inference.drafters.eagle import EagleDrafter
+from inference.drafters.medusa import MedusaDrafter
+from inference.drafters.model import ModelDrafter
+from inference.drafters.ngram import NgramDrafter
+from inference.generate import GenerationOutput, SpeculativeGenerator, make_drafter
+from inference.tree import PRESETS, Tree, get_preset, tree_from_choices, tree_from_parents
+
+__all__ = [
+    "PRESETS",
+    "Draft",
+    "Drafter",
+    "EagleDrafter",
+    "GenerationOutput",
+    "MedusaDrafter",
+    "ModelDrafter",
+    "NgramDrafter",
+    "Sampling",
+    "SpeculativeGenerator",
+    "Tree",
+    "get_preset",
+    "make_drafter",
+    "tree_from_choices",
+    "tree_from_parents",
+]

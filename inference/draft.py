@@ -1,0 +1,84 @@
+"""The drafter interface: every drafter proposes a token tree for one verify step.
+
+A `Draft` is a tree (node 0 = the root, the token the base chose last step) with a token per
+node and, per child, how it was chosen: deterministically (top-k, a static tree, n-gram; a
+point mass) or sampled from the drafter's distribution q at its parent (`draft_probs`). One
+verifier serves every drafter (DESIGN.md, Inference).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from inference.tree import Tree
+
+
+@dataclass
+class Draft:
+    """A proposed token tree.
+
+    tokens: (N,) base token ids, tokens[0] = the root.
+    sampled: (N,) bool, True where the node's token was drawn from q = draft_probs[parent].
+    draft_probs: (N, V) the drafter's distribution after each node, or None when every node is
+        a point mass.
+    """
+
+    tree: Tree
+    tokens: torch.Tensor
+    sampled: torch.Tensor
+    draft_probs: torch.Tensor | None = None
+
+    @classmethod
+    def chain(cls, root: int, continuation: list[int], device) -> Draft:
+        """A point-mass chain root -> continuation[0] -> ... (n-gram and greedy draft models)."""
+        from inference.tree import tree_from_parents
+
+        n = 1 + len(continuation)
+        tree = tree_from_parents([-1, *range(n - 1)], device=device)
+        tokens = torch.tensor([root, *continuation], dtype=torch.long, device=device)
+        return cls(tree, tokens, torch.zeros(n, dtype=torch.bool, device=device))
+
+
+@dataclass
+class Sampling:
+    """How the target distribution is warped; drafters that sample use the same warping."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+    generator: torch.Generator | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
+
+
+class Drafter:
+    """Base class of drafters. The generator calls, per sequence:
+
+    1. `reset()`, then `observe(...)` with the prompt after the prefill forward;
+    2. per step: `propose(sequence, sampling)` -> Draft, the base verifies it, then `observe(...)`
+       with the accepted tokens (root first) and the base's states at them.
+
+    `aux_layer_ids` names the base layers whose *entering* hidden states the drafter needs
+    (EAGLE-3); the generator asks the base for them only then.
+    """
+
+    aux_layer_ids: tuple[int, ...] = ()
+    max_nodes: int = 1  # the largest tree this drafter proposes (sizing the verify forward)
+
+    def reset(self) -> None:
+        """Forget the previous sequence."""
+
+    def observe(
+        self, tokens: torch.Tensor, hidden: torch.Tensor, aux: torch.Tensor | None, next_token: int
+    ) -> None:
+        """The base accepted `tokens` (A,) at the next A positions; `hidden` (A,H) is its last
+        hidden state there, `aux` (A, 3H) the concatenated aux layers (or None); `next_token`
+        is the root of the next tree (its bonus token)."""
+
+    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
+        """Propose a tree rooted at `sequence[-1]` (sequence: (T,), prompt + generated)."""
+        raise NotImplementedError

@@ -1,0 +1,161 @@
+"""EAGLE drafter: a dynamic draft tree grown by the EAGLE draft layer (EAGLE-2, Li et al. 2024,
+"EAGLE-2: Faster Inference of Language Models with Dynamic Draft Trees", arXiv:2406.16858).
+
+Expansion: from the root, take the draft's top_k tokens; then `depth - 1` times run the draft
+layer on the current frontier (top_k nodes by cumulative log-probability) in one forward with a
+tree mask and give each frontier node its top_k children. Reranking: keep the `total_tokens - 1`
+candidates with the highest cumulative log-probability (a child never scores above its parent,
+so the kept set contains its ancestors). Every node is a point mass (top-k), which the lossless
+verifier handles with the point-mass rule.
+
+The draft layer keeps its own KV cache over the accepted sequence: after each verify step the
+tree entries are cropped and the accepted tokens are fed with the base's true features (EAGLE-1:
+the last hidden state; EAGLE-3: the fused aux layers).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from heads.eagle import EagleDraft
+from inference.draft import Draft, Drafter, Sampling
+from inference.tree import tree_from_parents
+
+
+class EagleDrafter(Drafter):
+    """EAGLE-1 / EAGLE-3 drafter with an EAGLE-2 dynamic tree.
+
+    Args:
+        draft: the draft layer.
+        base: the base model (its input embeddings; EAGLE-1 also uses its lm_head).
+        top_k: children per expanded node and frontier width.
+        depth: draft steps (tree depth below the root).
+        total_tokens: tree size including the root. top_k=1 gives a chain of `depth` tokens.
+    """
+
+    def __init__(
+        self,
+        draft: EagleDraft,
+        base: nn.Module,
+        top_k: int = 4,
+        depth: int = 4,
+        total_tokens: int = 12,
+    ) -> None:
+        self.draft = draft
+        self.embed = base.get_input_embeddings()
+        self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
+        self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
+        self.configure(top_k, depth, total_tokens)
+        self.reset()
+
+    def configure(self, top_k: int, depth: int, total_tokens: int) -> None:
+        if top_k < 1 or depth < 0 or total_tokens < 1:
+            raise ValueError("need top_k >= 1, depth >= 0, total_tokens >= 1")
+        self.top_k, self.depth = top_k, depth
+        most = 1 + (top_k + top_k * top_k * (depth - 1) if depth else 0)  # root + every candidate
+        self.total_tokens = min(total_tokens, most)
+        self.max_nodes = self.total_tokens
+
+    def reset(self) -> None:
+        self.cache = self.draft.new_cache()
+        self._root_hidden: torch.Tensor | None = None  # (H,) draft output at the root's pair
+
+    @torch.no_grad()
+    def observe(self, tokens, hidden, aux, next_token) -> None:
+        # Pair at position t: (embed(x_{t+1}), feature_t). The accepted tokens' successors are
+        # tokens[1:] and then the next root.
+        dev = tokens.device
+        start = self.cache.get_seq_length()
+        nxt = torch.cat([tokens[1:], torch.tensor([next_token], device=dev)])
+        feat = self.draft.fuse(aux) if self.draft.config.version == 3 else hidden  # (A,H)
+        pos = torch.arange(start, start + tokens.numel(), device=dev)[None]
+        out = self.draft(self.embed(nxt)[None], feat[None].to(self._dtype), pos, cache=self.cache)
+        self._root_hidden = out[0, -1]
+
+    @property
+    def _dtype(self) -> torch.dtype:
+        return self.draft.fc.weight.dtype
+
+    def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.draft.compute_logits(hidden, self.base_lm_head).float().log_softmax(-1)
+
+    @torch.no_grad()
+    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
+        dev = sequence.device
+        root = sequence[-1:]
+        if self.depth == 0 or self.total_tokens == 1:
+            return Draft(
+                tree_from_parents([-1], device=dev),
+                root,
+                torch.zeros(1, dtype=torch.bool, device=dev),
+            )
+        k = self.top_k
+        prefix = self.cache.get_seq_length()  # pairs fed so far; the root's pair is the last
+        # Candidate nodes, in creation order (parents before children): token, parent, score.
+        lp, ids = self._log_probs(self._root_hidden[None]).topk(k, dim=-1)  # (1,k)
+        tokens = [self.draft.to_base_ids(ids[0])]
+        parents = [torch.zeros(k, dtype=torch.long, device=dev)]  # candidate index + 1 (0 = root)
+        scores = [lp[0]]
+        frontier = torch.arange(k, device=dev)  # candidate indices to expand next
+        frontier_hidden = self._root_hidden.expand(k, -1)  # draft output of each one's parent
+        cached = []  # candidate index of every tree entry appended to the draft cache
+        for d in range(1, self.depth):
+            all_tokens = torch.cat(tokens)
+            all_parents = torch.cat(parents)
+            F = frontier.numel()
+            # Mask: the real prefix, the frontier's ancestors already in the cache, itself.
+            entry_of = {c: prefix + i for i, c in enumerate(cached)}
+            mask = torch.full(
+                (F, prefix + len(cached) + F),
+                torch.finfo(self._dtype).min,
+                device=dev,
+                dtype=self._dtype,
+            )
+            mask[:, :prefix] = 0
+            for row, c in enumerate(frontier.tolist()):
+                mask[row, prefix + len(cached) + row] = 0
+                p = int(all_parents[c]) - 1
+                while p >= 0:
+                    mask[row, entry_of[p]] = 0
+                    p = int(all_parents[p]) - 1
+            pos = torch.full((1, F), prefix - 1 + d, device=dev)
+            out = self.draft(
+                self.embed(all_tokens[frontier])[None],
+                frontier_hidden[None],
+                pos,
+                attention_mask=mask[None, None],
+                cache=self.cache,
+            )[0]  # (F,H)
+            cached.extend(frontier.tolist())
+            lp, ids = self._log_probs(out).topk(k, dim=-1)  # (F,k)
+            child_scores = (torch.cat(scores)[frontier][:, None] + lp).flatten()  # (F*k,)
+            first = all_tokens.numel()
+            tokens.append(self.draft.to_base_ids(ids.flatten()))
+            parents.append((frontier + 1).repeat_interleave(k))
+            scores.append(child_scores)
+            if d + 1 < self.depth:
+                best = child_scores.topk(min(k, child_scores.numel())).indices
+                frontier = first + best
+                frontier_hidden = out[best // k]
+        if cached:
+            self.cache.crop(-len(cached))
+        return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+
+    def _rerank(self, root, tokens, parents, scores) -> Draft:
+        """Keep the best `total_tokens - 1` candidates, in creation order (parents first)."""
+        keep = min(self.total_tokens - 1, scores.numel())
+        # Stable sort: on equal scores a parent (created first) wins over its child.
+        order = torch.sort(-scores, stable=True).indices[:keep]
+        chosen = torch.sort(order).values  # creation order keeps parents before children
+        new_index = torch.full((scores.numel() + 1,), -1, dtype=torch.long, device=scores.device)
+        new_index[0] = 0
+        new_index[chosen + 1] = torch.arange(1, keep + 1, device=scores.device)
+        tree_parents = new_index[parents[chosen]]
+        if bool((tree_parents < 0).any()):  # ties broke ancestor closure; cannot happen otherwise
+            raise RuntimeError("draft tree lost an ancestor while reranking")
+        tree = tree_from_parents(
+            torch.cat([tree_parents.new_tensor([-1]), tree_parents]), device=root.device
+        )
+        all_tokens = torch.cat([root, tokens[chosen]])
+        return Draft(tree, all_tokens, torch.zeros_like(all_tokens, dtype=torch.bool))

@@ -1,0 +1,63 @@
+"""Medusa drafter: the heads' top-k tokens placed on a static tree (Cai et al. 2024).
+
+Head k (0-based) reads the base's last hidden state at the last accepted position and predicts
+the token k+2 places ahead, i.e. the token at depth k+1 below the root. A node of the static
+tree at depth d with rank r takes head d-1's rank-r token.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from heads.medusa import MedusaHeads
+from inference.draft import Draft, Drafter, Sampling
+from inference.tree import get_preset, tree_from_choices
+
+
+class MedusaDrafter(Drafter):
+    """Static-tree drafter over Medusa heads; every node is a point mass (top-k)."""
+
+    def __init__(
+        self, heads: MedusaHeads, choices: str | Sequence[Sequence[int]] = "cpu-8"
+    ) -> None:
+        self.heads = heads
+        self.set_tree(choices)
+        self._hidden: torch.Tensor | None = None
+
+    def set_tree(self, choices: str | Sequence[Sequence[int]]) -> None:
+        """Use a preset name (see `inference.tree.PRESETS`) or explicit Medusa choices."""
+        choices = get_preset(choices) if isinstance(choices, str) else [tuple(c) for c in choices]
+        too_deep = max((len(c) for c in choices), default=0)
+        if too_deep > self.heads.config.num_heads:
+            raise ValueError(
+                f"tree depth {too_deep} needs {too_deep} heads, these have {self.heads.config.num_heads}"
+            )
+        device = next(self.heads.parameters()).device
+        self.tree = tree_from_choices(choices, device=device)
+        self.max_nodes = self.tree.num_nodes
+        depths, ranks = self.tree.depths[1:], self.tree.ranks[1:]
+        self._heads_used = int(depths.max()) if depths.numel() else 0
+        self._top = int(ranks.max()) + 1 if ranks.numel() else 0
+        self._head_of, self._rank_of = depths - 1, ranks
+
+    def reset(self) -> None:
+        self._hidden = None
+
+    def observe(self, tokens, hidden, aux, next_token) -> None:
+        self._hidden = hidden[-1]  # (H,) state whose lm_head gave next_token
+
+    @torch.no_grad()
+    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
+        root = sequence[-1:]
+        if self._heads_used == 0:
+            return Draft(self.tree, root, torch.zeros(1, dtype=torch.bool, device=root.device))
+        h = self._hidden[None, None]  # (1,1,H)
+        logits = torch.stack(
+            [self.heads.head_lm(k)(self.heads.blocks[k](h))[0, 0] for k in range(self._heads_used)]
+        )
+        top = logits.topk(self._top, dim=-1).indices  # (K_used, top)
+        drafted = self.heads.to_base_ids(top[self._head_of, self._rank_of])  # (N-1,)
+        tokens = torch.cat([root, drafted])
+        return Draft(self.tree, tokens, torch.zeros_like(tokens, dtype=torch.bool))

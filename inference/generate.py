@@ -1,0 +1,303 @@
+"""The decode loop: draft a tree, verify it in one forward of the unmodified base, accept.
+
+This is the only module that calls the base model in a loop. Per step:
+
+1. the drafter proposes a tree rooted at the last chosen token;
+2. one forward of the stock transformers model over the N tree nodes, with a 4D additive tree
+   mask and `position_ids = prefix_len + depth` (SpecInfer, Miao et al. 2024; Medusa, Cai et
+   al. 2024);
+3. acceptance (greedy, lossless sampling, or opt-in lossy typical acceptance);
+4. the KV cache keeps the prefix plus the accepted path; the accepted nodes' hidden states go to
+   the drafter, and the bonus token (drawn from the base at the last accepted node, no extra
+   forward) becomes the next root.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
+
+import torch
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+
+from inference.acceptance import verify_greedy, verify_sampling, verify_typical, warp_probs
+from inference.draft import Drafter, Sampling
+from inference.kv_cache import keep_accepted
+from inference.mask import tree_attention_mask, tree_position_ids
+
+
+@dataclass
+class GenerationOutput:
+    """Result of `SpeculativeGenerator.generate` (batch size 1)."""
+
+    sequences: torch.Tensor  # (1, prompt + new) long
+    accepted_lengths: list[int]  # tokens gained per verify step, bonus token included
+    timings: dict[str, float] = field(default_factory=dict)  # seconds: base, draft, other, total
+    finished: bool = False  # an EOS token or a stop string ended the generation
+
+    @property
+    def mean_accepted_length(self) -> float:
+        """tau, Spec-Bench's "mean accepted tokens" (plain decoding = 1.0)."""
+        return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+
+    @property
+    def num_steps(self) -> int:
+        return len(self.accepted_lengths)
+
+
+def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
+    """Wrap heads in the matching drafter; a Drafter passes through; a causal LM becomes a
+    draft model; None gives the n-gram drafter. `options` go to the drafter."""
+    from heads.eagle import EagleDraft
+    from heads.medusa import MedusaHeads
+    from inference.drafters.eagle import EagleDrafter
+    from inference.drafters.medusa import MedusaDrafter
+    from inference.drafters.model import ModelDrafter
+    from inference.drafters.ngram import NgramDrafter
+
+    if isinstance(heads_or_drafter, Drafter):
+        return heads_or_drafter
+    if heads_or_drafter is None:
+        return NgramDrafter(**options)
+    if isinstance(heads_or_drafter, MedusaHeads):
+        return MedusaDrafter(heads_or_drafter, **options)
+    if isinstance(heads_or_drafter, EagleDraft):
+        return EagleDrafter(heads_or_drafter, base, **options)
+    if isinstance(heads_or_drafter, PreTrainedModel):
+        if heads_or_drafter.config.vocab_size != base.config.vocab_size:
+            raise ValueError("a draft model must share the base's tokenizer (vocab sizes differ)")
+        return ModelDrafter(heads_or_drafter, **options)
+    raise TypeError(
+        f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
+    )
+
+
+class SpeculativeGenerator:
+    """Lossless speculative generation for a frozen base with any drafter.
+
+    Args:
+        base: a transformers causal LM (unmodified; sdpa or eager attention).
+        heads_or_drafter: MedusaHeads, EagleDraft, a small draft model with the same
+            vocabulary, a `Drafter`, or None for n-gram prompt lookup.
+        **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
+            (EAGLE), `num_tokens=4` (draft model, n-gram).
+    """
+
+    def __init__(self, base: PreTrainedModel, heads_or_drafter=None, **drafter_options) -> None:
+        self.base = base
+        self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
+        self.lm_head: nn.Module = base.get_output_embeddings()
+
+    # -- one forward of the base --------------------------------------------------------------
+    def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
+        """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None, logits (T,V))."""
+        aux_ids = self.drafter.aux_layer_ids
+        out = self.base.model(
+            input_ids=input_ids[None],
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            cache=cache,
+            use_cache=True,
+            output_hidden_states=bool(aux_ids),
+        )
+        hidden = out.last_hidden_state[0]
+        aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1) if aux_ids else None
+        return hidden, aux, self.lm_head(hidden)
+
+    def _choose(self, logits: torch.Tensor, sampling: Sampling) -> int:
+        if sampling.greedy:
+            return int(logits.argmax())
+        probs = warp_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
+        return int(torch.multinomial(probs, 1, generator=sampling.generator))
+
+    @torch.no_grad()
+    def stream(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop_strings: Sequence[str] | None = None,
+        tokenizer=None,
+        acceptance: str = "lossless",
+        stats: dict | None = None,
+    ) -> Iterator[list[int]]:
+        """Yield the new tokens of every step (the first yield is the prefill's token).
+
+        `stats`, when given, receives `accepted_lengths`, `timings` and `finished` as it goes.
+        See `generate` for the arguments.
+        """
+        ids = torch.as_tensor(input_ids)
+        if ids.dim() == 2:
+            if ids.shape[0] != 1:
+                raise ValueError(
+                    f"batch size {ids.shape[0]}: speculative decoding here runs one sequence at a "
+                    "time; call generate per prompt (or use HF generate for batched decoding)"
+                )
+            ids = ids[0]
+        if ids.numel() == 0:
+            raise ValueError("input_ids is empty: give at least one prompt token")
+        if acceptance not in ("lossless", "typical"):
+            raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
+        if stop_strings and tokenizer is None:
+            raise ValueError("stop_strings need the tokenizer= to decode the generated text")
+        device = next(self.base.parameters()).device
+        ids = ids.to(device)
+        eos = self._eos_ids(eos_token_id)
+        generator = None
+        if seed is not None:
+            generator = torch.Generator(device=device).manual_seed(seed)
+        sampling = Sampling(temperature, top_k, top_p, generator)
+        stats = {} if stats is None else stats
+        stats.update(accepted_lengths=[], finished=False)
+        timings = stats["timings"] = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 0.0}
+        max_positions = self.base.config.max_position_embeddings
+        t_start = time.perf_counter()
+
+        cache = DynamicCache(config=self.base.config)
+        t0 = time.perf_counter()
+        hidden, aux, logits = self._forward(ids, cache)
+        timings["base"] += time.perf_counter() - t0
+        root = self._choose(logits[-1], sampling)
+        t0 = time.perf_counter()
+        self.drafter.reset()
+        self.drafter.observe(ids, hidden, aux, root)
+        timings["draft"] += time.perf_counter() - t0
+        sequence = torch.cat([ids, ids.new_tensor([root])])
+        generated: list[int] = []
+        text_len = 0
+
+        def finish(new: list[int]) -> tuple[list[int], bool]:
+            """Cut `new` at EOS / a stop string / max_new_tokens; say whether to stop."""
+            nonlocal text_len
+            done = False
+            room = max_new_tokens - len(generated)
+            if len(new) >= room:
+                new, done = new[:room], True
+            for i, t in enumerate(new):
+                if t in eos:
+                    new, done = new[: i + 1], True
+                    stats["finished"] = True
+                    break
+            if stop_strings:
+                text = tokenizer.decode(generated + new)
+                if any(
+                    s in text[max(text_len - max(map(len, stop_strings)), 0) :]
+                    for s in stop_strings
+                ):
+                    done = True
+                    stats["finished"] = True
+                text_len = len(text)
+            return new, done
+
+        first, done = finish([root])
+        generated.extend(first)
+        yield first
+        while not done:
+            prefix = cache.get_seq_length()
+            if prefix + self.drafter.max_nodes + 1 > max_positions:
+                break  # the context is full
+            t0 = time.perf_counter()
+            draft = self.drafter.propose(sequence, sampling)
+            timings["draft"] += time.perf_counter() - t0
+            mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
+            positions = tree_position_ids(draft.tree, prefix)
+            t0 = time.perf_counter()
+            hidden, aux, logits = self._forward(draft.tokens, cache, mask, positions)
+            timings["base"] += time.perf_counter() - t0
+            if sampling.greedy:
+                acc = verify_greedy(draft.tokens, logits, draft.tree)
+            elif acceptance == "typical":
+                acc = verify_typical(
+                    draft.tokens, logits, draft.tree, temperature, generator=generator
+                )
+            else:
+                probs = warp_probs(logits.float(), temperature, top_k, top_p)
+                acc = verify_sampling(
+                    draft.tokens, probs, draft.tree, draft.draft_probs, draft.sampled, generator
+                )
+            keep_accepted(cache, prefix, acc.nodes)
+            accepted = draft.tokens[acc.nodes]
+            t0 = time.perf_counter()
+            self.drafter.observe(
+                accepted,
+                hidden[acc.nodes],
+                None if aux is None else aux[acc.nodes],
+                acc.bonus_token,
+            )
+            timings["draft"] += time.perf_counter() - t0
+            new = accepted[1:].tolist() + [acc.bonus_token]
+            stats["accepted_lengths"].append(len(new))
+            new, done = finish(new)
+            generated.extend(new)
+            sequence = torch.cat([sequence, sequence.new_tensor(new)])
+            yield new
+        timings["total"] = time.perf_counter() - t_start
+        timings["other"] = timings["total"] - timings["base"] - timings["draft"]
+
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 256,
+        temperature: float = 0.0,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        seed: int | None = 0,
+        eos_token_id: int | Sequence[int] | None = None,
+        stop_strings: Sequence[str] | None = None,
+        tokenizer=None,
+        acceptance: str = "lossless",
+    ) -> GenerationOutput:
+        """Generate up to `max_new_tokens` tokens after `input_ids` ((1,T) or (T,)).
+
+        temperature 0 is greedy: the output equals `base.generate(do_sample=False)` token for
+        token. temperature > 0 samples from the base's warped distribution (temperature, then
+        top_k, then top_p) exactly, whatever the drafter proposes. `acceptance="typical"` is
+        Medusa's typical acceptance: faster at high temperature but LOSSY (opt-in).
+        `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
+        """
+        stats: dict = {}
+        prompt = (
+            torch.as_tensor(input_ids).reshape(1, -1)
+            if torch.as_tensor(input_ids).dim() == 1
+            else input_ids
+        )
+        new: list[int] = []
+        for step in self.stream(
+            input_ids,
+            max_new_tokens,
+            temperature,
+            top_p,
+            top_k,
+            seed,
+            eos_token_id,
+            stop_strings,
+            tokenizer,
+            acceptance,
+            stats,
+        ):
+            new.extend(step)
+        device = next(self.base.parameters()).device
+        sequences = torch.cat(
+            [prompt.to(device), torch.tensor([new], dtype=torch.long, device=device)], dim=1
+        )
+        return GenerationOutput(
+            sequences, stats["accepted_lengths"], stats["timings"], stats["finished"]
+        )
+
+    def _eos_ids(self, eos_token_id) -> set[int]:
+        if eos_token_id is None:
+            gen_cfg = getattr(self.base, "generation_config", None)
+            eos_token_id = getattr(gen_cfg, "eos_token_id", None)
+            if eos_token_id is None:
+                eos_token_id = self.base.config.eos_token_id
+        if eos_token_id is None:
+            return set()
+        return (
+            {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
+        )

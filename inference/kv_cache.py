@@ -1,0 +1,27 @@
+"""KV-cache compaction after tree verification.
+
+The verify forward appends all N tree nodes to the base's cache; only the accepted path may stay.
+`Cache.crop` trims the end only, so the accepted rows are gathered into place first.
+"""
+
+from __future__ import annotations
+
+import torch
+from transformers import Cache
+
+
+def keep_accepted(cache: Cache, prefix_len: int, nodes: torch.Tensor) -> None:
+    """Keep the first `prefix_len` positions plus tree rows `nodes` (A,), in that order.
+
+    Afterwards the cache is exactly what a plain forward over prefix + accepted tokens leaves
+    (the accepted rows were computed with the same positions and the same visible context).
+    """
+    n_tree = cache.get_seq_length() - prefix_len
+    rows = prefix_len + nodes.to(torch.long)
+    for layer in cache.layers:
+        # (B, heads, T, head_dim): copy the accepted rows right after the prefix, then crop.
+        layer.keys[..., prefix_len : prefix_len + rows.numel(), :] = layer.keys[..., rows, :]
+        layer.values[..., prefix_len : prefix_len + rows.numel(), :] = layer.values[..., rows, :]
+    drop = n_tree - nodes.numel()
+    if drop > 0:
+        cache.crop(-drop)
