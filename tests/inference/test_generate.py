@@ -1,0 +1,171 @@
+"""The core invariant (greedy output == the base's greedy output) for every drafter, the decode
+loop's contract (EOS, stop strings, streaming, stats, batch > 1), and KV-cache compaction."""
+
+import pytest
+import torch
+from transformers import DynamicCache
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents
+from inference.kv_cache import keep_accepted
+from inference.mask import tree_attention_mask, tree_position_ids
+from tests.conftest import make_tiny_llama
+
+
+class OracleDrafter(Drafter):
+    """Deliberately good drafts: the base's true greedy continuation as one branch of a tree,
+    a wrong sibling before it at every level (so the verifier must pick the right branch)."""
+
+    def __init__(self, base, prompt, depth=4, max_new=64):
+        self.truth = base.generate(
+            prompt, max_new_tokens=max_new + depth + 2, do_sample=False, eos_token_id=None
+        )[0]
+        self.depth, self.max_nodes = depth, 1 + 2 * depth
+
+    def propose(self, sequence, sampling):
+        T = sequence.numel()
+        good = self.truth[T : T + self.depth].tolist()
+        tokens, parents, parent = [int(sequence[-1])], [-1], 0
+        for tok in good:
+            tokens += [(tok + 1) % 256, tok]  # a wrong sibling first, then the right token
+            parents += [parent, parent]
+            parent = len(tokens) - 1
+        tree = tree_from_parents(parents)
+        return Draft(tree, torch.tensor(tokens), torch.zeros(len(tokens), dtype=torch.bool))
+
+
+def _drafters(base):
+    eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    eagle3.set_vocab_map(torch.arange(0, 256, 4))
+    return {
+        "medusa": (
+            MedusaHeads(MedusaConfig.from_base(base.config, num_heads=3)).init_from_base(base),
+            {"choices": "cpu-8"},
+        ),
+        "medusa-shared": (
+            MedusaHeads(
+                MedusaConfig.from_base(base.config, num_heads=2, original_lm_head=True)
+            ).init_from_base(base),
+            {"choices": "chain-2"},
+        ),
+        "eagle1": (
+            EagleDraft(EagleConfig.from_base(base.config, version=1)),
+            {"top_k": 3, "depth": 3, "total_tokens": 8},
+        ),
+        "eagle3": (eagle3, {"top_k": 2, "depth": 4, "total_tokens": 10}),
+        "eagle3-chain": (eagle3, {"top_k": 1, "depth": 3, "total_tokens": 4}),
+        "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
+        "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
+        "ngram": (None, {"num_tokens": 4}),
+    }
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize(
+    "name",
+    [
+        "medusa",
+        "medusa-shared",
+        "eagle1",
+        "eagle3",
+        "eagle3-chain",
+        "draft-model",
+        "self-draft",
+        "ngram",
+    ],
+)
+def test_greedy_equals_base_greedy(name, attn):
+    base = make_tiny_llama(attn=attn)
+    heads, options = _drafters(base)[name]
+    gen = SpeculativeGenerator(base, heads, **options)
+    for seed in range(4):
+        torch.manual_seed(100 + seed)
+        # Repetitive prompts give n-gram and fresh Medusa heads real hits.
+        prompt = torch.randint(3, 256, (1, 6)).repeat(1, 1 + seed)
+        ref = base.generate(prompt, max_new_tokens=32, do_sample=False)
+        out = gen.generate(prompt, max_new_tokens=32)
+        assert torch.equal(out.sequences, ref), f"{name} seed {seed}"
+        assert sum(out.accepted_lengths) + 1 >= out.sequences.shape[1] - prompt.shape[1]
+        if name == "self-draft":
+            assert out.mean_accepted_length > 4.0  # every drafted token is accepted
+
+
+def test_good_tree_drafts_are_accepted_and_exact():
+    base = make_tiny_llama()
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prompt = torch.randint(3, 256, (1, 8))
+        ref = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        out = SpeculativeGenerator(base, OracleDrafter(base, prompt)).generate(
+            prompt, max_new_tokens=40, eos_token_id=[]
+        )
+        assert torch.equal(out.sequences, ref)
+        assert min(out.accepted_lengths[:-1]) == 5  # 4 drafted + the bonus, every step
+
+
+def test_keep_accepted_equals_plain_forward():
+    base = make_tiny_llama()
+    prefix = torch.randint(3, 256, (1, 7))
+    cache = DynamicCache(config=base.config)
+    base(prefix, cache=cache, use_cache=True)
+    tree = tree_from_parents([-1, 0, 0, 1, 2, 3])  # root -> {a, b}, a -> c -> e, b -> d
+    tokens = torch.tensor([[11, 12, 13, 14, 15, 16]])
+    mask = tree_attention_mask(tree, 7, torch.float32)
+    base(
+        tokens,
+        attention_mask=mask,
+        position_ids=tree_position_ids(tree, 7),
+        cache=cache,
+        use_cache=True,
+    )
+    accepted = torch.tensor([0, 1, 3, 5])  # root, a, c, e
+    keep_accepted(cache, 7, accepted)
+    plain = DynamicCache(config=base.config)
+    base(torch.cat([prefix, tokens[:, accepted]], 1), cache=plain, use_cache=True)
+    assert cache.get_seq_length() == plain.get_seq_length() == 11
+    for ours, ref in zip(cache.layers, plain.layers):
+        torch.testing.assert_close(ours.keys, ref.keys, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
+
+
+def test_eos_stop_strings_streaming_and_stats():
+    base = make_tiny_llama()
+    prompt = torch.randint(3, 256, (1, 6))
+    ref = base.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)[
+        0, 6:
+    ].tolist()
+    gen = SpeculativeGenerator(base, base, num_tokens=3)
+    eos = ref[5]
+    out = gen.generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    assert out.sequences[0, 6:].tolist() == ref[: ref.index(eos) + 1] and out.finished
+    steps = list(gen.stream(prompt, max_new_tokens=20, eos_token_id=[]))
+    assert sum(steps, []) == ref and steps[0] == ref[:1]
+    full = gen.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    assert not full.finished and full.sequences.shape[1] == 26
+    assert set(full.timings) == {"base", "draft", "other", "total"} and full.timings["total"] > 0
+
+    class Tok:  # a tokenizer whose text is the token ids
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    stop = f"{ref[3]} {ref[4]}"
+    out = gen.generate(
+        prompt, max_new_tokens=20, eos_token_id=[], stop_strings=[stop], tokenizer=Tok()
+    )
+    assert stop in Tok().decode(out.sequences[0, 6:].tolist()) and out.finished
+    assert out.sequences.shape[1] - 6 < 20
+
+
+def test_bad_input_is_clear():
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base)
+    with pytest.raises(ValueError, match="batch size 2"):
+        gen.generate(torch.ones(2, 4, dtype=torch.long))
+    with pytest.raises(ValueError, match="empty"):
+        gen.generate(torch.ones(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="tokenizer"):
+        gen.generate(torch.ones(1, 3, dtype=torch.long), stop_strings=["x"])
+    with pytest.raises(ValueError, match="share the base's tokenizer"):
+        SpeculativeGenerator(base, make_tiny_llama(vocab_size=128))
+    with pytest.raises(TypeError, match="MedusaHeads, EagleDraft"):
+        SpeculativeGenerator(base, object())

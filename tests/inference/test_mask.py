@@ -1,0 +1,100 @@
+"""Tree attention masks and positions: hand-drawn trees, then a stock transformers Llama."""
+
+import pytest
+import torch
+from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+
+from inference.mask import tree_attention_mask, tree_position_ids
+from inference.tree import tree_from_choices, tree_from_parents
+
+M = torch.finfo(torch.float32).min
+
+
+def test_mask_root_ab_a_c():
+    # root -> {a, b}, a -> {c}; nodes 0=root 1=a 2=b 3=c; prefix of 2
+    tree = tree_from_parents([-1, 0, 0, 1])
+    expected = torch.tensor(
+        [
+            [0, 0, 0, M, M, M],
+            [0, 0, 0, 0, M, M],
+            [0, 0, 0, M, 0, M],
+            [0, 0, 0, 0, M, 0],
+        ]
+    )
+    mask = tree_attention_mask(tree, prefix_len=2, dtype=torch.float32)
+    assert mask.shape == (1, 1, 4, 6) and mask.dtype == torch.float32
+    assert torch.equal(mask[0, 0], expected)
+    assert tree_position_ids(tree, prefix_len=2).tolist() == [[2, 3, 3, 4]]
+    assert tree.paths.tolist() == [[0, 2, -1], [0, 1, 3]]
+
+
+def test_mask_chain_is_causal_and_batched():
+    tree = tree_from_parents([-1, 0, 1])
+    expected = torch.tensor([[0, M, M], [0, 0, M], [0, 0, 0]])
+    mask = tree_attention_mask(tree, prefix_len=0, dtype=torch.float32, batch_size=3)
+    assert mask.shape == (3, 1, 3, 3)
+    assert all(torch.equal(mask[b, 0], expected) for b in range(3))
+    assert tree_position_ids(tree, 0).tolist() == [[0, 1, 2]]
+    assert tree.paths.tolist() == [[0, 1, 2]]
+
+
+def test_mask_star_in_bf16():
+    # root -> {a, b, c}: siblings never see each other
+    tree = tree_from_parents([-1, 0, 0, 0])
+    mb = torch.finfo(torch.bfloat16).min
+    expected = torch.tensor(
+        [
+            [0, 0, mb, mb, mb],
+            [0, 0, 0, mb, mb],
+            [0, 0, mb, 0, mb],
+            [0, 0, mb, mb, 0],
+        ],
+        dtype=torch.bfloat16,
+    )
+    mask = tree_attention_mask(tree, prefix_len=1, dtype=torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and torch.equal(mask[0, 0], expected)
+    assert tree_position_ids(tree, 1).tolist() == [[1, 2, 2, 2]]
+    assert tree.paths.tolist() == [[0, 1], [0, 2], [0, 3]]
+
+
+@pytest.fixture
+def one_thread():
+    # A 2-layer, H=64 model gains nothing from threads, and on a busy machine loses a lot.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("attn", ["eager", "sdpa"])
+def test_tree_forward_matches_causal_forward_per_path(attn):
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=256,
+        max_position_embeddings=512,
+    )
+    config._attn_implementation = attn
+    model = LlamaForCausalLM(config).eval()
+    prefix = torch.randint(0, 256, (1, 5))
+    tree = tree_from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
+    tokens = torch.randint(0, 256, (tree.num_nodes,))  # (N,)
+    tokens[2] = tokens[1]  # a duplicate sibling token must still get its own row
+    with torch.no_grad():
+        cache = DynamicCache(config=config)
+        model(prefix, cache=cache, use_cache=True)
+        mask = tree_attention_mask(tree, prefix.shape[1], torch.float32)
+        positions = tree_position_ids(tree, prefix.shape[1])
+        out = model(
+            tokens[None], attention_mask=mask, position_ids=positions, cache=cache, use_cache=True
+        )
+        assert cache.get_seq_length() == prefix.shape[1] + tree.num_nodes
+        for i in range(tree.num_nodes):
+            path = tree.ancestors[i].nonzero().flatten()
+            plain = model(torch.cat([prefix[0], tokens[path]])[None]).logits[0, -1]
+            torch.testing.assert_close(out.logits[0, i], plain, atol=1e-5, rtol=0)
