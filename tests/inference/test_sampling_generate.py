@@ -1,0 +1,132 @@
+"""Lossless sampling end to end: the empirical law of generated tokens 2-3 under speculative
+sampling equals the exact law computed from the base, for point-mass and sampled drafters, at
+temperature 1 and with top-p < 1; and using q for top-k chosen tokens is caught."""
+
+import math
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents
+from inference.acceptance import warp_probs
+from tests.conftest import make_tiny_llama
+
+V = 8
+SAMPLES = 1500
+SCALE = 8  # logits scale: spread enough for power, peaked enough for acceptances
+PROMPT = torch.tensor([[1, 5, 3, 6, 2, 7]])
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    old = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(old)
+
+
+def peaky_tiny(seed=0):
+    """A tiny Llama over 8 tokens whose next-token distributions are far from uniform."""
+    base = make_tiny_llama(seed=seed, vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    base.lm_head.weight.mul_(SCALE)
+    return base
+
+
+def exact_law(base, temperature, top_p):
+    """P(x2, x3) for the first three generated tokens, marginalised over x1: (V, V)."""
+    T = PROMPT.shape[1]
+    seqs = torch.tensor([[a, b] for a in range(V) for b in range(V)])  # (V*V, 2)
+    ids = torch.cat([PROMPT.expand(V * V, T), seqs], 1)
+    probs = warp_probs(base(ids).logits.float(), temperature, 0, top_p)  # (V*V, T+2, V)
+    p1 = probs[0, T - 1]  # (V,)
+    p2 = probs[::V, T]  # rows for x1 = a: (V, V)
+    p3 = probs[:, T + 1].reshape(V, V, V)  # [a, b, c]
+    joint = p1[:, None, None] * p2[:, :, None] * p3  # (x1, x2, x3)
+    return joint.sum(0)
+
+
+def chi_square(gen, base, temperature=1.0, top_p=1.0):
+    counts = torch.zeros(V, V)
+    for seed in range(SAMPLES):
+        out = gen.generate(
+            PROMPT,
+            max_new_tokens=3,
+            temperature=temperature,
+            top_p=top_p,
+            seed=seed,
+            eos_token_id=[],
+        )
+        x = out.sequences[0, -2:]
+        counts[x[0], x[1]] += 1
+    expected = exact_law(base, temperature, top_p) * SAMPLES
+    cells = expected > 5  # the rest are pooled into one cell
+    stat = (((counts - expected) ** 2 / expected)[cells]).sum()
+    rest_o, rest_e = counts[~cells].sum(), expected[~cells].sum()
+    if rest_e > 0:
+        stat += (rest_o - rest_e) ** 2 / rest_e
+    df = int(cells.sum()) + int(rest_e > 0) - 1
+    z = 3.09  # significance 1e-3, Wilson-Hilferty approximation of the chi-square quantile
+    critical = df * (1 - 2 / (9 * df) + z * math.sqrt(2 / (9 * df))) ** 3
+    return float(stat), critical
+
+
+def _gen(kind):
+    base = peaky_tiny()
+    if kind == "medusa-topk":  # point masses on a static tree
+        heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+        return base, SpeculativeGenerator(base, heads, choices=[(0,), (1,), (0, 0), (1, 0)])
+    if kind == "eagle-topk":
+        draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
+        return base, SpeculativeGenerator(base, draft, top_k=2, depth=2, total_tokens=5)
+    if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
+        return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind", ["medusa-topk", "eagle-topk", "draft-model-sampled"])
+def test_speculative_sampling_matches_base_law(kind):
+    base, gen = _gen(kind)
+    stat, critical = chi_square(gen, base)
+    assert stat < critical, (kind, stat, critical)
+
+
+@pytest.mark.parametrize("kind", ["medusa-topk", "draft-model-sampled"])
+def test_speculative_sampling_matches_base_law_top_p(kind):
+    base, gen = _gen(kind)
+    stat, critical = chi_square(gen, base, temperature=1.0, top_p=0.7)
+    assert stat < critical, (kind, stat, critical)
+
+
+class TopKAsSampled(Drafter):
+    """The bug the verifier must not have: a draft model's argmax chain reported as if it were
+    sampled from q, so that the min(1, p/q) rule is applied to deterministic tokens."""
+
+    max_nodes = 3
+
+    def __init__(self, draft_model):
+        self.model = draft_model
+
+    def propose(self, sequence, sampling):
+        tokens, rows = [int(sequence[-1])], []
+        seq = sequence.clone()
+        for _ in range(2):
+            q = warp_probs(
+                self.model(seq[None]).logits[0, -1].float(), sampling.temperature, 0, 1.0
+            )
+            tokens.append(int(q.argmax()))
+            rows.append(q)
+            seq = torch.cat([seq, seq.new_tensor([tokens[-1]])])
+        return Draft(
+            tree_from_parents([-1, 0, 1]),
+            torch.tensor(tokens),
+            torch.tensor([False, True, True]),
+            torch.stack([*rows, torch.zeros(V)]),
+        )
+
+
+def test_negative_control_q_rule_on_argmax_tokens_fails():
+    base = peaky_tiny()
+    gen = SpeculativeGenerator(base, TopKAsSampled(peaky_tiny(seed=3)))
+    stat, critical = chi_square(gen, base)
+    assert stat > critical, (stat, critical)
