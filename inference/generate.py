@@ -22,7 +22,15 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from inference.acceptance import verify_greedy, verify_sampling, verify_typical, warp_probs
+from inference.acceptance import (
+    Acceptance,
+    verify_greedy,
+    verify_greedy_walk,
+    verify_sampling,
+    verify_sampling_walk,
+    verify_typical,
+    warp_probs,
+)
 from inference.draft import Drafter, Sampling
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
@@ -85,14 +93,25 @@ class SpeculativeGenerator:
             (EAGLE), `num_tokens=4` (draft model, n-gram).
     """
 
-    def __init__(self, base: PreTrainedModel, heads_or_drafter=None, **drafter_options) -> None:
+    def __init__(
+        self,
+        base: PreTrainedModel,
+        heads_or_drafter=None,
+        *,
+        lazy_logits: bool | None = None,
+        **drafter_options,
+    ) -> None:
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()
+        # On a CPU one lm_head row costs ~1/4 of a 1-token forward (SmolLM2: 49k x 576), so the
+        # verifier computes only the rows it visits; a GPU does all N rows in one matmul.
+        device = next(base.parameters()).device
+        self.lazy_logits = device.type == "cpu" if lazy_logits is None else lazy_logits
 
     # -- one forward of the base --------------------------------------------------------------
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
-        """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None, logits (T,V))."""
+        """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None)."""
         aux_ids = self.drafter.aux_layer_ids
         out = self.base.model(
             input_ids=input_ids[None],
@@ -104,13 +123,55 @@ class SpeculativeGenerator:
         )
         hidden = out.last_hidden_state[0]
         aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1) if aux_ids else None
-        return hidden, aux, self.lm_head(hidden)
+        return hidden, aux
+
+    def _verify(
+        self, draft, hidden: torch.Tensor, sampling: Sampling, acceptance: str
+    ) -> Acceptance:
+        """Accept a prefix path of the draft tree from the base's last hidden states (N,H)."""
+        tokens, tree = draft.tokens, draft.tree
+        if acceptance == "typical" and not sampling.greedy:
+            return verify_typical(
+                tokens,
+                self.lm_head(hidden),
+                tree,
+                sampling.temperature,
+                generator=sampling.generator,
+            )
+        if self.lazy_logits:
+            rows: dict[int, torch.Tensor] = {}
+
+            def row(i: int) -> torch.Tensor:
+                if i not in rows:
+                    logits = self.lm_head(hidden[i])
+                    rows[i] = logits if sampling.greedy else self._warp(logits, sampling)
+                return rows[i]
+
+            if sampling.greedy:
+                return verify_greedy_walk(tokens, tree, row)
+            return verify_sampling_walk(
+                tokens, tree, row, draft.draft_probs, draft.sampled, sampling.generator
+            )
+        logits = self.lm_head(hidden)
+        if sampling.greedy:
+            return verify_greedy(tokens, logits, tree)
+        return verify_sampling(
+            tokens,
+            self._warp(logits, sampling),
+            tree,
+            draft.draft_probs,
+            draft.sampled,
+            sampling.generator,
+        )
+
+    @staticmethod
+    def _warp(logits: torch.Tensor, sampling: Sampling) -> torch.Tensor:
+        return warp_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
 
     def _choose(self, logits: torch.Tensor, sampling: Sampling) -> int:
         if sampling.greedy:
             return int(logits.argmax())
-        probs = warp_probs(logits.float(), sampling.temperature, sampling.top_k, sampling.top_p)
-        return int(torch.multinomial(probs, 1, generator=sampling.generator))
+        return int(torch.multinomial(self._warp(logits, sampling), 1, generator=sampling.generator))
 
     @torch.no_grad()
     def stream(
@@ -161,9 +222,9 @@ class SpeculativeGenerator:
 
         cache = DynamicCache(config=self.base.config)
         t0 = time.perf_counter()
-        hidden, aux, logits = self._forward(ids, cache)
+        hidden, aux = self._forward(ids, cache)
+        root = self._choose(self.lm_head(hidden[-1]), sampling)
         timings["base"] += time.perf_counter() - t0
-        root = self._choose(logits[-1], sampling)
         t0 = time.perf_counter()
         self.drafter.reset()
         self.drafter.observe(ids, hidden, aux, root)
@@ -208,19 +269,9 @@ class SpeculativeGenerator:
             mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
             positions = tree_position_ids(draft.tree, prefix)
             t0 = time.perf_counter()
-            hidden, aux, logits = self._forward(draft.tokens, cache, mask, positions)
+            hidden, aux = self._forward(draft.tokens, cache, mask, positions)
+            acc = self._verify(draft, hidden, sampling, acceptance)
             timings["base"] += time.perf_counter() - t0
-            if sampling.greedy:
-                acc = verify_greedy(draft.tokens, logits, draft.tree)
-            elif acceptance == "typical":
-                acc = verify_typical(
-                    draft.tokens, logits, draft.tree, temperature, generator=generator
-                )
-            else:
-                probs = warp_probs(logits.float(), temperature, top_k, top_p)
-                acc = verify_sampling(
-                    draft.tokens, probs, draft.tree, draft.draft_probs, draft.sampled, generator
-                )
             keep_accepted(cache, prefix, acc.nodes)
             accepted = draft.tokens[acc.nodes]
             t0 = time.perf_counter()
