@@ -42,3 +42,20 @@ def smollm2():
     from heads import load_base
 
     return load_base("smollm2-135m-instruct", device="cpu")
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer():
+    """The embedded SmolLM2 tokenizer only (ChatML template, eos `<|im_end|>`); no weights."""
+    from transformers import AutoTokenizer
+
+    from heads.base import resolve_base_path
+
+    try:
+        path, _ = resolve_base_path("smollm2-135m-instruct")
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer

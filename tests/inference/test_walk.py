@@ -34,7 +34,7 @@ def test_greedy_walk_equals_dense():
                 logits[parent, tokens[i]] += 4
         visited = []
 
-        def row(i):
+        def row(i, visited=visited, logits=logits):
             visited.append(i)
             return logits[i]
 
@@ -58,6 +58,6 @@ def test_sampling_walk_equals_dense_with_same_draws(sampled_share):
         # a sampled token must have q > 0 under its parent (it always does for softmax q)
         a = verify_sampling(tokens, probs, tree, q, sampled, torch.Generator().manual_seed(trial))
         b = verify_sampling_walk(
-            tokens, tree, lambda i: probs[i], q, sampled, torch.Generator().manual_seed(trial)
+            tokens, tree, probs.__getitem__, q, sampled, torch.Generator().manual_seed(trial)
         )
         assert torch.equal(a.nodes, b.nodes) and a.bonus_token == b.bonus_token

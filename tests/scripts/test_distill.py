@@ -1,0 +1,275 @@
+"""scripts/distill.py end to end on a tiny random Llama that uses the embedded tokenizer."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+ROOT = Path(__file__).parents[2]
+SCRIPT = ROOT / "scripts" / "distill.py"
+sys.path.insert(0, str(SCRIPT.parent))
+import distill  # noqa: E402  (scripts/ is not a package)
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama (H=64) saved with the embedded tokenizer and its chat template."""
+    path = tmp_path_factory.mktemp("tiny-base")
+    tok = smollm2_tokenizer
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        tie_word_embeddings=True,
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
+
+
+def prompts_file(tmp_path: Path, n: int = 6) -> Path:
+    lines = [json.dumps({"prompt": f"Question number {i}: name a colour."}) for i in range(n)]
+    lines.append(json.dumps({"turns": ["Pick a number.", "Now double it."]}))  # multi-turn
+    lines.append(
+        json.dumps(
+            {
+                "conversations": [
+                    {"from": "system", "value": "You are a pirate."},
+                    {"from": "human", "value": "Greet me."},
+                    {"from": "gpt", "value": "an old answer that must be regenerated"},
+                ]
+            }
+        )
+    )
+    lines.append("{this line is broken")
+    lines.append(json.dumps({"prompt": "word " * 400}))  # longer than max_length
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def recipe_file(tmp_path: Path, base: Path, prompts: Path, out: Path, **data) -> Path:
+    settings = {
+        "sources": [str(prompts)],
+        "max_new_tokens": 6,
+        "batch_size": 3,
+        "max_length": 256,
+        "records_per_shard": 2,
+        "output_dir": str(out),
+        **data,
+    }
+    recipe = {"model": {"name_or_path": str(base)}, "data": settings}
+    path = tmp_path / "recipe.yaml"
+    path.write_text(json.dumps(recipe))  # JSON is YAML
+    return path
+
+
+def read_records(out: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for p in sorted(out.glob("shard-*.jsonl"))
+        for line in p.read_text().splitlines()
+    ]
+
+
+def test_split_answer_marks_finished():
+    assert distill.split_answer([5, 6, 2, 9, 9], eos_ids=[2]) == ([5, 6], True)
+    assert distill.split_answer([5, 6, 7], eos_ids=[2]) == ([5, 6, 7], False)
+    assert distill.split_answer([0, 3], eos_ids=[2, 0]) == ([], True)
+
+
+def test_eos_ids_merge_tokenizer_and_generation_config(smollm2_tokenizer):
+    class Config:
+        eos_token_id = [7, 2]
+
+    assert distill.eos_token_ids(smollm2_tokenizer, Config()) == [2, 7]
+    assert distill.eos_token_ids(smollm2_tokenizer, None) == [2]
+
+
+def test_distill_end_to_end(tmp_path, tiny_base, capsys):
+    out = tmp_path / "out"
+    recipe = recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out)
+    assert distill.main([str(recipe)]) == 0
+    assert "malformed records skipped" in capsys.readouterr().out
+
+    records = read_records(out)
+    assert len(records) == 8 and len({r["id"] for r in records}) == 8
+    shards = sorted(p.name for p in out.glob("shard-*.jsonl"))
+    assert shards == [f"shard-r000-{i:05d}.jsonl" for i in range(4)]
+    assert not list(out.glob(".*tmp"))
+    for record in records:
+        roles = [t["from"] for t in record["conversations"]]
+        assert roles[0] in ("human", "system") and roles[-1] == "gpt"
+        assert record["finished"] is False  # a random model never says <|im_end|> in 6 tokens
+    by_first_user = {
+        next(t["value"] for t in r["conversations"] if t["from"] == "human"): r for r in records
+    }
+    multi = by_first_user["Pick a number."]["conversations"]
+    assert [t["from"] for t in multi] == ["human", "gpt", "human", "gpt"]
+    assert multi[2]["value"] == "Now double it."
+    pirate = by_first_user["Greet me."]["conversations"]
+    assert pirate[0] == {"from": "system", "value": "You are a pirate."}
+    assert pirate[2]["value"] != "an old answer that must be regenerated"
+
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["complete"] is True and manifest["backend"] == "transformers"
+    assert manifest["base_model"] == str(tiny_base) and manifest["dtype"] == "float32"
+    assert (
+        manifest["settings"]["max_new_tokens"] == 6 and manifest["settings"]["temperature"] == 0.0
+    )
+    assert manifest["chat_template"] == (tiny_base / "chat_template.jinja").read_text()
+    assert manifest["counts"] == {
+        "prompts": 9,
+        "malformed_skipped": 1,
+        "too_long_skipped": 1,
+        "records_expected": 8,
+        "records_written": 8,
+        "unfinished": 8,
+        "turns_dropped_too_long": 0,
+    }
+
+    # Running again does nothing; changing a generation setting is refused.
+    assert distill.main([str(recipe)]) == 0
+    assert read_records(out) == records
+    assert distill.main([str(recipe), "data.max_new_tokens=7"]) == 2
+    assert "max_new_tokens: 6 in the manifest, 7 now" in capsys.readouterr().err
+
+
+def test_several_samples_per_prompt(tmp_path, tiny_base):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Name a tree."}\n')
+    out = tmp_path / "out"
+    recipe = recipe_file(
+        tmp_path, tiny_base, prompts, out, temperature=0.9, top_p=0.95, num_samples=3
+    )
+    assert distill.main([str(recipe), "data.max_new_tokens=3"]) == 0
+    ids = [r["id"] for r in read_records(out)]
+    assert len(ids) == 3 * 2 == len(set(ids))
+    assert {i.rsplit("-", 1)[1] for i in ids} == {"0", "1", "2"}
+    assert json.loads((out / "manifest.json").read_text())["settings"]["num_samples"] == 3
+
+
+def test_context_full_drops_later_turns(tmp_path, tiny_base):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"turns": ["short", "word " * 60]}) + "\n")
+    out = tmp_path / "out"
+    # first turn fits (about 30 + 6 tokens), the second does not
+    assert distill.main([str(recipe_file(tmp_path, tiny_base, prompts, out, max_length=80))]) == 0
+    (record,) = read_records(out)
+    assert [t["from"] for t in record["conversations"]] == ["human", "gpt"]
+    assert record["dropped_turns"] == 1
+    assert json.loads((out / "manifest.json").read_text())["counts"]["turns_dropped_too_long"] == 1
+
+
+def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    assert distill.main([str(recipe_file(tmp_path, tiny_base, empty, tmp_path / "o"))]) == 2
+    assert "is empty" in capsys.readouterr().err
+    recipe = recipe_file(
+        tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", on_error="stop"
+    )
+    assert distill.main([str(recipe)]) == 2
+    assert "prompts.jsonl:9: invalid JSON" in capsys.readouterr().err
+    assert distill.main([str(recipe), "data.tempreature=1"]) == 2
+    assert "Did you mean 'temperature'" in capsys.readouterr().err
+
+
+def test_kill_9_then_resume_loses_and_duplicates_nothing(tmp_path, tiny_base):
+    out = tmp_path / "out"
+    recipe = recipe_file(tmp_path, tiny_base, prompts_file(tmp_path, n=6), out, batch_size=2)
+    command = [sys.executable, str(SCRIPT), str(recipe)]
+    env = {**os.environ, distill.DELAY_ENV: "0.5"}
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while len(list(out.glob("shard-*.jsonl"))) < 2:
+            assert proc.poll() is None, "distill ended before it could be killed"
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+    finally:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = {p.name: p.read_text() for p in out.glob("shard-*.jsonl")}
+    assert 4 <= sum(len(t.splitlines()) for t in before.values()) < 8
+    assert json.loads((out / "manifest.json").read_text())["complete"] is False
+
+    done = subprocess.run(command, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "wrote 8 of 8 records" in done.stdout
+    ids = [r["id"] for r in read_records(out)]
+    assert len(ids) == 8 == len(set(ids))
+    for name, text in before.items():  # finished shards are kept as they were
+        assert (out / name).read_text() == text
+    assert json.loads((out / "manifest.json").read_text())["complete"] is True
+
+
+@pytest.mark.slow
+def test_distill_embedded_smollm2(tmp_path):
+    out = tmp_path / "out"
+    overrides = [
+        f"data.output_dir={out}",
+        "data.limit=3",
+        "data.max_new_tokens=24",
+        "data.sources=embedded:qa",
+    ]
+    assert distill.main([str(ROOT / "recipes" / "tiny-distill.yaml"), *overrides]) == 0
+    records = read_records(out)
+    assert len(records) == 3
+    assert all(
+        r["conversations"][-1]["from"] == "gpt" and r["conversations"][-1]["value"].strip()
+        for r in records
+    )
+    assert (
+        json.loads((out / "manifest.json").read_text())["base_model"]
+        == "HuggingFaceTB/SmolLM2-135M-Instruct"
+    )
+
+
+def test_vllm_generator_with_a_stand_in_engine(monkeypatch):
+    """The vLLM path without vLLM: a stand-in module records what the generator asks for."""
+    import types
+
+    seen = {}
+
+    class SamplingParams:
+        def __init__(self, **kwargs):
+            seen["params"] = kwargs
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen["llm"] = kwargs
+
+        def generate(self, prompts, params, use_tqdm):
+            seen["prompts"] = prompts
+            out = types.SimpleNamespace
+            return [
+                out(outputs=[out(token_ids=[5, 6, 2])]),  # stopped at EOS
+                out(outputs=[out(token_ids=[7, 8, 9])]),  # cut by max_tokens
+            ]
+
+    monkeypatch.setitem(
+        sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=SamplingParams)
+    )
+    recipe = distill.load_recipe(None, ["data.temperature=0.5", "data.max_new_tokens=3"])
+    generate = distill.vllm_generator("some/model", recipe, eos_ids=[2])
+    assert generate([[1, 2, 3], [4]]) == [([5, 6], True), ([7, 8, 9], False)]
+    assert seen["prompts"] == [{"prompt_token_ids": [1, 2, 3]}, {"prompt_token_ids": [4]}]
+    assert seen["params"]["temperature"] == 0.5 and seen["params"]["max_tokens"] == 3
+    assert seen["params"]["stop_token_ids"] == [2]
+    assert seen["llm"]["model"] == "some/model" and seen["llm"]["max_model_len"] == 2048

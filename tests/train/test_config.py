@@ -1,0 +1,134 @@
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pytest
+
+from train.config import DataConfig, Recipe, RecipeError, load_recipe, save_recipe
+
+RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
+
+
+def write(tmp_path, text: str) -> Path:
+    path = tmp_path / "recipe.yaml"
+    path.write_text(text)
+    return path
+
+
+def test_defaults_live_in_the_dataclasses():
+    recipe = load_recipe(None)
+    assert recipe == Recipe()
+    assert recipe.model.name_or_path == "smollm2-135m-instruct"
+    assert recipe.data.sources == ["embedded"] and recipe.data.temperature == 0.0
+
+
+def test_yaml_and_overrides(tmp_path):
+    path = write(
+        tmp_path,
+        "model:\n  dtype: float32\ndata:\n  sources: [a.jsonl]\n  limit: 5\n  temperature: 1\n",
+    )
+    recipe = load_recipe(
+        path,
+        [
+            "data.limit=7",  # section.key
+            "top_p=0.9",  # bare key that names one field of one section
+            "data.sources=[a.jsonl, hf:org/set:train]",
+            "data.system_prompt=You are terse: answer in one line.",  # str kept verbatim
+            "model.name_or_path=123",  # a str field does not become an int
+        ],
+    )
+    assert recipe.model.dtype == "float32"
+    assert recipe.data.limit == 7 and recipe.data.top_p == 0.9
+    assert recipe.data.temperature == 1.0 and isinstance(recipe.data.temperature, float)
+    assert recipe.data.sources == ["a.jsonl", "hf:org/set:train"]
+    assert recipe.data.system_prompt == "You are terse: answer in one line."
+    assert recipe.model.name_or_path == "123"
+    assert load_recipe(path, ["data.limit=null"]).data.limit is None
+    assert load_recipe(path, ["data.sources=b.jsonl"]).data.sources == ["b.jsonl"]
+
+
+def test_unknown_key_lists_the_valid_keys(tmp_path):
+    path = write(tmp_path, "data:\n  max_new_token: 10\n")
+    with pytest.raises(RecipeError) as err:
+        load_recipe(path)
+    message = str(err.value)
+    assert (
+        "unknown key 'data.max_new_token'" in message and "Did you mean 'max_new_tokens'" in message
+    )
+    assert "Valid keys of 'data': sources, limit, max_new_tokens" in message
+    with pytest.raises(
+        RecipeError, match="unknown key 'modle'.*Valid keys of the recipe's top level: model, data"
+    ):
+        load_recipe(write(tmp_path, "modle: {}\n"))
+    with pytest.raises(RecipeError, match="unknown key 'data.bogus'.*Valid keys of 'data'"):
+        load_recipe(None, ["data.bogus=1"])
+    with pytest.raises(RecipeError, match="unknown key 'bogus'"):
+        load_recipe(None, ["bogus=1"])
+
+
+def test_wrong_type_names_field_expected_and_got(tmp_path):
+    with pytest.raises(RecipeError, match=r"'data.limit' expects int \| None, got str 'many'"):
+        load_recipe(write(tmp_path, "data:\n  limit: many\n"))
+    with pytest.raises(RecipeError, match="'data.temperature' expects float, got bool True"):
+        load_recipe(None, ["data.temperature=true"])
+    with pytest.raises(RecipeError, match=r"'data.batch_size' expects int, got float 2.5"):
+        load_recipe(None, ["data.batch_size=2.5"])
+    with pytest.raises(RecipeError, match=r"'data.sources\[1\]' expects str, got int 3"):
+        load_recipe(None, ["data.sources=[a, 3]"])
+    with pytest.raises(
+        RecipeError, match="'data.on_error' must be one of 'skip', 'stop', got 'ignore'"
+    ):
+        load_recipe(None, ["data.on_error=ignore"])
+    with pytest.raises(RecipeError, match="'model' must be a mapping"):
+        load_recipe(write(tmp_path, "model: 3\n"))
+
+
+def test_cross_field_checks_and_bad_overrides():
+    with pytest.raises(RecipeError, match="num_samples.*needs 'data.temperature' > 0"):
+        load_recipe(None, ["data.num_samples=2"])
+    assert load_recipe(None, ["data.num_samples=2", "data.temperature=0.7"]).data.num_samples == 2
+    with pytest.raises(RecipeError, match="'data.batch_size' must be >= 1"):
+        load_recipe(None, ["data.batch_size=0"])
+    with pytest.raises(RecipeError, match="'data.sources' is empty"):
+        load_recipe(None, ["data.sources=[]"])
+    with pytest.raises(RecipeError, match="expected key=value"):
+        load_recipe(None, ["data.limit"])
+    with pytest.raises(RecipeError, match="has no sub-keys"):
+        load_recipe(None, ["data.limit.x=1"])
+
+
+def test_save_recipe_round_trips(tmp_path):
+    recipe = load_recipe(None, ["data.limit=3", "data.system_prompt=Hi"])
+    save_recipe(recipe, tmp_path / "resolved.yaml")
+    assert load_recipe(tmp_path / "resolved.yaml") == recipe
+    assert DataConfig().max_new_tokens == recipe.data.max_new_tokens
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=[p.name for p in RECIPES])
+def test_shipped_recipes_load(path):
+    assert isinstance(load_recipe(path), Recipe)
+
+
+def test_a_new_section_is_just_a_dataclass_field(monkeypatch):
+    import train.config as config
+
+    @dataclass
+    class Heads:
+        num_heads: int = 4
+        aux_layer_ids: tuple[int, ...] = (2, 15, 27)
+        loss_weights: dict[str, float] = field(default_factory=dict)
+
+    @dataclass
+    class Extended(Recipe):
+        heads: Heads = field(default_factory=Heads)
+
+    monkeypatch.setattr(config, "Recipe", Extended)
+    recipe = load_recipe(
+        None, ["heads.num_heads=5", "heads.aux_layer_ids=[1, 2, 3]", "heads.loss_weights={a: 1}"]
+    )
+    assert recipe.heads == Heads(5, (1, 2, 3), {"a": 1.0})
+    with pytest.raises(
+        RecipeError, match="Valid keys of 'heads': num_heads, aux_layer_ids, loss_weights"
+    ):
+        load_recipe(None, ["heads.nm_heads=5"])
+    with pytest.raises(RecipeError, match=r"'heads.aux_layer_ids\[1\]' expects int, got str 'x'"):
+        load_recipe(None, ["heads.aux_layer_ids=[1, x]"])

@@ -1,0 +1,219 @@
+import copy
+import json
+
+import pytest
+import torch
+
+from train.data import (
+    IGNORE_INDEX,
+    ChatTemplateError,
+    build_examples,
+    load_distilled,
+    pad_batch,
+    render_conversation,
+    resolve_chat_template,
+    tokenize_conversation,
+)
+
+CONVERSATION = [
+    {"role": "user", "content": "What is 2+2?"},
+    {"role": "assistant", "content": "2+2 is 4."},
+    {"role": "user", "content": "And 3+3?"},
+    {"role": "assistant", "content": "It is 6."},
+]
+
+# Llama-3 instruct layout (header tokens, `<|eot_id|>` ends a turn, content trimmed).
+LLAMA3_TEMPLATE = (
+    "{{ bos_token }}{% for message in messages %}"
+    "{{ '<|start_header_id|>' + message['role'] + '<|end_header_id|>\n\n' + message['content'] | trim"
+    " + '<|eot_id|>' }}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}"
+)
+# Gemma layout: no system role, assistant is "model", `<end_of_turn>` then a newline.
+GEMMA_TEMPLATE = (
+    "{{ bos_token }}{% if messages[0]['role'] == 'system' %}"
+    "{{ raise_exception('System role not supported') }}{% endif %}"
+    "{% for message in messages %}{% if message['role'] == 'assistant' %}{% set role = 'model' %}"
+    "{% else %}{% set role = message['role'] %}{% endif %}"
+    "{{ '<start_of_turn>' + role + '\n' + message['content'] | trim + '<end_of_turn>\n' }}"
+    "{% endfor %}{% if add_generation_prompt %}{{ '<start_of_turn>model\n' }}{% endif %}"
+)
+
+
+def masked_runs(tokenizer, example) -> list[str]:
+    """Decoded text of each maximal run of loss-masked tokens."""
+    runs, current = [], []
+    for token, masked in zip(example["input_ids"], example["loss_mask"]):
+        if masked:
+            current.append(token)
+        elif current:
+            runs.append(tokenizer.decode(current))
+            current = []
+    if current:
+        runs.append(tokenizer.decode(current))
+    return runs
+
+
+@pytest.fixture(scope="module")
+def llama3_tokenizer(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    specials = ["<|begin_of_text|>", "<|start_header_id|>", "<|end_header_id|>", "<|eot_id|>"]
+    tokenizer.add_special_tokens({"additional_special_tokens": specials})
+    tokenizer.bos_token, tokenizer.eos_token = "<|begin_of_text|>", "<|eot_id|>"
+    tokenizer.chat_template = LLAMA3_TEMPLATE
+    return tokenizer
+
+
+@pytest.fixture(scope="module")
+def gemma_tokenizer(smollm2_tokenizer):
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    tokenizer.add_special_tokens(
+        {"additional_special_tokens": ["<bos>", "<start_of_turn>", "<end_of_turn>"]}
+    )
+    tokenizer.bos_token, tokenizer.eos_token = "<bos>", "<eos>"
+    tokenizer.chat_template = GEMMA_TEMPLATE
+    return tokenizer
+
+
+def test_chatml_smollm2_golden(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    example = tokenize_conversation(CONVERSATION, tok)
+    assert tok.decode(example["input_ids"]) == (
+        "<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face"
+        "<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n<|im_start|>assistant\n"
+        "2+2 is 4.<|im_end|>\n<|im_start|>user\nAnd 3+3?<|im_end|>\n<|im_start|>assistant\n"
+        "It is 6.<|im_end|>\n"
+    )
+    assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    assert example["labels"] == [
+        t if m else IGNORE_INDEX for t, m in zip(example["input_ids"], example["loss_mask"])
+    ]
+    # Explicit system prompt: rendered, never in the loss.
+    example = tokenize_conversation(CONVERSATION, tok, system_prompt="Answer in digits.")
+    assert tok.decode(example["input_ids"]).startswith(
+        "<|im_start|>system\nAnswer in digits.<|im_end|>\n"
+    )
+    assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_llama3_golden(llama3_tokenizer):
+    tok = llama3_tokenizer
+    example = tokenize_conversation(CONVERSATION, tok, system_prompt="Be brief.")
+    assert tok.decode(example["input_ids"]) == (
+        "<|begin_of_text|><|start_header_id|>system<|end_header_id|>\n\nBe brief.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nWhat is 2+2?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\n2+2 is 4.<|eot_id|>"
+        "<|start_header_id|>user<|end_header_id|>\n\nAnd 3+3?<|eot_id|>"
+        "<|start_header_id|>assistant<|end_header_id|>\n\nIt is 6.<|eot_id|>"
+    )
+    assert masked_runs(tok, example) == ["2+2 is 4.<|eot_id|>", "It is 6.<|eot_id|>"]
+    # The template trims: padded content is found and its rendered (trimmed) text is masked.
+    padded = [CONVERSATION[0], {"role": "assistant", "content": "  4.  "}]
+    assert masked_runs(tok, tokenize_conversation(padded, tok)) == ["4.<|eot_id|>"]
+
+
+def test_gemma_golden_without_system_prompt(gemma_tokenizer):
+    tok = gemma_tokenizer
+    example = tokenize_conversation(CONVERSATION, tok)
+    assert tok.decode(example["input_ids"]) == (
+        "<bos><start_of_turn>user\nWhat is 2+2?<end_of_turn>\n<start_of_turn>model\n"
+        "2+2 is 4.<end_of_turn>\n<start_of_turn>user\nAnd 3+3?<end_of_turn>\n"
+        "<start_of_turn>model\nIt is 6.<end_of_turn>\n"
+    )
+    assert masked_runs(tok, example) == ["2+2 is 4.<end_of_turn>", "It is 6.<end_of_turn>"]
+
+
+def test_empty_answer_masks_only_the_end_of_turn(smollm2_tokenizer):
+    conversation = [
+        {"role": "user", "content": "Say nothing."},
+        {"role": "assistant", "content": ""},
+    ]
+    example = tokenize_conversation(conversation, smollm2_tokenizer)
+    assert masked_runs(smollm2_tokenizer, example) == ["<|im_end|>"]
+
+
+def test_truncation_cuts_on_a_token_boundary(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    full = tokenize_conversation(CONVERSATION, tok)
+    text = tok.decode(full["input_ids"])
+    for max_length in (5, 37, len(full["input_ids"]) - 3):
+        cut = tokenize_conversation(CONVERSATION, tok, max_length=max_length)
+        assert len(cut["input_ids"]) == max_length
+        assert cut["input_ids"] == full["input_ids"][:max_length]
+        assert cut["loss_mask"] == full["loss_mask"][:max_length]
+        assert text.startswith(tok.decode(cut["input_ids"]))
+    assert tokenize_conversation(CONVERSATION, tok, max_length=10_000) == full
+    # Cut before the first answer: no loss token left, so build_examples drops it.
+    assert build_examples([CONVERSATION], tok, max_length=5) == []
+    assert build_examples([CONVERSATION], tok) == [full]
+
+
+def test_missing_chat_template_is_a_clear_error(smollm2_tokenizer, tmp_path):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.chat_template = None
+    with pytest.raises(ChatTemplateError, match="has no chat template.*data.chat_template"):
+        tokenize_conversation(CONVERSATION, tok)
+    # The recipe's template (a string or a file) makes it work.
+    path = tmp_path / "template.jinja"
+    path.write_text(smollm2_tokenizer.chat_template)
+    expected = tokenize_conversation(CONVERSATION, smollm2_tokenizer)
+    assert tokenize_conversation(CONVERSATION, tok, chat_template=str(path)) == expected
+    assert (
+        tokenize_conversation(CONVERSATION, tok, chat_template=smollm2_tokenizer.chat_template)
+        == expected
+    )
+    assert resolve_chat_template(tok, str(path)) == smollm2_tokenizer.chat_template
+
+
+def test_generation_prompt_is_the_prefix_of_the_answer(smollm2_tokenizer):
+    prompt = render_conversation(CONVERSATION[:1], smollm2_tokenizer, add_generation_prompt=True)
+    assert prompt.endswith("<|im_start|>assistant\n")
+    assert render_conversation(CONVERSATION[:2], smollm2_tokenizer).startswith(prompt)
+
+
+def test_template_that_rewrites_history_is_refused(smollm2_tokenizer):
+    # Drops earlier assistant turns (like reasoning templates do): not prefix-consistent.
+    template = (
+        "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
+        "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    with pytest.raises(ChatTemplateError, match="not prefix-consistent"):
+        tokenize_conversation(CONVERSATION, smollm2_tokenizer, chat_template=template)
+
+
+def test_load_distilled_and_pad_batch(smollm2_tokenizer, tmp_path):
+    records = [
+        {
+            "id": "a-0",
+            "conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}],
+            "finished": True,
+        },
+        {
+            "id": "b-0",
+            "conversations": [
+                {"from": "human", "value": "Count"},
+                {"from": "gpt", "value": "1 2 3"},
+            ],
+            "finished": False,
+        },
+    ]
+    (tmp_path / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert load_distilled(tmp_path) == [
+        [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    ]
+    conversations = load_distilled(tmp_path, finished_only=False)
+    assert len(conversations) == 2
+    examples = build_examples(conversations, smollm2_tokenizer)
+    batch = pad_batch(examples, pad_token_id=smollm2_tokenizer.pad_token_id)
+    T = max(len(e["input_ids"]) for e in examples)
+    assert batch["input_ids"].shape == (2, T)
+    short = min(range(2), key=lambda i: len(examples[i]["input_ids"]))
+    n = len(examples[short]["input_ids"])
+    assert batch["attention_mask"][short].tolist() == [1] * n + [0] * (T - n)
+    assert (
+        torch.all(batch["labels"][short, n:] == IGNORE_INDEX)
+        and batch["loss_mask"][short, n:].sum() == 0
+    )
+    with pytest.raises(FileNotFoundError, match="no .jsonl shards"):
+        load_distilled(tmp_path / "absent")

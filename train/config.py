@@ -1,0 +1,310 @@
+"""Recipe schema: dataclasses whose fields are the YAML keys, every default in one place.
+
+A recipe is a YAML file with one mapping per section (`model:`, `data:`, ...). `load_recipe` reads
+it, applies `key=value` overrides from the command line and checks every key and value against the
+dataclasses below by walking their type hints, so adding a section is adding a dataclass and one
+field on `Recipe`. Unknown keys and wrong types are errors that name the field, the valid keys and
+the expected type.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+
+
+class RecipeError(ValueError):
+    """A recipe key or value that does not fit the schema."""
+
+
+@dataclass
+class ModelConfig:
+    """The frozen base model."""
+
+    # "smollm2-135m-instruct" (embedded, offline), a Hugging Face Hub id, a folder or a .gguf.
+    name_or_path: str = "smollm2-135m-instruct"
+    # "auto": bf16 on a CUDA device, fp32 on CPU.
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    attn_implementation: Literal["sdpa", "eager"] = "sdpa"
+
+
+@dataclass
+class DataConfig:
+    """Prompts and self-distillation (`scripts/distill.py`), and tokenisation for training."""
+
+    # Each: "embedded" (the offline default set), a .jsonl / .json file, a folder of .jsonl
+    # shards, or "hf:ORG/NAME[:CONFIG]:SPLIT" (Hugging Face datasets).
+    sources: list[str] = field(default_factory=lambda: ["embedded"])
+    limit: int | None = None  # prompts kept after the seeded shuffle; None keeps all
+    max_new_tokens: int = 512  # per assistant turn
+    temperature: float = 0.0  # 0 is greedy
+    top_p: float = 1.0
+    num_samples: int = 1  # answers per prompt; more than one needs temperature > 0
+    system_prompt: str | None = None  # None: the source's system turn, else the template default
+    chat_template: str | None = None  # Jinja string or path to a .jinja file; None: tokenizer's
+    batch_size: int = 32  # prompts per generate call
+    max_length: int = 2048  # tokens of a whole conversation (prompt + answers)
+    output_dir: str = "runs/distill"
+    records_per_shard: int = 256  # a shard (one answer per record) is written atomically this often
+    on_error: Literal["skip", "stop"] = "skip"  # malformed prompt records
+    seed: int = 0
+    backend: Literal["auto", "transformers", "vllm"] = "auto"  # auto: vLLM when importable + CUDA
+
+    def __post_init__(self) -> None:
+        positive = (
+            "max_new_tokens",
+            "num_samples",
+            "batch_size",
+            "max_length",
+            "records_per_shard",
+        )
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise RecipeError(f"'data.{name}' must be >= 1, got {getattr(self, name)}")
+        if self.limit is not None and self.limit < 1:
+            raise RecipeError(f"'data.limit' must be >= 1 or null, got {self.limit}")
+        if self.temperature < 0 or not 0 < self.top_p <= 1:
+            raise RecipeError(
+                f"need temperature >= 0 and 0 < top_p <= 1, got {self.temperature}, {self.top_p}"
+            )
+        if self.num_samples > 1 and self.temperature == 0:
+            raise RecipeError(
+                f"'data.num_samples' = {self.num_samples} needs 'data.temperature' > 0 "
+                "(greedy decoding gives the same answer every time)"
+            )
+        if not self.sources:
+            raise RecipeError("'data.sources' is empty; give at least one prompt source")
+
+
+@dataclass
+class Recipe:
+    """A whole recipe; `heads`, `training`, ... sections are added as further fields."""
+
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+
+
+def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
+    """Read a YAML recipe, apply `key=value` overrides and validate it against `Recipe`.
+
+    Args:
+        path: a YAML file; None starts from the defaults.
+        overrides: `section.key=value` (or `key=value` when the key names one field of one
+            section); values are parsed as YAML scalars or flow collections (`[a, b]`).
+
+    Raises:
+        RecipeError: unknown key (the message lists the section's valid keys), wrong type
+            (field, expected type and the value got), or a malformed override.
+    """
+    raw: dict[str, Any] = {}
+    where = "recipe" if path is None else str(path)
+    if path is not None:
+        text = Path(path).read_text(encoding="utf-8")
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            raise RecipeError(f"{where}: not valid YAML: {e}") from e
+        if not isinstance(raw, dict):
+            raise RecipeError(
+                f"{where}: a recipe is a mapping of sections, got {type(raw).__name__}"
+            )
+    for item in overrides:
+        _apply_override(raw, item)
+    if overrides:
+        where += " (with command-line overrides)"
+    return _build(Recipe, raw, "", where)
+
+
+def recipe_to_dict(recipe: Any) -> dict[str, Any]:
+    """The recipe (or one section) as plain YAML-ready data."""
+    return dataclasses.asdict(recipe)
+
+
+def save_recipe(recipe: Any, path: str | Path) -> None:
+    """Write the resolved recipe (defaults filled in) as YAML."""
+    text = yaml.safe_dump(recipe_to_dict(recipe), sort_keys=False, allow_unicode=True)
+    Path(path).write_text(text, encoding="utf-8")
+
+
+def _hints(cls: type) -> dict[str, Any]:
+    return typing.get_type_hints(cls)
+
+
+def _unknown_key(cls: type, key: str, section: str, where: str) -> RecipeError:
+    valid = [f.name for f in dataclasses.fields(cls)]
+    close = difflib.get_close_matches(key, valid, n=1)
+    hint = f" Did you mean '{close[0]}'?" if close else ""
+    name = f"{section}.{key}" if section else key
+    scope = f"'{section}'" if section else "the recipe's top level"
+    return RecipeError(
+        f"{where}: unknown key '{name}'.{hint} Valid keys of {scope}: {', '.join(valid)}"
+    )
+
+
+def _build(cls: type, raw: Any, section: str, where: str) -> Any:
+    """Make `cls` from a mapping, checking keys and (recursively) value types."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise RecipeError(
+            f"{where}: '{section}' must be a mapping of keys, got {type(raw).__name__} {raw!r}"
+        )
+    hints = _hints(cls)
+    kwargs = {}
+    for key, value in raw.items():
+        if key not in hints:
+            raise _unknown_key(cls, str(key), section, where)
+        name = f"{section}.{key}" if section else key
+        kwargs[key] = _coerce(value, hints[key], name, where)
+    try:
+        return cls(**kwargs)
+    except RecipeError as e:  # a cross-field check in __post_init__
+        raise RecipeError(f"{where}: {e}") from e
+
+
+def _type_name(tp: Any) -> str:
+    if isinstance(tp, type):
+        return tp.__name__
+    return str(tp).replace("typing.", "")
+
+
+def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
+    """Check `value` against the type hint `tp`; return it converted where that is lossless."""
+    origin = typing.get_origin(tp)
+    args = typing.get_args(tp)
+
+    def wrong() -> RecipeError:
+        return RecipeError(
+            f"{where}: '{name}' expects {_type_name(tp)}, got {type(value).__name__} {value!r}"
+        )
+
+    if dataclasses.is_dataclass(tp):
+        return _build(tp, value, name, where)
+    if origin in (typing.Union, types.UnionType):
+        if value is None and type(None) in args:
+            return None
+        for arg in args:
+            if arg is type(None):
+                continue
+            try:
+                return _coerce(value, arg, name, where)
+            except RecipeError:
+                continue
+        raise wrong()
+    if origin is Literal:
+        if value in args:
+            return value
+        raise RecipeError(
+            f"{where}: '{name}' must be one of {', '.join(map(repr, args))}, got {value!r}"
+        )
+    if origin is list:
+        # A single value for a list field is the one-element list (`data.sources=x.jsonl`).
+        if value is None or isinstance(value, dict):
+            raise wrong()
+        items = value if isinstance(value, list) else [value]
+        return [_coerce(v, args[0], f"{name}[{i}]", where) for i, v in enumerate(items)]
+    if origin is tuple:  # YAML has no tuples: a list of the right length and item types
+        if not isinstance(value, (list, tuple)):
+            raise wrong()
+        if len(args) == 2 and args[1] is Ellipsis:
+            item_types = [args[0]] * len(value)
+        elif len(args) == len(value):
+            item_types = list(args)
+        else:
+            raise wrong()
+        return tuple(
+            _coerce(v, t, f"{name}[{i}]", where) for i, (v, t) in enumerate(zip(value, item_types))
+        )
+    if origin is dict:
+        if not isinstance(value, dict):
+            raise wrong()
+        return {str(k): _coerce(v, args[1], f"{name}.{k}", where) for k, v in value.items()}
+    if tp is Any:
+        return value
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        raise wrong()
+    if tp is int:
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+        raise wrong()
+    if tp is float:
+        if isinstance(value, (int, float)) and not isinstance(value, bool):
+            return float(value)
+        raise wrong()
+    if tp is str:
+        if isinstance(value, str):
+            return value
+        raise wrong()
+    raise RecipeError(f"{where}: '{name}' has a type the schema cannot check: {tp!r}")
+
+
+def _field_type(path: list[str]) -> Any:
+    """The type hint at a dotted path from `Recipe`, or a RecipeError naming the valid keys."""
+    tp: Any = Recipe
+    for depth, key in enumerate(path):
+        if not dataclasses.is_dataclass(tp):
+            raise RecipeError(f"override: '{'.'.join(path[:depth])}' has no sub-keys")
+        hints = _hints(tp)
+        if key not in hints:
+            raise _unknown_key(tp, key, ".".join(path[:depth]), "override")
+        tp = hints[key]
+    return tp
+
+
+def _resolve_path(key: str) -> list[str]:
+    """`section.key` as is; a bare `key` that names exactly one field of one section."""
+    path = key.split(".")
+    if len(path) > 1 or path[0] in _hints(Recipe):
+        return path
+    owners = [
+        section
+        for section, tp in _hints(Recipe).items()
+        if dataclasses.is_dataclass(tp) and key in _hints(tp)
+    ]
+    if len(owners) == 1:
+        return [owners[0], key]
+    if len(owners) > 1:
+        choices = ", ".join(f"{s}.{key}" for s in owners)
+        raise RecipeError(f"override: '{key}' is ambiguous; write one of {choices}")
+    raise _unknown_key(Recipe, key, "", "override")
+
+
+def _accepts_str(tp: Any) -> bool:
+    if tp is str:
+        return True
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        return str in typing.get_args(tp)
+    return False
+
+
+def _apply_override(raw: dict[str, Any], item: str) -> None:
+    key, sep, text = item.partition("=")
+    if not sep or not key.strip():
+        raise RecipeError(f"override {item!r}: expected key=value (e.g. data.limit=100)")
+    path = _resolve_path(key.strip())
+    tp = _field_type(path)
+    if _accepts_str(tp) and text.strip().lower() not in ("null", "~", "none"):
+        value: Any = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
+    else:
+        try:
+            value = yaml.safe_load(text) if text.strip() else None
+        except yaml.YAMLError as e:
+            raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from e
+    node = raw
+    for part in path[:-1]:
+        child = node.get(part)
+        if child is None:
+            child = node[part] = {}
+        if not isinstance(child, dict):
+            raise RecipeError(f"override {item!r}: '{part}' in the recipe is not a mapping")
+        node = child
+    node[path[-1]] = value

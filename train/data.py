@@ -1,0 +1,214 @@
+"""Tokenising conversations for training: chat-template rendering and assistant-only loss masks.
+
+A conversation is rendered with the tokenizer's chat template (or the recipe's
+`data.chat_template`), exactly as at serving time. The loss covers the tokens the model itself
+produces when it answers: each assistant message's text and the end-of-turn token that closes
+it (`<|im_end|>`, `<|eot_id|>`, `<end_of_turn>`, ...). Template scaffolding (role headers, the
+system prompt, the newline after end-of-turn) and user text get no loss.
+
+Assistant spans are found in characters, then mapped to tokens through the fast tokenizer's
+offsets: for assistant turn i, the rendering of turns [0, i) with the generation prompt is a
+prefix of the full text and the assistant text starts right after it; the turn ends at the first
+special (added) token after the text. This works for any prefix-consistent template without
+`{% generation %}` markers.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from train.prompts import Message, normalize_record
+
+IGNORE_INDEX = -100  # labels value that cross-entropy ignores
+
+
+class ChatTemplateError(ValueError):
+    """No chat template, or one whose assistant turns cannot be located."""
+
+
+def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, override: str | None = None) -> str:
+    """The Jinja template to use: `override` (a template string or a path to a file) or the
+    tokenizer's own. A tokenizer without one and no override is an error."""
+    if override:
+        path = Path(override).expanduser()
+        if "{" not in override and path.is_file():
+            return path.read_text(encoding="utf-8")
+        return override
+    template = getattr(tokenizer, "chat_template", None)
+    if isinstance(template, dict):  # several named templates: the default one
+        template = template.get("default")
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
+        raise ChatTemplateError(
+            f"tokenizer '{name}' has no chat template; give one in the recipe as "
+            "data.chat_template (a Jinja string or the path of a .jinja file)"
+        )
+    return template
+
+
+def with_system_prompt(messages: list[Message], system_prompt: str | None) -> list[Message]:
+    """`messages` with its system turn replaced by `system_prompt` (None keeps them as they are;
+    without a system turn the template applies its own default, if it has one)."""
+    if system_prompt is None:
+        return list(messages)
+    rest = [m for m in messages if m["role"] != "system"]
+    return [{"role": "system", "content": system_prompt}, *rest]
+
+
+def render_conversation(
+    messages: list[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    add_generation_prompt: bool = False,
+) -> str:
+    """The conversation as text, through the chat template (override or the tokenizer's)."""
+    template = resolve_chat_template(tokenizer, chat_template)
+    return tokenizer.apply_chat_template(
+        messages,
+        tokenize=False,
+        add_generation_prompt=add_generation_prompt,
+        chat_template=template,
+    )
+
+
+def _turn_end_markers(tokenizer: PreTrainedTokenizerBase) -> list[str]:
+    markers = {t.content for t in getattr(tokenizer, "added_tokens_decoder", {}).values()}
+    markers.update(t for t in (tokenizer.eos_token,) if t)
+    return sorted((m for m in markers if m), key=len, reverse=True)
+
+
+def assistant_spans(
+    messages: list[Message], tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None = None
+) -> tuple[str, list[tuple[int, int]]]:
+    """Render `messages`; return (text, [(start, end) character span of each assistant answer]).
+
+    A span covers the assistant text as rendered and the end-of-turn marker that follows it.
+    """
+    text = render_conversation(messages, tokenizer, chat_template=chat_template)
+    markers = _turn_end_markers(tokenizer)
+    spans = []
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_conversation(
+            messages[:i], tokenizer, chat_template=chat_template, add_generation_prompt=True
+        )
+        upto = render_conversation(messages[: i + 1], tokenizer, chat_template=chat_template)
+        if not (upto.startswith(prompt) and text.startswith(upto)):
+            raise ChatTemplateError(
+                f"assistant turn {i}: the chat template is not prefix-consistent (rendering the "
+                "first turns with the generation prompt is not a prefix of the whole "
+                "conversation), so its assistant tokens cannot be located"
+            )
+        content = message["content"].strip()  # templates may trim
+        start = upto.find(content, len(prompt))
+        if start < 0:
+            raise ChatTemplateError(f"assistant turn {i}: its text is not in the rendered template")
+        end = start + len(content)
+        tail = upto[end:]
+        hits = [(tail.find(m), m) for m in markers if m in tail]
+        if hits:
+            pos, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
+            end += pos + len(marker)
+        spans.append((start, end))
+    return text, spans
+
+
+def tokenize_conversation(
+    messages: list[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+) -> dict[str, list[int]]:
+    """Token ids and the assistant-only loss mask of one conversation.
+
+    Returns `input_ids`, `loss_mask` (1 on tokens the model produced as the assistant: answer
+    text and end-of-turn token) and `labels` (`input_ids` where the mask is 1, else -100; not
+    shifted, as transformers' causal LM losses expect). `max_length` truncates on a token
+    boundary. Needs a fast tokenizer (character offsets).
+    """
+    if not tokenizer.is_fast:
+        raise ChatTemplateError("loss masks need a fast tokenizer (return_offsets_mapping)")
+    messages = with_system_prompt(messages, system_prompt)
+    text, spans = assistant_spans(messages, tokenizer, chat_template=chat_template)
+    # The template writes BOS itself where the model wants one.
+    encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+    input_ids = list(encoding["input_ids"])
+    loss_mask = [
+        int(any(s < span_end and e > span_start for span_start, span_end in spans))
+        for s, e in encoding["offset_mapping"]
+    ]
+    if max_length is not None:
+        input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
+    labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, loss_mask)]
+    return {"input_ids": input_ids, "loss_mask": loss_mask, "labels": labels}
+
+
+def build_examples(
+    conversations: list[list[Message]],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+) -> list[dict[str, list[int]]]:
+    """`tokenize_conversation` over many; drops examples left with no loss token."""
+    examples = []
+    for messages in conversations:
+        example = tokenize_conversation(
+            messages,
+            tokenizer,
+            chat_template=chat_template,
+            system_prompt=system_prompt,
+            max_length=max_length,
+        )
+        if any(example["loss_mask"]):
+            examples.append(example)
+    return examples
+
+
+def load_distilled(output_dir: str | Path, *, finished_only: bool = True) -> list[list[Message]]:
+    """The conversations `scripts/distill.py` wrote to `output_dir` (shard order).
+
+    `finished_only` drops answers cut off by max_new_tokens (they never show the model stopping).
+    """
+    files = sorted(Path(output_dir).glob("*.jsonl"))
+    if not files:
+        raise FileNotFoundError(f"{output_dir}: no .jsonl shards (run scripts/distill.py first)")
+    conversations = []
+    for path in files:
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    record: dict[str, Any] = json.loads(line)
+                    if finished_only and not record.get("finished", True):
+                        continue
+                    conversations.append(normalize_record(record))
+                except ValueError as e:
+                    raise ValueError(f"{path}:{lineno}: {e}") from e
+    return conversations
+
+
+def pad_batch(examples: list[dict[str, list[int]]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-pad examples into tensors: input_ids, attention_mask, loss_mask, labels (B, T)."""
+    T = max(len(e["input_ids"]) for e in examples)
+    batch: dict[str, list[list[int]]] = {
+        k: [] for k in ("input_ids", "attention_mask", "loss_mask", "labels")
+    }
+    for e in examples:
+        n = T - len(e["input_ids"])
+        batch["input_ids"].append(e["input_ids"] + [pad_token_id] * n)
+        batch["attention_mask"].append([1] * len(e["input_ids"]) + [0] * n)
+        batch["loss_mask"].append(e["loss_mask"] + [0] * n)
+        batch["labels"].append(e["labels"] + [IGNORE_INDEX] * n)
+    return {k: torch.tensor(v, dtype=torch.long) for k, v in batch.items()}

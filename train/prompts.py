@@ -1,0 +1,439 @@
+"""Prompt sources, normalised to conversations: lists of {"role", "content"} messages.
+
+Sources (`data.sources` in a recipe):
+
+- a `.jsonl` file, one record per line, or a `.json` file holding a list of records (or one);
+- a folder: every `*.jsonl` in it, in name order (e.g. the shards `scripts/distill.py` writes);
+- `hf:ORG/NAME[:CONFIG]:SPLIT`: a Hugging Face dataset through `datasets.load_dataset`;
+- `embedded` or `embedded:CATEGORY[,CATEGORY]`: the offline default set (see `embedded_prompts`).
+
+A record is one of: ShareGPT `{"conversations": [{"from": "human"|"gpt"|"system", "value"}]}`,
+OpenAI `{"messages": [{"role", "content"}]}`, MT-bench / Spec-Bench `{"turns": [user, ...]}` or
+`{"prompt": str}`. Roles become "system", "user" and "assistant"; assistant turns are kept where a
+source has them. A malformed record is reported with its file and line number and either skipped
+or raised (`on_error`).
+"""
+
+from __future__ import annotations
+
+import ast
+import functools
+import hashlib
+import itertools
+import json
+import logging
+import math
+import random
+import sysconfig
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, str]
+OnError = Literal["skip", "stop"]
+
+EMBEDDED_CATEGORIES = (
+    "chat",
+    "writing",
+    "coding",
+    "math",
+    "translation",
+    "summarization",
+    "qa",
+    "extraction",
+)
+_DATA_DIR = Path(__file__).with_name("prompt_data")
+_SHAREGPT_ROLES = {
+    "human": "user",
+    "user": "user",
+    "gpt": "assistant",
+    "assistant": "assistant",
+    "chatgpt": "assistant",
+    "model": "assistant",
+    "system": "system",
+}
+_OPENAI_ROLES = {
+    "user": "user",
+    "assistant": "assistant",
+    "system": "system",
+    "developer": "system",
+}
+# Share of embedded prompts that get a second user turn (answered in context by distill).
+_FOLLOWUP_RATE = 0.15
+
+
+class PromptSourceError(ValueError):
+    """A prompt source that cannot be read, or a malformed record (with file and line)."""
+
+
+@dataclass
+class Prompt:
+    """One conversation to answer or train on."""
+
+    id: str  # content hash of `messages` (stable across runs and machines)
+    messages: list[Message]
+    source: str  # where it came from, e.g. "prompts.jsonl:12" or "embedded:coding"
+
+
+def conversation_id(messages: list[Message]) -> str:
+    """A stable 16-hex-digit id from the roles and contents of `messages`."""
+    canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
+    return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+def normalize_record(record: Any) -> list[Message]:
+    """Turn one ShareGPT / OpenAI / MT-bench / `prompt` record into a list of messages.
+
+    Leading assistant turns (some ShareGPT dumps start with one) are dropped. Raises ValueError
+    naming the problem when the record has none of the known forms or a bad turn.
+    """
+    if not isinstance(record, dict):
+        raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
+    if "conversations" in record:
+        turns = _as_list(record["conversations"], "conversations")
+        messages = [_turn(t, "from", "value", _SHAREGPT_ROLES, i) for i, t in enumerate(turns)]
+    elif "messages" in record:
+        turns = _as_list(record["messages"], "messages")
+        messages = [_turn(t, "role", "content", _OPENAI_ROLES, i) for i, t in enumerate(turns)]
+    elif "turns" in record:
+        turns = _as_list(record["turns"], "turns")
+        messages = [
+            {"role": "user", "content": _text(t, f"turns[{i}]")} for i, t in enumerate(turns)
+        ]
+    elif "prompt" in record:
+        messages = [{"role": "user", "content": _text(record["prompt"], "prompt")}]
+    else:
+        keys = ", ".join(sorted(map(str, record))) or "none"
+        raise ValueError(
+            f"no 'conversations', 'messages', 'turns' or 'prompt' field (keys: {keys})"
+        )
+    system = [m for m in messages if m["role"] == "system"]
+    rest = [m for m in messages if m["role"] != "system"]
+    if any(m["role"] == "system" for m in messages[len(system) :]):
+        raise ValueError("a system message may only come first")
+    while rest and rest[0]["role"] == "assistant":
+        rest.pop(0)
+    if not any(m["role"] == "user" for m in rest):
+        raise ValueError("no user message")
+    return system + rest
+
+
+def _as_list(value: Any, name: str) -> list:
+    if not isinstance(value, list) or not value:
+        raise ValueError(f"'{name}' must be a non-empty list")
+    return value
+
+
+def _text(value: Any, where: str) -> str:
+    if isinstance(value, list):  # OpenAI content parts: [{"type": "text", "text": ...}]
+        parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
+        if len(parts) != len(value):
+            raise ValueError(f"{where}: only text content parts are supported")
+        value = "".join(p for p in parts if isinstance(p, str))
+    if not isinstance(value, str):
+        raise ValueError(f"{where}: expected a string, got {type(value).__name__}")
+    if not value.strip():
+        raise ValueError(f"{where}: empty text")
+    return value
+
+
+def _turn(turn: Any, role_key: str, text_key: str, roles: dict[str, str], i: int) -> Message:
+    if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        raise ValueError(f"turn {i}: expected an object with '{role_key}' and '{text_key}'")
+    role = roles.get(str(turn[role_key]).lower())
+    if role is None:
+        raise ValueError(
+            f"turn {i}: unsupported role {turn[role_key]!r} (known: {', '.join(roles)})"
+        )
+    return {"role": role, "content": _text(turn[text_key], f"turn {i}")}
+
+
+def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt], list[str]]:
+    """Read one source; returns (prompts, messages about skipped malformed records).
+
+    Raises PromptSourceError for a missing or unreadable source, for a malformed record when
+    `on_error="stop"`, and when the source yields no prompt at all.
+    """
+    if spec == "embedded" or spec.startswith("embedded:"):
+        categories = spec.partition(":")[2].split(",") if ":" in spec else None
+        return embedded_prompts(categories), []
+    if spec.startswith("hf:"):
+        records = _hf_records(spec)
+    else:
+        path = Path(spec).expanduser()
+        if path.is_dir():
+            files = sorted(path.glob("*.jsonl"))
+            if not files:
+                raise PromptSourceError(f"{path}: folder has no .jsonl files")
+            records = itertools.chain.from_iterable(_jsonl_records(f) for f in files)
+        elif path.is_file():
+            records = _json_records(path) if path.suffix == ".json" else _jsonl_records(path)
+        else:
+            raise PromptSourceError(
+                f"prompt source '{spec}' not found: expected a .jsonl/.json file, a folder, "
+                "'embedded' or 'hf:ORG/NAME:SPLIT'"
+            )
+    prompts, skipped = [], []
+    for where, record in records:
+        try:
+            if isinstance(record, Exception):  # a line that is not valid JSON
+                raise record
+            messages = normalize_record(record)
+        except ValueError as e:
+            message = f"{where}: {e}"
+            if on_error == "stop":
+                raise PromptSourceError(message + " (set data.on_error=skip to skip it)") from e
+            logger.warning("skipping malformed record %s", message)
+            skipped.append(message)
+            continue
+        prompts.append(Prompt(conversation_id(messages), messages, where))
+    if not prompts:
+        detail = f" ({len(skipped)} malformed records skipped)" if skipped else ""
+        raise PromptSourceError(f"prompt source '{spec}' is empty{detail}")
+    return prompts, skipped
+
+
+def load_prompts(
+    sources: list[str], *, limit: int | None = None, seed: int = 0, on_error: OnError = "skip"
+) -> tuple[list[Prompt], list[str]]:
+    """Read every source, drop exact duplicates, shuffle with `seed` and keep `limit`.
+
+    Returns (prompts, messages about skipped malformed records). The result depends only on the
+    sources' contents, `limit` and `seed`.
+    """
+    if not sources:
+        raise PromptSourceError("no prompt sources given")
+    prompts: list[Prompt] = []
+    skipped: list[str] = []
+    seen: set[str] = set()
+    for spec in sources:
+        got, bad = read_source(spec, on_error=on_error)
+        skipped += bad
+        for prompt in got:
+            if prompt.id not in seen:
+                seen.add(prompt.id)
+                prompts.append(prompt)
+    random.Random(seed).shuffle(prompts)
+    return prompts[:limit] if limit is not None else prompts, skipped
+
+
+def _jsonl_records(path: Path):
+    with open(path, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                yield f"{path}:{lineno}", json.loads(line)
+            except json.JSONDecodeError as e:
+                yield f"{path}:{lineno}", ValueError(f"invalid JSON: {e.msg} (column {e.colno})")
+
+
+def _json_records(path: Path):
+    """Records of a .json file; each located by the line its object starts on."""
+    text = path.read_text(encoding="utf-8")
+    decoder = json.JSONDecoder()
+    start = len(text) - len(text.lstrip())
+    try:
+        if not text[start:].startswith("["):
+            yield f"{path}:{text.count(chr(10), 0, start) + 1}", json.loads(text)
+            return
+        i = start + 1
+        while True:
+            while i < len(text) and text[i] in " \t\r\n,":
+                i += 1
+            if i >= len(text) or text[i] == "]":
+                return
+            record, end = decoder.raw_decode(text, i)
+            yield f"{path}:{text.count(chr(10), 0, i) + 1}", record
+            i = end
+    except json.JSONDecodeError as e:
+        # One broken value makes the rest of a JSON file unreadable: always an error.
+        raise PromptSourceError(f"{path}:{e.lineno}: invalid JSON: {e.msg}") from e
+
+
+def _hf_records(spec: str):
+    """`hf:ORG/NAME[:CONFIG]:SPLIT` rows via datasets.load_dataset (needs the Hub or its cache)."""
+    parts = spec[len("hf:") :].split(":")
+    if len(parts) == 1:
+        name, config, split = parts[0], None, "train"
+    elif len(parts) == 2:
+        name, config, split = parts[0], None, parts[1]
+    elif len(parts) == 3:
+        name, config, split = parts
+    else:
+        raise PromptSourceError(f"'{spec}': expected hf:ORG/NAME[:CONFIG]:SPLIT")
+    from datasets import load_dataset
+
+    try:
+        dataset = load_dataset(name, config, split=split)
+    except Exception as e:  # network, missing dataset or split: say which source failed
+        raise PromptSourceError(f"'{spec}': could not load the dataset: {e}") from e
+    for i, row in enumerate(dataset):
+        yield f"{spec} row {i}", dict(row)
+
+
+def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
+    """The offline default prompt set (about 3,300 prompts), optionally only some categories.
+
+    Written for headstart: templates x topics in `train/prompt_data/*.json` for chat, writing,
+    coding, math, translation, QA, extraction and summarization, plus prompts built from the
+    Python standard library that ships with the interpreter (module docstrings to summarise,
+    small public functions to explain). About 15% carry a follow-up user turn. Deterministic for
+    a given Python version; disjoint from MT-bench, Spec-Bench and HumanEval (tested).
+    """
+    unknown = set(categories or ()) - set(EMBEDDED_CATEGORIES)
+    if unknown:
+        raise PromptSourceError(
+            f"unknown embedded categories {sorted(unknown)}; known: {', '.join(EMBEDDED_CATEGORIES)}"
+        )
+    prompts, seen = [], set()
+    for category, turns in _embedded_turns():
+        if categories and category not in categories:
+            continue
+        messages = [{"role": "user", "content": t} for t in turns]
+        prompt = Prompt(conversation_id(messages), messages, f"embedded:{category}")
+        if prompt.id not in seen:  # a few template combinations coincide
+            seen.add(prompt.id)
+            prompts.append(prompt)
+    return prompts
+
+
+@functools.lru_cache(maxsize=1)
+def _embedded_turns() -> tuple[tuple[str, tuple[str, ...]], ...]:
+    out: list[tuple[str, tuple[str, ...]]] = []
+    stdlib = _stdlib_prompts()
+    for category in EMBEDDED_CATEGORIES:
+        spec = json.loads((_DATA_DIR / f"{category}.json").read_text(encoding="utf-8"))
+        texts = [t for g in spec["groups"] for t in _expand_group(g, category)]
+        texts += [text for cat, text in stdlib if cat == category]
+        rng = random.Random(f"headstart-followups-{category}")
+        followups = spec.get("followups", [])
+        for text in texts:
+            if followups and rng.random() < _FOLLOWUP_RATE:
+                out.append((category, (text, rng.choice(followups))))
+            else:
+                out.append((category, (text,)))
+    return tuple(out)
+
+
+def _expand_group(group: dict[str, Any], category: str) -> list[str]:
+    """All template x slot combinations, or `count` of them drawn with a fixed seed."""
+    templates: list[str] = group["templates"]
+    slots = {name: _slot_values(values) for name, values in group.get("slots", {}).items()}
+    names = list(slots)
+    sizes = [len(templates)] + [len(slots[n]) for n in names]
+    total = math.prod(sizes)
+    count = group.get("count", total)
+    if count >= total:
+        picks = range(total)
+    else:
+        seed = f"headstart-{category}-{templates[0]}"
+        picks = sorted(random.Random(seed).sample(range(total), count))
+    texts = []
+    for index in picks:
+        digits = []  # mixed-radix decode of index: (template, slot 1, slot 2, ...)
+        for size in reversed(sizes):
+            index, digit = divmod(index, size)
+            digits.append(digit)
+        template_i, *slot_is = reversed(digits)
+        values = {n: slots[n][i] for n, i in zip(names, slot_is)}
+        # Slot-less templates are literal text (code samples contain braces).
+        template = templates[template_i]
+        texts.append(template.format(**values) if names else template)
+    return texts
+
+
+def _slot_values(values: list[str] | str) -> list[str]:
+    if isinstance(values, str) and values.startswith("@"):  # a shared list: "@texts"
+        return json.loads((_DATA_DIR / f"{values[1:]}.json").read_text(encoding="utf-8"))
+    return values
+
+
+_MODULE_TEMPLATES = (
+    "Summarise this documentation of the Python `{name}` module in two or three sentences:\n\n{doc}",
+    "Explain in plain English what the Python module `{name}` is for, based on its documentation:"
+    "\n\n{doc}",
+    "Give me three bullet points that summarise this text:\n\n{doc}",
+    "I'm new to Python. Read this module description and tell me when I would use it.\n\n{doc}",
+)
+_FUNCTION_TEMPLATES = (
+    "What does this function from Python's `{module}` module do?\n\n```python\n{code}\n```",
+    "Explain this Python code step by step:\n\n```python\n{code}\n```",
+    "Suggest a few unit tests for this function:\n\n```python\n{code}\n```",
+    "Could this function be made simpler or more readable? Show an improved version and explain "
+    "the changes.\n\n```python\n{code}\n```",
+    "Are there any inputs for which this function might fail or behave surprisingly?\n\n"
+    "```python\n{code}\n```",
+)
+_CLASS_TEMPLATE = (
+    "Here is the documentation of the Python class `{name}`. Summarise what it is for and how "
+    "to use it.\n\n{doc}"
+)
+_MAX_STDLIB_FUNCTIONS = 320  # keeps code explanation from crowding out the other categories
+_DOCSTRING_TEMPLATE = "Write a clear docstring for this Python function:\n\n```python\n{code}\n```"
+
+
+def _stdlib_prompts() -> list[tuple[str, str]]:
+    """(category, prompt) pairs from the standard library's own sources, if they are present."""
+    stdlib = Path(sysconfig.get_paths()["stdlib"])
+    out: list[tuple[str, str]] = []
+    for path in sorted(stdlib.glob("*.py")):
+        if path.name.startswith(("_", "test")) or path.stat().st_size > 200_000:
+            continue
+        try:
+            source = path.read_text(encoding="utf-8")
+            tree = ast.parse(source)
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue
+        rng = random.Random(f"headstart-stdlib-{path.stem}")
+        doc = ast.get_docstring(tree)
+        if doc and len(doc) >= 200:
+            template = rng.choice(_MODULE_TEMPLATES)
+            out.append(("summarization", template.format(name=path.stem, doc=_clip(doc, 2000))))
+        lines = source.splitlines()
+        for node in tree.body:
+            if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+                class_doc = ast.get_docstring(node)
+                if class_doc and len(class_doc) >= 300:
+                    text = _CLASS_TEMPLATE.format(
+                        name=f"{path.stem}.{node.name}", doc=_clip(class_doc, 2000)
+                    )
+                    out.append(("summarization", text))
+                continue
+            if not isinstance(node, ast.FunctionDef) or node.name.startswith(("_", "test", "main")):
+                continue
+            if not 6 <= node.end_lineno - node.lineno + 1 <= 30 or node.decorator_list:
+                continue
+            code = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+            body0 = node.body[0]
+            has_doc = ast.get_docstring(node) is not None
+            if has_doc and rng.random() < 0.2 and len(node.body) > 1:
+                # Drop the docstring's lines and ask for one.
+                cut = set(range(body0.lineno, body0.end_lineno + 1))
+                kept = [
+                    ln
+                    for i, ln in enumerate(lines[node.lineno - 1 : node.end_lineno], node.lineno)
+                    if i not in cut
+                ]
+                out.append(("coding", _DOCSTRING_TEMPLATE.format(code="\n".join(kept))))
+            else:
+                template = rng.choice(_FUNCTION_TEMPLATES)
+                out.append(("coding", template.format(module=path.stem, code=code)))
+    code = [item for item in out if item[0] == "coding"]
+    if len(code) > _MAX_STDLIB_FUNCTIONS:
+        keep = set(
+            random.Random("headstart-stdlib").sample(range(len(code)), _MAX_STDLIB_FUNCTIONS)
+        )
+        dropped = {id(item) for i, item in enumerate(code) if i not in keep}
+        out = [item for item in out if id(item) not in dropped]
+    return out
+
+
+def _clip(text: str, max_chars: int) -> str:
+    """Cut at a paragraph boundary below `max_chars` (or hard-cut one long paragraph)."""
+    if len(text) <= max_chars:
+        return text
+    cut = text.rfind("\n\n", 0, max_chars)
+    return text[: cut if cut > 0 else max_chars].rstrip()
