@@ -84,11 +84,107 @@ class DataConfig:
 
 
 @dataclass
+class HeadsSpec:
+    """The draft heads to train (`type` picks the recipe: train/medusa.py or train/eagle.py)."""
+
+    type: Literal["medusa", "eagle"] = "medusa"
+    # Medusa (Cai et al. 2024)
+    num_heads: int = 4  # head k predicts token t+k+2
+    num_layers: int = 1  # residual blocks per head
+    shared_lm_head: bool = False  # share the base's frozen lm_head (vLLM original_lm_head)
+    fc_bias: bool = True
+    # Medusa-2: LoRA on the base (peft) with a KL term to the original base; lora_r 0 = Medusa-1
+    lora_r: int = 0
+    lora_alpha: int = 16
+    lora_dropout: float = 0.0
+    lora_target_modules: list[str] = field(
+        default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"]
+    )
+    kl_weight: float = 1.0
+    heads_lr_multiplier: float = 4.0  # heads' learning rate / the LoRA's
+    heads_loss_warmup_steps: int = 0  # ramp of the heads' loss weight from 0 to 1
+    # EAGLE (Li et al. 2024, 2025)
+    version: int = 3  # 1 or 3
+    draft_vocab_size: int | None = None  # EAGLE-3 reduced vocabulary; None: min(32000, V)
+    aux_layer_ids: list[int] | None = None  # None: states entering layers 2, L//2, L-3
+    ttt_steps: int = 7  # EAGLE-3 training-time test unroll
+    feature_loss_weight: float = 1.0  # EAGLE-1 SmoothL1 on the next feature
+    token_loss_weight: float = 0.1  # EAGLE-1 soft CE on the next token
+    feature_noise: float = 0.2  # EAGLE-1 uniform noise U(-a/2, a/2) on the input features
+
+    def __post_init__(self) -> None:
+        if self.num_heads < 1 or self.num_layers < 0 or self.ttt_steps < 1 or self.lora_r < 0:
+            raise RecipeError(
+                "need heads.num_heads >= 1, num_layers >= 0, ttt_steps >= 1, lora_r >= 0"
+            )
+        if self.version not in (1, 3):
+            raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
+
+
+@dataclass
+class TrainingConfig:
+    """The optimisation loop (accelerate does the distributed work)."""
+
+    mode: Literal["online", "offline"] = "online"  # offline: base features computed once, kept
+    epochs: int = 1
+    max_steps: int | None = None  # optimizer steps; None: epochs decide
+    micro_batch_size: int = 8  # examples per process per forward
+    gradient_accumulation_steps: int = 1
+    learning_rate: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_steps: int = 0
+    max_grad_norm: float = 1.0
+    loss_decay: float = 0.8  # weight decay^k of head / TTT step k
+    soft_labels: bool = True  # the base's distribution as target instead of its token
+    max_length: int = 2048  # tokens per example (longer ones are truncated)
+    text_corpus: list[str] = field(default_factory=list)  # plain-text files, every token a target
+    eval_fraction: float = 0.05  # held-out examples for accuracy / simulated acceptance
+    eval_every_steps: int = 0  # 0: at the end of every epoch
+    save_every_steps: int = 0  # 0: at the end of every epoch
+    keep_last_checkpoints: int = 2
+    resume: str = "auto"  # "auto", "never", or a checkpoint folder
+    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.epochs < 1 or self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
+            raise RecipeError(
+                "need training.epochs, micro_batch_size, gradient_accumulation_steps >= 1"
+            )
+        if self.learning_rate <= 0 or not 0 <= self.eval_fraction < 1:
+            raise RecipeError("need training.learning_rate > 0 and 0 <= eval_fraction < 1")
+
+
+@dataclass
+class OutputConfig:
+    dir: str = "runs/heads"  # checkpoints/, heads/ (the final heads folder), metrics.jsonl
+    heads_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # of the saved heads
+
+
+@dataclass
+class HubConfig:
+    repo_id: str | None = None  # push the final heads here (needs a Hub token)
+    private: bool = False
+
+
+@dataclass
+class LoggingConfig:
+    report_to: Literal["none", "wandb", "tensorboard"] = "none"  # wandb runs offline without a key
+    project: str = "headstart"
+    log_every_steps: int = 10
+
+
+@dataclass
 class Recipe:
-    """A whole recipe; `heads`, `training`, ... sections are added as further fields."""
+    """A whole recipe: the base, the data, the heads, training, output, Hub and logging."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    heads: HeadsSpec = field(default_factory=HeadsSpec)
+    training: TrainingConfig = field(default_factory=TrainingConfig)
+    output: OutputConfig = field(default_factory=OutputConfig)
+    hub: HubConfig = field(default_factory=HubConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

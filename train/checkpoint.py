@@ -1,0 +1,89 @@
+"""Training checkpoints: atomic `accelerator.save_state` snapshots, resume, and the NaN guard.
+
+A checkpoint is `OUTPUT/checkpoints/step-XXXXXXXX/`: accelerate's state (heads, optimizer,
+scheduler, RNG) plus `trainer_state.json` (step, epoch, batch within the epoch, metrics) and the
+resolved recipe. It is written under a temporary name and renamed when complete, so a run killed
+mid-save leaves the previous checkpoint as the latest.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import shutil
+from pathlib import Path
+
+from train.config import save_recipe
+
+STATE_NAME = "trainer_state.json"
+
+
+class TrainingDiverged(RuntimeError):
+    """The loss became NaN or infinite."""
+
+
+def checkpoints_dir(output_dir: str | Path) -> Path:
+    return Path(output_dir) / "checkpoints"
+
+
+def latest_checkpoint(output_dir: str | Path) -> Path | None:
+    """The newest complete checkpoint, or None."""
+    done = [p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()]
+    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+
+
+def save_checkpoint(
+    accelerator, output_dir: str | Path, recipe, state: dict, keep_last: int
+) -> Path:
+    """Snapshot everything needed to resume exactly (call on every process)."""
+    root = checkpoints_dir(output_dir)
+    final = root / f"step-{state['step']:08d}"
+    tmp = root / f".tmp-{final.name}"
+    if accelerator.is_main_process:
+        shutil.rmtree(tmp, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    accelerator.save_state(str(tmp))
+    if accelerator.is_main_process:
+        (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
+        save_recipe(recipe, tmp / "recipe.yaml")
+        shutil.rmtree(final, ignore_errors=True)
+        tmp.rename(final)
+        done = sorted(
+            (p for p in root.glob("step-*") if (p / STATE_NAME).is_file()), key=lambda p: p.name
+        )
+        for old in done[: max(len(done) - keep_last, 0)]:
+            shutil.rmtree(old, ignore_errors=True)
+    accelerator.wait_for_everyone()
+    return final
+
+
+def load_checkpoint(accelerator, path: Path) -> dict:
+    """Restore accelerate's state from `path`; returns its trainer state."""
+    accelerator.load_state(str(path))
+    return json.loads((path / STATE_NAME).read_text())
+
+
+def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
+    """`resume`: "auto" (latest checkpoint if any), "never", or a checkpoint folder."""
+    if resume == "never":
+        return None
+    if resume == "auto":
+        return latest_checkpoint(output_dir)
+    path = Path(resume)
+    if not (path / STATE_NAME).is_file():
+        raise FileNotFoundError(
+            f"training.resume={resume!r} is not a checkpoint folder (no {STATE_NAME})"
+        )
+    return path
+
+
+def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
+    """Stop on a NaN / infinite loss, naming the last good checkpoint (which is kept)."""
+    if math.isfinite(loss):
+        return
+    last = latest_checkpoint(output_dir)
+    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    raise TrainingDiverged(
+        f"loss is {loss} at step {step}; training stopped ({kept}). Lower training.learning_rate "
+        "or raise training.warmup_steps, then rerun: resume=auto continues from that checkpoint."
+    )

@@ -1,0 +1,182 @@
+"""Training data for the heads: token examples, held-out split, batches, and base features.
+
+Examples come from the self-distilled conversations (`scripts/distill.py`, assistant-only loss
+masks) and, optionally, a plain-text corpus (every token is a target; the base's own
+distribution is the soft label, so no generation is needed). The base's features are computed
+inside the step ("online") or once before training and kept ("offline"): on a CPU the base
+forward is most of a step, so offline mode makes every epoch after the first far cheaper.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch.utils.data import Dataset
+from tqdm.auto import tqdm
+
+from train.data import build_examples, load_distilled, pad_batch
+
+Example = dict[str, list[int]]
+
+
+def load_examples(recipe, tokenizer) -> list[Example]:
+    """Tokenised training examples of a recipe: distilled conversations + optional text."""
+    data = recipe.data
+    examples: list[Example] = []
+    # Answers cut at max_new_tokens are kept: their tokens are still the base's own.
+    conversations = load_distilled(data.output_dir, finished_only=False)
+    examples += build_examples(
+        conversations,
+        tokenizer,
+        chat_template=data.chat_template,
+        system_prompt=data.system_prompt,
+        max_length=recipe.training.max_length,
+    )
+    for path in recipe.training.text_corpus:
+        text = Path(path).read_text(encoding="utf-8")
+        examples += text_examples(text, tokenizer, recipe.training.max_length)
+    if not examples:
+        raise ValueError(f"no training examples with assistant tokens in {data.output_dir}")
+    return examples
+
+
+def text_examples(text: str, tokenizer, max_length: int) -> list[Example]:
+    """Chunks of a plain-text corpus; every token is a target (teacher-forced, no generation)."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    out = []
+    for start in range(0, len(ids) - 16, max_length):
+        chunk = ids[start : start + max_length]
+        out.append({"input_ids": chunk, "loss_mask": [1] * len(chunk), "labels": chunk})
+    return out
+
+
+def split_held_out(
+    examples: list[Example], fraction: float, seed: int
+) -> tuple[list[Example], list[Example]]:
+    """A seeded split; at least one held-out example when fraction > 0."""
+    order = list(range(len(examples)))
+    random.Random(seed).shuffle(order)
+    n_eval = max(1, int(len(examples) * fraction)) if fraction > 0 else 0
+    n_eval = min(n_eval, len(examples) - 1)
+    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
+
+
+class ExampleDataset(Dataset):
+    """Examples, each optionally with precomputed base features (offline mode)."""
+
+    def __init__(
+        self, examples: Sequence[Example], features: list[dict[str, torch.Tensor]] | None = None
+    ):
+        self.examples, self.features = list(examples), features
+
+    def __len__(self) -> int:
+        return len(self.examples)
+
+    def __getitem__(self, i: int):
+        return i
+
+
+def collate(
+    dataset: ExampleDataset, indices: list[int], pad_token_id: int, device
+) -> dict[str, torch.Tensor]:
+    """A right-padded batch (B,T) of examples, with their cached features padded alike."""
+    batch = pad_batch([dataset.examples[i] for i in indices], pad_token_id)
+    if dataset.features is not None:
+        T = batch["input_ids"].shape[1]
+        for key in dataset.features[indices[0]]:
+            rows = [dataset.features[i][key] for i in indices]  # (T_i, D) each
+            padded = rows[0].new_zeros(len(rows), T, rows[0].shape[-1])
+            for b, r in enumerate(rows):
+                padded[b, : r.shape[0]] = r
+            batch[key] = padded
+    return {k: v.to(device) for k, v in batch.items()}
+
+
+def draft_vocabulary(
+    output_dir: str | Path, examples: Sequence[Example], size: int, vocab_size: int
+) -> torch.Tensor:
+    """The reduced draft vocabulary of a run: built once from the training targets and kept in
+    OUTPUT/draft_vocab.safetensors, so a resumed run never rebuilds it (DESIGN.md)."""
+    from safetensors.torch import load_file, save_file
+
+    path = Path(output_dir) / "draft_vocab.safetensors"
+    if path.is_file():
+        ids = load_file(path)["token_ids"]
+        if ids.numel() != size:
+            raise ValueError(
+                f"{path} holds {ids.numel()} tokens but the recipe asks for {size}; use a new output.dir"
+            )
+        return ids
+    ids = frequent_tokens(examples, size, vocab_size)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    save_file({"token_ids": ids}, path)
+    return ids
+
+
+def frequent_tokens(examples: Sequence[Example], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent target tokens (ties by id), sorted: a reduced draft vocabulary."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for e in examples:
+        ids = torch.tensor(e["input_ids"])[torch.tensor(e["loss_mask"], dtype=torch.bool)]
+        counts += torch.bincount(ids, minlength=vocab_size)
+    # A tiny tie-break toward low ids keeps the choice deterministic.
+    keep = torch.sort(counts.double() - torch.arange(vocab_size) * 1e-9, descending=True).indices[
+        :size
+    ]
+    return torch.sort(keep).values
+
+
+@torch.no_grad()
+def base_features(
+    base, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layer_ids: Sequence[int] = ()
+) -> dict[str, torch.Tensor]:
+    """One forward of the frozen base: {"hidden": last hidden (B,T,H), "aux": (B,T,3H)}.
+
+    "hidden" is the final-norm output the lm_head reads (EAGLE's feature); "aux" concatenates the
+    hidden states entering `aux_layer_ids` (EAGLE-3), present only when asked for.
+    """
+    inner = base.get_base_model().model if hasattr(base, "get_base_model") else base.model
+    out = inner(
+        input_ids=input_ids, attention_mask=attention_mask, output_hidden_states=bool(aux_layer_ids)
+    )
+    feats = {"hidden": out.last_hidden_state}
+    if aux_layer_ids:
+        feats["aux"] = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+    return feats
+
+
+@torch.no_grad()
+def precompute_features(
+    base,
+    examples: Sequence[Example],
+    aux_layer_ids: Sequence[int],
+    batch_size: int,
+    pad_token_id: int,
+    disable_progress: bool = False,
+):
+    """Offline mode: the base's features for every example, computed once (kept on the CPU in
+    the base's dtype; ~2.3 KB per token for H=576 in fp32, x4 with EAGLE-3's aux layers)."""
+    device = next(base.parameters()).device
+    order = sorted(
+        range(len(examples)), key=lambda i: len(examples[i]["input_ids"])
+    )  # less padding
+    features: list[dict[str, torch.Tensor] | None] = [None] * len(examples)
+    tokens = sum(len(e["input_ids"]) for e in examples)
+    with tqdm(total=tokens, unit="tok", desc="base features", disable=disable_progress) as bar:
+        for start in range(0, len(order), batch_size):
+            idx = order[start : start + batch_size]
+            batch = pad_batch([examples[i] for i in idx], pad_token_id)
+            feats = base_features(
+                base,
+                batch["input_ids"].to(device),
+                batch["attention_mask"].to(device),
+                aux_layer_ids,
+            )
+            for b, i in enumerate(idx):
+                n = len(examples[i]["input_ids"])
+                features[i] = {k: v[b, :n].to("cpu") for k, v in feats.items()}
+            bar.update(sum(len(examples[i]["input_ids"]) for i in idx))
+    return features

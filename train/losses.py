@@ -1,0 +1,77 @@
+"""Losses and accuracy metrics of the draft heads. Pure tensor functions, no model calls.
+
+Shapes: B batch, T tokens, H hidden, V vocab, K heads / steps. `mask` (B,T) marks the
+positions whose *target* token is an assistant token; every loss is normalised by its count.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+
+def soft_cross_entropy(
+    logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """sum_t mask_t * CE(target_probs_t, softmax(logits_t)) / sum mask. logits, targets (B,T,V)."""
+    logp = logits.float().log_softmax(-1)
+    ce = -(target_probs.float() * logp).sum(-1)  # (B,T)
+    return (ce * mask).sum() / mask.sum().clamp(min=1)
+
+
+def hard_cross_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+) -> torch.Tensor:
+    """Masked token CE. logits (B,T,V), labels (B,T)."""
+    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(
+        labels
+    )
+    return (ce * mask).sum() / mask.sum().clamp(min=1)
+
+
+def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
+    """x[:, t] <- x[:, t+n] along dim 1; the last n positions get `fill`. (B,T,...) -> same."""
+    if n == 0:
+        return x
+    out = torch.full_like(x, fill)
+    out[:, : x.shape[1] - n] = x[:, n:]
+    return out
+
+
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
+    """(B,T) bool: label in the top-k of logits."""
+    return (logits.topk(k, dim=-1).indices == labels[..., None]).any(-1)
+
+
+def chain_accept_length(correct: torch.Tensor) -> torch.Tensor:
+    """Simulated tokens per verify step of a greedy chain from per-step correctness.
+
+    correct: (K, N) bool, step k right at position n. Returns (N,) = 1 + number of leading
+    correct steps (the bonus token included, as Spec-Bench counts tau).
+    """
+    return 1 + correct.long().cumprod(dim=0).sum(dim=0)
+
+
+def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None):
+    """Medusa-1 loss (Cai et al. 2024): sum_k decay^k * CE(head_k(h_t), y_{t+k+2}).
+
+    head_logits (K,B,T,V) from h_t; labels (B,T) the token ids; mask (B,T) 1 on assistant
+    tokens; target_probs optional (B,T,V): the base's distribution at each position (it predicts
+    token t+1), used as soft labels. Returns (loss, per-head (top1, top5) on valid positions).
+    """
+    K = head_logits.shape[0]
+    total = head_logits.new_zeros(())
+    stats = []
+    for k in range(K):
+        tgt = shift_left(labels, k + 2)
+        valid = shift_left(mask, k + 2).float()
+        if target_probs is None:
+            loss_k = hard_cross_entropy(head_logits[k], tgt, valid)
+        else:
+            loss_k = soft_cross_entropy(head_logits[k], shift_left(target_probs, k + 1), valid)
+        total = total + decay**k * loss_k
+        v = valid.bool()
+        stats.append(
+            (topk_correct(head_logits[k], tgt, 1)[v], topk_correct(head_logits[k], tgt, 5)[v])
+        )
+    return total, stats

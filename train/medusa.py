@@ -1,0 +1,292 @@
+"""Train Medusa heads on a frozen base (Medusa-1), or with LoRA on the base (Medusa-2).
+
+    accelerate launch train/medusa.py recipes/smollm2-135m-medusa.yaml [section.key=value ...]
+
+Cai et al. 2024, "Medusa: Simple LLM Inference Acceleration Framework with Multiple Decoding
+Heads". Head k reads the base's last hidden state h_t and learns token t+k+2 with loss
+sum_k decay^k * CE, against the base's own distribution at t+k+1 (soft labels, default) or the
+data's token. Medusa-2 also adapts the base with LoRA (peft), kept close to the original base by
+a KL term, with a larger learning rate for the heads and a warmup ramp of their loss weight.
+Writes OUTPUT/heads (vLLM's MedusaModel layout), checkpoints and metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+from torch import nn
+from tqdm.auto import tqdm
+
+from heads import MedusaConfig, MedusaHeads
+from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
+from train.config import Recipe
+from train.features import base_features, collate, draft_vocabulary
+from train.losses import chain_accept_length, shift_left
+from train.run import (
+    MetricsLog,
+    Trainee,
+    assert_trainable,
+    count_steps,
+    epoch_batches,
+    load_frozen_base,
+    make_accelerator,
+    make_optimizer,
+    parse_args,
+    prepare_data,
+    save_final,
+)
+
+
+class MedusaTrainee(Trainee):
+    """The base (frozen; LoRA-adapted in Medusa-2) and the heads. forward -> (loss, metrics)."""
+
+    def __init__(self, base, heads: MedusaHeads, recipe: Recipe) -> None:
+        super().__init__()
+        self.base, self.heads = base, heads
+        self.lora = recipe.heads.lora_r > 0
+        self.decay, self.soft = recipe.training.loss_decay, recipe.training.soft_labels
+        self.kl_weight = recipe.heads.kl_weight
+        self.warmup = recipe.heads.heads_loss_warmup_steps
+        V = base.config.vocab_size
+        draft_of = torch.full((V,), -1, dtype=torch.long)  # base id -> draft id (-1: not drafted)
+        ids = heads.token_map if heads.token_map is not None else torch.arange(V)
+        draft_of[ids.cpu()] = torch.arange(ids.numel())
+        self.register_buffer("draft_of", draft_of, persistent=False)
+
+    def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
+        ids, mask, attn = batch["input_ids"], batch["loss_mask"].bool(), batch["attention_mask"]
+        if "hidden" in batch:  # offline: the base's features were computed once
+            hidden = original = batch["hidden"].float()
+        elif self.lora:  # Medusa-2: gradients flow into the LoRA adapters
+            hidden = (
+                self.base.get_base_model()
+                .model(input_ids=ids, attention_mask=attn)
+                .last_hidden_state
+            )
+            with self.base.disable_adapter():
+                original = base_features(self.base, ids, attn)["hidden"]
+        else:
+            hidden = original = base_features(self.base, ids, attn)["hidden"]
+        lm_head = self.base.get_output_embeddings()
+        # Rows whose next token is a target: the base's distribution there is head k's label
+        # for position t = row - k - 1.
+        next_is_target = shift_left(mask, 1, False)  # (B,T)
+        row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+        row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
+        with torch.no_grad():  # the original base's distribution: the heads' soft labels
+            base_logits = lm_head(original[next_is_target])  # (n, V)
+        base_top = base_logits.argmax(-1)
+        loss = hidden.new_zeros(())
+        metrics: dict[str, float] = {}
+        chain = []
+        for k, block in enumerate(self.heads.blocks):
+            valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
+            if not valid.any():
+                break
+            logits = self.heads.head_lm(k)(block(hidden[valid])).float()  # (n_k, V_draft)
+            rows = shift_left(row_of, k + 1, -1)[valid]
+            if self.soft:
+                target = base_logits[rows].float().softmax(-1)  # (n_k, V)
+                if self.heads.token_map is not None:  # the draft vocabulary's share, renormalised
+                    target = target[:, self.heads.token_map]
+                    target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
+                loss_k = -(target * logits.log_softmax(-1)).sum(-1).mean()
+            else:
+                labels = self.draft_of[shift_left(ids, k + 2)[valid]]
+                loss_k = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")[
+                    labels >= 0
+                ].mean()
+            loss = loss + self.decay**k * loss_k
+            pred = self.heads.to_base_ids(logits.argmax(-1))
+            truth = shift_left(ids, k + 2)[valid]
+            metrics[f"head{k}/top1"] = float((pred == truth).float().mean())
+            top5 = self.heads.to_base_ids(logits.topk(min(5, logits.shape[-1]), -1).indices)
+            metrics[f"head{k}/top5"] = float((top5 == truth[:, None]).any(-1).float().mean())
+            # Chain acceptance: head k right and the data token is the base's greedy choice.
+            ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
+            ok[valid] = (pred == truth) & (base_top[rows] == truth)
+            chain.append(ok[next_is_target])
+        if self.lora:
+            ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+            adapted = lm_head(hidden[next_is_target]).float().log_softmax(-1)
+            p = base_logits.float().softmax(-1)
+            kl = (
+                (p * (p.clamp(min=1e-12).log() - adapted)).sum(-1).mean()
+            )  # KL(original || adapted)
+            loss = ramp * loss + self.kl_weight * kl
+            metrics["kl"] = float(kl)
+        metrics["sim_tau"] = (
+            float(chain_accept_length(torch.stack(chain)).float().mean()) if chain else 1.0
+        )
+        return loss, metrics
+
+
+@torch.no_grad()
+def evaluate(
+    model: MedusaTrainee, dataset, recipe: Recipe, pad_id: int, device
+) -> dict[str, float]:
+    """Held-out loss, per-head top-1 / top-5 accuracy and simulated chain acceptance (tau)."""
+    model.eval()
+    totals: dict[str, float] = {}
+    n = 0
+    bs = recipe.training.micro_batch_size
+    for start in range(0, len(dataset), bs):
+        batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
+        loss, metrics = model(batch)
+        for key, value in {"loss": float(loss), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value
+        n += 1
+    model.train()
+    return {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
+
+
+def build_heads(recipe: Recipe, base, train_ds) -> MedusaHeads:
+    """Fresh heads (lm_heads from the base's); a reduced vocabulary is chosen from the data once
+    and kept in OUTPUT/draft_vocab.safetensors so a resumed run uses the same one."""
+    spec = recipe.heads
+    vocab = spec.draft_vocab_size
+    cfg = MedusaConfig.from_base(
+        base.config,
+        num_heads=spec.num_heads,
+        num_layers=spec.num_layers,
+        original_lm_head=spec.shared_lm_head,
+        medusa_fc_bias=spec.fc_bias,
+        truncated_vocab_size=vocab,
+    )
+    token_map = None
+    if vocab is not None:
+        token_map = draft_vocabulary(
+            recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
+        )
+    heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
+    return heads.to(device=base.device, dtype=torch.float32)
+
+
+def training_function(recipe: Recipe) -> dict:
+    accelerator = make_accelerator(recipe)
+    base, tokenizer = load_frozen_base(recipe, accelerator)
+    train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
+    with accelerator.main_process_first():
+        heads = build_heads(recipe, base, train_ds)
+    lora_params = []
+    if recipe.heads.lora_r > 0:  # Medusa-2
+        if recipe.training.mode == "offline":
+            raise SystemExit(
+                "error: Medusa-2 (heads.lora_r > 0) adapts the base, so it needs training.mode=online"
+            )
+        from peft import LoraConfig, get_peft_model
+
+        spec = recipe.heads
+        base = get_peft_model(
+            base,
+            LoraConfig(
+                r=spec.lora_r,
+                lora_alpha=spec.lora_alpha,
+                lora_dropout=spec.lora_dropout,
+                target_modules=spec.lora_target_modules,
+            ),
+        )
+        lora_params = [p for p in base.parameters() if p.requires_grad]
+    model = MedusaTrainee(base, heads, recipe)
+    head_params = [p for p in heads.parameters() if p.requires_grad]
+    assert_trainable(model, sum(p.numel() for p in head_params + lora_params), accelerator)
+    per_epoch, total = count_steps(len(train_ds), recipe, accelerator)
+    lr_heads = recipe.training.learning_rate * (
+        recipe.heads.heads_lr_multiplier if lora_params else 1.0
+    )
+    groups = [{"params": head_params, "lr": lr_heads}] + (
+        [{"params": lora_params}] if lora_params else []
+    )
+    optimizer, scheduler = make_optimizer(recipe, groups, total)
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    step, epoch, skip, best = 0, 0, 0, {}
+    if (ckpt := resolve_resume(recipe.training.resume, recipe.output.dir)) is not None:
+        state = load_checkpoint(accelerator, ckpt)
+        step, epoch, skip, best = (
+            state["step"],
+            state["epoch"],
+            state["batch_in_epoch"],
+            state.get("metrics", {}),
+        )
+        accelerator.print(f"resumed from {ckpt} at step {step}")
+    log = MetricsLog(recipe, accelerator)
+    pad_id, device = tokenizer.pad_token_id, accelerator.device
+    eval_every = recipe.training.eval_every_steps or per_epoch
+    save_every = recipe.training.save_every_steps or per_epoch
+    bar = tqdm(total=total, initial=step, desc="medusa", disable=not accelerator.is_main_process)
+    tokens, t0 = 0, time.perf_counter()
+    model.train()
+    while step < total:
+        batches = epoch_batches(len(train_ds), recipe, epoch, accelerator)
+        for bi in range(skip, len(batches)):
+            batch = collate(train_ds, batches[bi], pad_id, device)
+            with accelerator.accumulate(model):
+                loss, metrics = model(batch, step)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            loss_value = float(accelerator.reduce(loss.detach(), "mean"))
+            check_finite(loss_value, step, recipe.output.dir)
+            if step % recipe.logging.log_every_steps == 0 or step == total:
+                rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
+                log.log(
+                    {
+                        "loss": loss_value,
+                        "lr": scheduler.get_last_lr()[0],
+                        "tokens_per_s": rate,
+                        **metrics,
+                    },
+                    step,
+                )
+                bar.set_postfix(
+                    loss=f"{loss_value:.3f}", top1=f"{metrics.get('head0/top1', 0):.2f}"
+                )
+            if step % eval_every == 0 or step == total:
+                best = (
+                    evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)
+                    if len(eval_ds)
+                    else {}
+                )
+                log.log(best, step)
+                accelerator.print(
+                    f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in best.items())
+                )
+            done_epoch = bi + 1 == len(batches)
+            if step % save_every == 0 or step == total:
+                state = {
+                    "step": step,
+                    "epoch": epoch + done_epoch,
+                    "batch_in_epoch": 0 if done_epoch else bi + 1,
+                    "metrics": best,
+                }
+                save_checkpoint(
+                    accelerator,
+                    recipe.output.dir,
+                    recipe,
+                    state,
+                    recipe.training.keep_last_checkpoints,
+                )
+            if step >= total:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+    save_final(recipe, accelerator.unwrap_model(model).heads, accelerator, best)
+    accelerator.end_training()
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    training_function(parse_args(argv, "medusa"))
+
+
+if __name__ == "__main__":
+    main()

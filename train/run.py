@@ -1,0 +1,211 @@
+"""What both recipes do around their loop: command line, accelerator, base, data, optimizer,
+metrics, final save and push. The loop itself stays in train/medusa.py and train/eagle.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import sys
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import set_seed
+from transformers import get_cosine_schedule_with_warmup
+
+from heads import load_base
+from train.config import Recipe, RecipeError, load_recipe, save_recipe
+from train.features import ExampleDataset, load_examples, precompute_features, split_held_out
+
+
+def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
+    """`RECIPE.yaml [key=value ...]` -> a validated recipe (errors exit with the message)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if not argv or argv[0] in ("-h", "--help"):
+        print(
+            f"usage: accelerate launch train/{default_type}.py RECIPE.yaml [section.key=value ...]"
+        )
+        raise SystemExit(0 if argv else 2)
+    try:
+        recipe = load_recipe(argv[0], argv[1:])
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    if recipe.heads.type != default_type:
+        print(
+            f"error: heads.type={recipe.heads.type!r}: run train/{recipe.heads.type}.py for this recipe",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    return recipe
+
+
+def make_accelerator(recipe: Recipe) -> Accelerator:
+    log_with = None if recipe.logging.report_to == "none" else recipe.logging.report_to
+    if log_with == "wandb":
+        import os
+
+        os.environ.setdefault(
+            "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
+        )
+    accelerator = Accelerator(
+        gradient_accumulation_steps=recipe.training.gradient_accumulation_steps,
+        mixed_precision=recipe.training.mixed_precision,
+        log_with=log_with,
+        project_dir=recipe.output.dir,
+    )
+    if log_with:
+        accelerator.init_trackers(recipe.logging.project, config=_flat(recipe))
+    set_seed(recipe.training.seed)
+    return accelerator
+
+
+def _flat(recipe: Recipe) -> dict:
+    from train.config import recipe_to_dict
+
+    return {
+        f"{s}.{k}": v
+        for s, sec in recipe_to_dict(recipe).items()
+        for k, v in sec.items()
+        if isinstance(v, int | float | str | bool)
+    }
+
+
+def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
+    dtype = None if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+    with accelerator.main_process_first():  # the first process converts / downloads once
+        base, tokenizer = load_base(
+            recipe.model.name_or_path,
+            dtype=dtype,
+            device=accelerator.device,
+            attn_implementation=recipe.model.attn_implementation,
+        )
+    return base, tokenizer
+
+
+def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_layer_ids=()):
+    """(train dataset, held-out dataset); offline mode attaches the base's features."""
+    examples = load_examples(recipe, tokenizer)
+    train, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
+    accelerator.print(
+        f"examples: {len(train)} train, {len(held_out)} held out; "
+        f"{sum(sum(e['loss_mask']) for e in train)} train target tokens"
+    )
+    train_ds, eval_ds = ExampleDataset(train), ExampleDataset(held_out)
+    if recipe.training.mode == "offline":
+        for ds in (train_ds, eval_ds):
+            ds.features = precompute_features(
+                base,
+                ds.examples,
+                aux_layer_ids,
+                recipe.training.micro_batch_size,
+                tokenizer.pad_token_id,
+                disable_progress=not accelerator.is_main_process,
+            )
+    return train_ds, eval_ds
+
+
+def epoch_batches(
+    n_examples: int, recipe: Recipe, epoch: int, accelerator: Accelerator
+) -> list[list[int]]:
+    """This process's batches of example indices for `epoch`: a permutation seeded by
+    (seed, epoch), split across processes, every process getting the same number of batches, a
+    whole number of optimizer steps (so a checkpoint always falls on a step boundary)."""
+    order = list(range(n_examples))
+    random.Random(recipe.training.seed * 100003 + epoch).shuffle(order)
+    mb, world = recipe.training.micro_batch_size, accelerator.num_processes
+    per_step = mb * world * recipe.training.gradient_accumulation_steps
+    usable = max(len(order) // per_step, 1) * per_step
+    order = (order * math.ceil(usable / len(order)))[:usable]
+    mine = order[accelerator.process_index :: world]
+    return [mine[i : i + mb] for i in range(0, len(mine), mb)]
+
+
+def make_optimizer(recipe: Recipe, param_groups, steps_total: int):
+    optimizer = torch.optim.AdamW(
+        param_groups, lr=recipe.training.learning_rate, weight_decay=recipe.training.weight_decay
+    )
+    scheduler = get_cosine_schedule_with_warmup(
+        optimizer, recipe.training.warmup_steps, steps_total
+    )
+    return optimizer, scheduler
+
+
+def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tuple[int, int]:
+    """(optimizer steps per epoch, total optimizer steps)."""
+    batches = len(epoch_batches(n_examples, recipe, 0, accelerator))
+    per_epoch = batches // recipe.training.gradient_accumulation_steps
+    total = per_epoch * recipe.training.epochs
+    if recipe.training.max_steps is not None:
+        total = min(total, recipe.training.max_steps)
+    return per_epoch, total
+
+
+class MetricsLog:
+    """metrics.jsonl on the main process (one line per log) + accelerate trackers."""
+
+    def __init__(self, recipe: Recipe, accelerator: Accelerator) -> None:
+        self.accelerator = accelerator
+        self.path = Path(recipe.output.dir) / "metrics.jsonl"
+        if accelerator.is_main_process:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def log(self, metrics: dict, step: int) -> None:
+        if self.accelerator.is_main_process:
+            with open(self.path, "a") as f:
+                f.write(json.dumps({"step": step, **metrics}) + "\n")
+        self.accelerator.log(metrics, step=step)
+
+
+def save_final(recipe: Recipe, heads, accelerator: Accelerator, metrics: dict) -> Path | None:
+    """Write the heads in the native format to OUTPUT/heads and push them when hub.repo_id is set."""
+    accelerator.wait_for_everyone()
+    if not accelerator.is_main_process:
+        return None
+    heads = accelerator.unwrap_model(heads)
+    folder = Path(recipe.output.dir) / "heads"
+    heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
+    save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
+    (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
+    accelerator.print(f"heads saved to {folder}")
+    if recipe.hub.repo_id:
+        url = heads.push_to_hub(recipe.hub.repo_id, private=recipe.hub.private)
+        accelerator.print(f"pushed to {url}")
+    return folder
+
+
+class Trainee(torch.nn.Module):
+    """The module a recipe trains: the base and its heads. Checkpoints hold only what trains
+    (heads, LoRA adapters) and the heads' buffers, never the frozen base."""
+
+    def _kept(self) -> set[str]:
+        keep = {n for n, p in self.named_parameters() if p.requires_grad}
+        return keep | {f"heads.{n}" for n, _ in self.heads.named_buffers()}
+
+    def state_dict(self, *args, **kwargs):
+        full = super().state_dict(*args, **kwargs)
+        keep = self._kept()
+        for name in [n for n in full if n not in keep]:
+            del full[name]
+        return full
+
+    def load_state_dict(self, state_dict, strict: bool = True, assign: bool = False):
+        result = super().load_state_dict(state_dict, strict=False, assign=assign)
+        kept = self._kept()
+        missing = [k for k in result.missing_keys if k in kept]  # the frozen base is not saved
+        if strict and (missing or result.unexpected_keys):
+            raise RuntimeError(
+                f"checkpoint does not match the heads: missing {missing}, unexpected {result.unexpected_keys}"
+            )
+        return type(result)(missing, result.unexpected_keys)
+
+
+def assert_trainable(model: torch.nn.Module, expected: int, accelerator: Accelerator) -> None:
+    """Print and check the trainable parameter count (only heads, and LoRA in Medusa-2)."""
+    n = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    accelerator.print(f"trainable parameters: {n:,}")
+    if n != expected:
+        raise RuntimeError(
+            f"{n} trainable parameters, expected {expected}: the base must stay frozen"
+        )
