@@ -29,6 +29,7 @@ from train.run import (
     assert_trainable,
     count_steps,
     epoch_batches,
+    evaluate,
     load_frozen_base,
     make_accelerator,
     make_optimizer,
@@ -120,25 +121,6 @@ class MedusaTrainee(Trainee):
             float(chain_accept_length(torch.stack(chain)).float().mean()) if chain else 1.0
         )
         return loss, metrics
-
-
-@torch.no_grad()
-def evaluate(
-    model: MedusaTrainee, dataset, recipe: Recipe, pad_id: int, device
-) -> dict[str, float]:
-    """Held-out loss, per-head top-1 / top-5 accuracy and simulated chain acceptance (tau)."""
-    model.eval()
-    totals: dict[str, float] = {}
-    n = 0
-    bs = recipe.training.micro_batch_size
-    for start in range(0, len(dataset), bs):
-        batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
-        loss, metrics = model(batch)
-        for key, value in {"loss": float(loss), **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + value
-        n += 1
-    model.train()
-    return {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
 
 
 def build_heads(recipe: Recipe, base, train_ds) -> MedusaHeads:

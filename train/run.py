@@ -16,7 +16,13 @@ from transformers import get_cosine_schedule_with_warmup
 
 from heads import load_base
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
-from train.features import ExampleDataset, load_examples, precompute_features, split_held_out
+from train.features import (
+    ExampleDataset,
+    collate,
+    load_examples,
+    precompute_features,
+    split_held_out,
+)
 
 
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
@@ -199,6 +205,25 @@ class Trainee(torch.nn.Module):
                 f"checkpoint does not match the heads: missing {missing}, unexpected {result.unexpected_keys}"
             )
         return type(result)(missing, result.unexpected_keys)
+
+
+@torch.no_grad()
+def evaluate(
+    model: torch.nn.Module, dataset, recipe: Recipe, pad_id: int, device
+) -> dict[str, float]:
+    """A trainee's held-out loss and metrics (accuracies, simulated acceptance): batch means."""
+    model.eval()
+    totals: dict[str, float] = {}
+    n = 0
+    bs = recipe.training.micro_batch_size
+    for start in range(0, len(dataset), bs):
+        batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
+        loss, metrics = model(batch)
+        for key, value in {"loss": float(loss), **metrics}.items():
+            totals[key] = totals.get(key, 0.0) + value
+        n += 1
+    model.train()
+    return {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
 
 
 def assert_trainable(model: torch.nn.Module, expected: int, accelerator: Accelerator) -> None:

@@ -1,0 +1,285 @@
+"""Train an EAGLE draft layer (EAGLE-1 or EAGLE-3) on a frozen base.
+
+    accelerate launch train/eagle.py recipes/smollm2-135m-eagle.yaml [section.key=value ...]
+
+EAGLE-1 (Li et al. 2024, arXiv:2401.15077): the pair (embed(x_{t+1}), f_t) predicts the base's
+next feature f_{t+1}; loss = SmoothL1(f_hat, f) + 0.1 * soft CE(lm_head(f_hat), p_{t+1}), with
+uniform noise on the input features.
+EAGLE-3 (Li et al. 2025, arXiv:2503.01840): the first input fuses three base layers; training-time
+test (TTT) unrolls `ttt_steps` draft steps, step j feeding the draft's own output from step j-1
+(as at inference) and the true token x_{t+1+j}; step j's query at t attends to step 0's keys
+at positions <= t and to its own chain's keys at t from steps 1..j. Loss: sum_j decay^j * soft CE
+over the draft vocabulary (the base's distribution restricted and renormalised), each step
+normalised by its valid tokens. The draft vocabulary (d2t / t2d) is built once from the data
+and saved before step 1; a resumed run reuses it.
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm.auto import tqdm
+from transformers import DynamicCache
+
+from heads import EagleConfig, EagleDraft
+from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
+from train.config import Recipe
+from train.features import base_features, collate, draft_vocabulary
+from train.losses import chain_accept_length, shift_left
+from train.run import (
+    MetricsLog,
+    Trainee,
+    assert_trainable,
+    count_steps,
+    epoch_batches,
+    evaluate,
+    load_frozen_base,
+    make_accelerator,
+    make_optimizer,
+    parse_args,
+    prepare_data,
+    save_final,
+)
+
+
+def ttt_mask(T: int, step: int, key_pad: torch.Tensor, dtype) -> torch.Tensor:
+    """Additive mask (B,1,T,(step+1)T) for TTT step `step`: causal over step 0's keys, then the
+    same position only in each later step's keys; padded keys (key_pad (B,T) True) blocked."""
+    device = key_pad.device
+    causal = torch.ones(T, T, dtype=torch.bool, device=device).tril()
+    diag = torch.eye(T, dtype=torch.bool, device=device)
+    allowed = torch.cat([causal] + [diag] * step, dim=1)[None]  # (1,T,(step+1)T)
+    allowed = allowed & ~key_pad.repeat(1, step + 1)[:, None, :]
+    mask = torch.zeros(allowed.shape, dtype=dtype, device=device).masked_fill(
+        ~allowed, torch.finfo(dtype).min
+    )
+    return mask[:, None]
+
+
+class EagleTrainee(Trainee):
+    """The frozen base and the draft layer (`heads`). forward(batch, step) -> (loss, metrics)."""
+
+    def __init__(self, base, draft: EagleDraft, recipe: Recipe) -> None:
+        super().__init__()
+        self.base, self.heads = base, draft
+        self.spec, self.decay = recipe.heads, recipe.training.loss_decay
+        self.aux_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
+        self.seed = recipe.training.seed
+
+    def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
+        ids, attn = batch["input_ids"], batch["attention_mask"]
+        if "hidden" in batch:
+            feats = {k: batch[k].float() for k in ("hidden", "aux") if k in batch}
+        else:
+            feats = base_features(self.base, ids, attn, self.aux_ids)
+        with torch.no_grad():
+            embeds = self.base.get_input_embeddings()(shift_left(ids, 1))  # embed(x_{t+1}) (B,T,H)
+            next_is_target = shift_left(batch["loss_mask"].bool(), 1, False)
+            row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
+            row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
+            base_logits = self.base.get_output_embeddings()(
+                feats["hidden"][next_is_target]
+            )  # p rows
+        if self.heads.config.version == 1:
+            return self._eagle1(feats["hidden"], embeds, next_is_target, row_of, base_logits, step)
+        return self._eagle3(feats["aux"], embeds, attn, next_is_target, row_of, base_logits)
+
+    def _eagle1(self, hidden, embeds, next_is_target, row_of, base_logits, step):
+        B, T, H = hidden.shape
+        x = hidden
+        if self.training and self.spec.feature_noise > 0:  # seeded by step: resume is exact
+            g = torch.Generator(device=hidden.device).manual_seed(self.seed * 1_000_003 + step)
+            x = (
+                hidden
+                + (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5)
+                * self.spec.feature_noise
+            )
+        pos = torch.arange(T, device=hidden.device).expand(B, T)
+        out = self.heads(embeds, x, pos)  # (B,T,H): predicted f_{t+1}
+        valid = shift_left(
+            next_is_target, 1, False
+        )  # the token after f_{t+1}, x_{t+2}, is a target
+        pred, true = out[valid], shift_left(hidden, 1)[valid]
+        rows = shift_left(row_of, 1, -1)[valid]
+        target = base_logits[rows].float().softmax(-1)
+        logits = self.heads.compute_logits(pred, self.base.get_output_embeddings()).float()
+        feature_loss = F.smooth_l1_loss(pred.float(), true.float())
+        token_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
+        loss = (
+            self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
+        )
+        top1 = (logits.argmax(-1) == target.argmax(-1)).float()
+        return loss, {
+            "feature_loss": float(feature_loss),
+            "token_loss": float(token_loss),
+            "step0/top1": float(top1.mean()),
+            "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
+        }
+
+    def _eagle3(self, aux, embeds, attn, next_is_target, row_of, base_logits):
+        B, T, _ = aux.shape
+        draft = self.heads
+        draft_ids = torch.nonzero(draft.t2d).flatten()  # base ids of the draft vocabulary
+        hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
+        cache = DynamicCache(config=draft.llama_config)
+        pos = torch.arange(T, device=aux.device).expand(B, T)
+        loss = aux.new_zeros(())
+        correct, metrics = [], {}
+        for j in range(self.spec.ttt_steps):
+            valid = shift_left(
+                next_is_target, j + 1, False
+            )  # target x_{t+2+j} is an assistant token
+            if not valid.any():
+                break
+            mask = ttt_mask(T, j, attn == 0, hidden.dtype)
+            out = draft(
+                shift_left(embeds, j), hidden, pos + j, attention_mask=mask, cache=cache
+            )  # (B,T,H)
+            logits = draft.compute_logits(out[valid]).float()  # (n_j, V_draft)
+            p = base_logits[shift_left(row_of, j + 1, -1)[valid]].float().softmax(-1)
+            target = p[:, draft_ids]
+            target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
+            loss = loss + self.decay**j * -(target * logits.log_softmax(-1)).sum(-1).mean()
+            ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
+            ok[valid] = draft.to_base_ids(logits.argmax(-1)) == p.argmax(-1)
+            correct.append(ok[next_is_target])
+            metrics[f"step{j}/top1"] = float(ok[valid].float().mean())
+            hidden = out
+        metrics["sim_tau"] = (
+            float(chain_accept_length(torch.stack(correct)).float().mean()) if correct else 1.0
+        )
+        return loss, metrics
+
+
+def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
+    spec = recipe.heads
+    cfg = EagleConfig.from_base(
+        base.config,
+        version=spec.version,
+        draft_vocab_size=spec.draft_vocab_size,
+        aux_layer_ids=spec.aux_layer_ids,
+    )
+    draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
+    if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
+        draft.set_vocab_map(
+            draft_vocabulary(
+                recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size
+            )
+        )
+    return draft.to(base.device)
+
+
+def training_function(recipe: Recipe) -> dict:
+    accelerator = make_accelerator(recipe)
+    base, tokenizer = load_frozen_base(recipe, accelerator)
+    spec = recipe.heads
+    aux_ids = []
+    if spec.version == 3:
+        aux_ids = spec.aux_layer_ids or EagleConfig.from_base(base.config).aux_layer_ids
+    train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator, aux_ids)
+    with accelerator.main_process_first():
+        draft = build_draft(recipe, base, train_ds)
+    model = EagleTrainee(base, draft, recipe)
+    assert_trainable(model, draft.num_trainable_parameters(), accelerator)
+    per_epoch, total = count_steps(len(train_ds), recipe, accelerator)
+    optimizer, scheduler = make_optimizer(
+        recipe, [p for p in draft.parameters() if p.requires_grad], total
+    )
+    model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    step, epoch, skip, best = 0, 0, 0, {}
+    if (ckpt := resolve_resume(recipe.training.resume, recipe.output.dir)) is not None:
+        state = load_checkpoint(accelerator, ckpt)
+        step, epoch, skip, best = (
+            state["step"],
+            state["epoch"],
+            state["batch_in_epoch"],
+            state.get("metrics", {}),
+        )
+        accelerator.print(f"resumed from {ckpt} at step {step}")
+    log = MetricsLog(recipe, accelerator)
+    pad_id, device = tokenizer.pad_token_id, accelerator.device
+    eval_every = recipe.training.eval_every_steps or per_epoch
+    save_every = recipe.training.save_every_steps or per_epoch
+    bar = tqdm(
+        total=total,
+        initial=step,
+        desc=f"eagle-{spec.version}",
+        disable=not accelerator.is_main_process,
+    )
+    tokens, t0 = 0, time.perf_counter()
+    model.train()
+    while step < total:
+        batches = epoch_batches(len(train_ds), recipe, epoch, accelerator)
+        for bi in range(skip, len(batches)):
+            batch = collate(train_ds, batches[bi], pad_id, device)
+            with accelerator.accumulate(model):
+                loss, metrics = model(batch, step)
+                accelerator.backward(loss)
+                if accelerator.sync_gradients:
+                    accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
+                optimizer.step()
+                scheduler.step()
+                optimizer.zero_grad()
+            tokens += int(batch["attention_mask"].sum())
+            if not accelerator.sync_gradients:
+                continue
+            step += 1
+            bar.update(1)
+            loss_value = float(accelerator.reduce(loss.detach(), "mean"))
+            check_finite(loss_value, step, recipe.output.dir)
+            if step % recipe.logging.log_every_steps == 0 or step == total:
+                rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
+                log.log(
+                    {
+                        "loss": loss_value,
+                        "lr": scheduler.get_last_lr()[0],
+                        "tokens_per_s": rate,
+                        **metrics,
+                    },
+                    step,
+                )
+                bar.set_postfix(
+                    loss=f"{loss_value:.3f}", top1=f"{metrics.get('step0/top1', 0):.2f}"
+                )
+            if step % eval_every == 0 or step == total:
+                best = (
+                    evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)
+                    if len(eval_ds)
+                    else {}
+                )
+                log.log(best, step)
+                accelerator.print(
+                    f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in best.items())
+                )
+            done_epoch = bi + 1 == len(batches)
+            if step % save_every == 0 or step == total:
+                state = {
+                    "step": step,
+                    "epoch": epoch + done_epoch,
+                    "batch_in_epoch": 0 if done_epoch else bi + 1,
+                    "metrics": best,
+                }
+                save_checkpoint(
+                    accelerator,
+                    recipe.output.dir,
+                    recipe,
+                    state,
+                    recipe.training.keep_last_checkpoints,
+                )
+            if step >= total:
+                break
+        epoch, skip = epoch + 1, 0
+    bar.close()
+    save_final(recipe, accelerator.unwrap_model(model).heads, accelerator, best)
+    accelerator.end_training()
+    return best
+
+
+def main(argv: list[str] | None = None) -> None:
+    training_function(parse_args(argv, "eagle"))
+
+
+if __name__ == "__main__":
+    main()
