@@ -82,3 +82,13 @@ class Drafter:
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         """Propose a tree rooted at `sequence[-1]` (sequence: (T,), prompt + generated)."""
         raise NotImplementedError
+
+    def configure(self, **options) -> None:
+        """Change the tree shape between steps (the adaptive policy's arms)."""
+        raise NotImplementedError(f"{type(self).__name__} has no tree settings to adapt")
+
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        """Settings worth trying on `device`; None is plain decoding. Small trees on a CPU,
+        where a forward's cost grows with its tokens; larger ones on a GPU, where it hardly does.
+        `{}` is the drafter as it is configured."""
+        return [None, {}]

@@ -31,9 +31,11 @@ from inference.acceptance import (
     verify_typical,
     warp_probs,
 )
-from inference.draft import Drafter, Sampling
+from inference.adaptive import AdaptivePolicy
+from inference.draft import Draft, Drafter, Sampling
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
+from inference.tree import tree_from_parents
 
 
 @dataclass
@@ -89,6 +91,13 @@ class SpeculativeGenerator:
         base: a transformers causal LM (unmodified; sdpa or eager attention).
         heads_or_drafter: MedusaHeads, EagleDraft, a small draft model with the same
             vocabulary, a `Drafter`, or None for n-gram prompt lookup.
+        lazy_logits: compute the base's lm_head only for the tree nodes the verifier visits
+            (default on a CPU, where each row is costly).
+        adaptive: choose, step by step, the drafter setting or plain decoding with the most
+            measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
+            list gives the arms; the default is on unless `drafter_options` fix the settings.
+            Every arm is lossless; with sampling, the same seed reproduces the same text only
+            with fixed settings (arm choices follow timings).
         **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
             (EAGLE), `num_tokens=4` (draft model, n-gram).
     """
@@ -99,6 +108,7 @@ class SpeculativeGenerator:
         heads_or_drafter=None,
         *,
         lazy_logits: bool | None = None,
+        adaptive: bool | list[dict | None] | None = None,
         **drafter_options,
     ) -> None:
         self.base = base
@@ -108,6 +118,14 @@ class SpeculativeGenerator:
         # verifier computes only the rows it visits; a GPU does all N rows in one matmul.
         device = next(base.parameters()).device
         self.lazy_logits = device.type == "cpu" if lazy_logits is None else lazy_logits
+        # Adaptive by default, unless the caller fixed the drafter's settings.
+        if adaptive is None:
+            adaptive = not drafter_options
+        self.arms = None
+        if adaptive:
+            self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)
+        self.policy: AdaptivePolicy | None = None  # the last generation's (see `.summary()`)
+        self._root_only = tree_from_parents([-1], device=device)
 
     # -- one forward of the base --------------------------------------------------------------
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
@@ -259,12 +277,24 @@ class SpeculativeGenerator:
         first, done = finish([root])
         generated.extend(first)
         yield first
+        policy = self.policy = AdaptivePolicy.from_options(self.arms) if self.arms else None
+        current_arm = -1
         while not done:
             prefix = cache.get_seq_length()
             if prefix + self.drafter.max_nodes + 1 > max_positions:
                 break  # the context is full
-            t0 = time.perf_counter()
-            draft = self.drafter.propose(sequence, sampling)
+            t_step = t0 = time.perf_counter()
+            arm = policy.choose() if policy else -1
+            options = policy.arms[arm].options if policy else {}
+            if options is None:  # plain decoding: the root alone, one token per step
+                draft = Draft(
+                    self._root_only, sequence[-1:], torch.zeros(1, dtype=torch.bool, device=device)
+                )
+            else:
+                if arm != current_arm and options:
+                    self.drafter.configure(**options)
+                    current_arm = arm
+                draft = self.drafter.propose(sequence, sampling)
             timings["draft"] += time.perf_counter() - t0
             mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
             positions = tree_position_ids(draft.tree, prefix)
@@ -284,6 +314,8 @@ class SpeculativeGenerator:
             timings["draft"] += time.perf_counter() - t0
             new = accepted[1:].tolist() + [acc.bonus_token]
             stats["accepted_lengths"].append(len(new))
+            if policy:
+                policy.update(arm, len(new), time.perf_counter() - t_step)
             new, done = finish(new)
             generated.extend(new)
             sequence = torch.cat([sequence, sequence.new_tensor(new)])

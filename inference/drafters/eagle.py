@@ -57,20 +57,53 @@ class EagleDrafter(Drafter):
         self.total_tokens = min(total_tokens, most)
         self.max_nodes = self.total_tokens
 
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        if device.type == "cpu":  # a CPU forward's cost grows with its tokens: chains, small trees
+            return [
+                None,
+                {"top_k": 1, "depth": 2, "total_tokens": 3},
+                {"top_k": 1, "depth": 4, "total_tokens": 5},
+                {"top_k": 2, "depth": 4, "total_tokens": 8},
+                {"top_k": 3, "depth": 5, "total_tokens": 12},
+            ]
+        return [
+            None,
+            {"top_k": 4, "depth": 5, "total_tokens": 24},
+            {"top_k": 8, "depth": 6, "total_tokens": 60},
+        ]
+
     def reset(self) -> None:
         self.cache = self.draft.new_cache()
         self._root_hidden: torch.Tensor | None = None  # (H,) draft output at the root's pair
+        self._pending: list[tuple] = []  # accepted (tokens, features, next token) not yet fed
+
+    def observe(self, tokens, hidden, aux, next_token) -> None:
+        # Fed lazily at the next propose: steps of plain decoding (the adaptive policy) then
+        # cost no draft forward, and their tokens go in one batched forward later.
+        self._pending.append(
+            (tokens, aux if self.draft.config.version == 3 else hidden, next_token)
+        )
 
     @torch.no_grad()
-    def observe(self, tokens, hidden, aux, next_token) -> None:
-        # Pair at position t: (embed(x_{t+1}), feature_t). The accepted tokens' successors are
-        # tokens[1:] and then the next root.
+    def _feed_pending(self) -> None:
+        """Pair at position t: (embed(x_{t+1}), feature_t). The accepted tokens' successors are
+        tokens[1:] and then the next root."""
+        tokens = torch.cat([p[0] for p in self._pending])
+        feats = torch.cat([p[1] for p in self._pending])  # (A,H) or (A,3H)
+        successors = []
+        for tok, _, nxt in self._pending:
+            successors += tok[1:].tolist() + [nxt]
+        self._pending.clear()
         dev = tokens.device
         start = self.cache.get_seq_length()
-        nxt = torch.cat([tokens[1:], torch.tensor([next_token], device=dev)])
-        feat = self.draft.fuse(aux) if self.draft.config.version == 3 else hidden  # (A,H)
+        feat = (
+            self.draft.fuse(feats.to(self._dtype))
+            if self.draft.config.version == 3
+            else feats.to(self._dtype)
+        )
         pos = torch.arange(start, start + tokens.numel(), device=dev)[None]
-        out = self.draft(self.embed(nxt)[None], feat[None].to(self._dtype), pos, cache=self.cache)
+        nxt = torch.tensor(successors, device=dev)
+        out = self.draft(self.embed(nxt)[None], feat[None], pos, cache=self.cache)
         self._root_hidden = out[0, -1]
 
     @property
@@ -84,6 +117,8 @@ class EagleDrafter(Drafter):
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         dev = sequence.device
         root = sequence[-1:]
+        if self._pending:
+            self._feed_pending()
         if self.depth == 0 or self.total_tokens == 1:
             return Draft(
                 tree_from_parents([-1], device=dev),

@@ -13,17 +13,27 @@ import torch
 
 from heads.medusa import MedusaHeads
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import get_preset, tree_from_choices
+from inference.tree import (
+    DEFAULT_ACCURACIES,
+    build_static_tree,
+    chain_choices,
+    get_preset,
+    tree_from_choices,
+)
 
 
 class MedusaDrafter(Drafter):
     """Static-tree drafter over Medusa heads; every node is a point mass (top-k)."""
 
     def __init__(
-        self, heads: MedusaHeads, choices: str | Sequence[Sequence[int]] = "cpu-8"
+        self, heads: MedusaHeads, choices: str | Sequence[Sequence[int]] | None = None
     ) -> None:
         self.heads = heads
-        self.set_tree(choices)
+        # Default: an 8-node tree for these heads (Medusa's greedy construction, assumed accuracies).
+        K = heads.config.num_heads
+        self.set_tree(
+            choices if choices is not None else build_static_tree(DEFAULT_ACCURACIES[:K], 8)
+        )
         self._hidden: torch.Tensor | None = None
 
     def set_tree(self, choices: str | Sequence[Sequence[int]]) -> None:
@@ -41,6 +51,18 @@ class MedusaDrafter(Drafter):
         self._heads_used = int(depths.max()) if depths.numel() else 0
         self._top = int(ranks.max()) + 1 if ranks.numel() else 0
         self._head_of, self._rank_of = depths - 1, ranks
+
+    def configure(self, choices: str | Sequence[Sequence[int]]) -> None:
+        self.set_tree(choices)
+
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        K = self.heads.config.num_heads
+        accuracies = DEFAULT_ACCURACIES[:K]
+        sizes = (8, 16) if device.type == "cpu" else (32, 64)
+        trees = [build_static_tree(accuracies, n) for n in sizes]
+        return [None, {"choices": chain_choices(1)}, {"choices": chain_choices(K)}] + [
+            {"choices": t} for t in trees
+        ]
 
     def reset(self) -> None:
         self._hidden = None

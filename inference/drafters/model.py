@@ -28,6 +28,12 @@ class ModelDrafter(Drafter):
         self.max_nodes = 1 + num_tokens
         self.reset()
 
+    def configure(self, num_tokens: int) -> None:
+        self.num_tokens, self.max_nodes = num_tokens, 1 + num_tokens
+
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        return [None, {"num_tokens": 2}, {"num_tokens": 4}, {"num_tokens": 6}]
+
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self._fed: list[int] = []  # tokens whose keys/values are in self.cache

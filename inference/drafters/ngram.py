@@ -18,6 +18,12 @@ class NgramDrafter(Drafter):
         self.num_tokens, self.max_ngram, self.min_ngram = num_tokens, max_ngram, min_ngram
         self.max_nodes = 1 + num_tokens
 
+    def configure(self, num_tokens: int) -> None:
+        self.num_tokens, self.max_nodes = num_tokens, 1 + num_tokens
+
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        return [None, {"num_tokens": 3}, {"num_tokens": 6 if device.type == "cpu" else 10}]
+
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         return Draft.chain(int(sequence[-1]), self.lookup(sequence), sequence.device)
 

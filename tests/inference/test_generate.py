@@ -97,7 +97,7 @@ def test_good_tree_drafts_are_accepted_and_exact():
         torch.manual_seed(seed)
         prompt = torch.randint(3, 256, (1, 8))
         ref = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)
-        out = SpeculativeGenerator(base, OracleDrafter(base, prompt)).generate(
+        out = SpeculativeGenerator(base, OracleDrafter(base, prompt), adaptive=False).generate(
             prompt, max_new_tokens=40, eos_token_id=[]
         )
         assert torch.equal(out.sequences, ref)
