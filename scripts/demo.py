@@ -1,0 +1,130 @@
+"""The end-to-end demo on the embedded SmolLM2-135M-Instruct, on any machine (no GPU, no Hub):
+self-distill, train Medusa heads and an EAGLE-3 draft layer, benchmark both against the plain
+model, and write a report. Re-running reuses every finished stage.
+
+    python scripts/demo.py [--prompts FILE.jsonl|humaneval] [--limit N] [--max-new-tokens N] [--out runs/demo]
+
+Stages run as subprocesses (each with its own progress bar):
+1. scripts/distill.py recipes/smollm2-135m-medusa.yaml (the EAGLE recipe shares its data)
+2. train/medusa.py recipes/smollm2-135m-medusa.yaml
+3. train/eagle.py recipes/smollm2-135m-eagle.yaml
+4. scripts/bench.py over the prompts (MT-bench when found, else HumanEval) -> OUT/REPORT.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+MEDUSA = ROOT / "recipes/smollm2-135m-medusa.yaml"
+EAGLE = ROOT / "recipes/smollm2-135m-eagle.yaml"
+# MT-bench's questions are public data that headstart does not ship; a copy is looked for here.
+MT_BENCH_CANDIDATES = [
+    os.environ.get("HEADSTART_MT_BENCH", ""),
+    "mt_bench.jsonl",
+    "../shared/data/mt_bench.jsonl",
+]
+
+
+def run_stage(name: str, args: list[str], timings: dict[str, float]) -> None:
+    print(f"\n=== {name}: {' '.join(args)}", flush=True)
+    start = time.perf_counter()
+    result = subprocess.run([sys.executable, *args], cwd=ROOT)
+    timings[name] = time.perf_counter() - start
+    if result.returncode != 0:
+        raise SystemExit(
+            f"demo: stage '{name}' failed (exit {result.returncode}); rerun `make demo` to resume"
+        )
+
+
+def default_prompts() -> str:
+    for candidate in MT_BENCH_CANDIDATES:
+        if candidate and (ROOT / candidate).is_file():
+            return str((ROOT / candidate).resolve())
+    return "humaneval"
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument(
+        "--prompts",
+        default=None,
+        help="benchmark prompts (default: MT-bench if found, else humaneval)",
+    )
+    parser.add_argument("--limit", type=int, default=24, help="benchmark prompts to run")
+    parser.add_argument("--max-new-tokens", type=int, default=128)
+    parser.add_argument("--out", default="runs/demo")
+    args = parser.parse_args(argv)
+    out = ROOT / args.out
+    out.mkdir(parents=True, exist_ok=True)
+    timings: dict[str, float] = {}
+
+    run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings)
+    for name, script, recipe, heads in (
+        ("train medusa", "train/medusa.py", MEDUSA, "runs/smollm2-medusa/heads"),
+        ("train eagle-3", "train/eagle.py", EAGLE, "runs/smollm2-eagle/heads"),
+    ):
+        if (ROOT / heads / "config.json").is_file():
+            print(f"\n=== {name}: {heads} exists, reused (delete it to retrain)")
+            continue
+        run_stage(name, [script, str(recipe)], timings)
+
+    prompts = args.prompts or default_prompts()
+    bench_out = out / "bench"
+    run_stage(
+        "benchmark",
+        [
+            "scripts/bench.py",
+            "--base",
+            "smollm2-135m-instruct",
+            "--heads",
+            "runs/smollm2-medusa/heads",
+            "runs/smollm2-eagle/heads",
+            "--methods",
+            "baseline,hf-lookup,ngram,heads",
+            "--prompts",
+            prompts,
+            "--limit",
+            str(args.limit),
+            "--max-new-tokens",
+            str(args.max_new_tokens),
+            "--out",
+            str(bench_out),
+        ],
+        timings,
+    )
+    write_report(out, bench_out, timings, prompts)
+    print(f"\nreport: {out / 'REPORT.md'}")
+    return 0
+
+
+def write_report(out: Path, bench_out: Path, timings: dict[str, float], prompts: str) -> None:
+    lines = [
+        "# headstart demo report",
+        "",
+        f"Prompts: `{prompts}`",
+        "",
+        "## Stage wall times (this run)",
+        "",
+    ]
+    lines += [f"- {name}: {seconds / 60:.1f} min" for name, seconds in timings.items()]
+    lines += ["", "## Held-out training metrics", ""]
+    for name in ("smollm2-medusa", "smollm2-eagle"):
+        path = ROOT / "runs" / name / "heads" / "training_metrics.json"
+        if path.is_file():
+            metrics = json.loads(path.read_text())
+            lines.append(f"- {name}: " + ", ".join(f"{k} {v:.3f}" for k, v in metrics.items()))
+    lines += ["", "## Benchmark", "", (bench_out / "results.md").read_text()]
+    (out / "REPORT.md").write_text("\n".join(lines) + "\n")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
