@@ -112,8 +112,8 @@ class EagleTrainee(Trainee):
         )
         top1 = (logits.argmax(-1) == target.argmax(-1)).float()
         return loss, {
-            "feature_loss": float(feature_loss),
-            "token_loss": float(token_loss),
+            "feature_loss": float(feature_loss.detach()),
+            "token_loss": float(token_loss.detach()),
             "step0/top1": float(top1.mean()),
             "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
         }
@@ -198,7 +198,7 @@ def training_function(recipe: Recipe) -> dict:
             state.get("metrics", {}),
         )
         accelerator.print(f"resumed from {ckpt} at step {step}")
-    log = MetricsLog(recipe, accelerator)
+    log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch
     save_every = recipe.training.save_every_steps or per_epoch

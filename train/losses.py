@@ -39,7 +39,8 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,T) bool: label in the top-k of logits."""
+    """(B,T) bool: label in the top-k of logits (every label when k >= V)."""
+    k = min(k, logits.shape[-1])
     return (logits.topk(k, dim=-1).indices == labels[..., None]).any(-1)
 
 

@@ -116,7 +116,7 @@ class MedusaTrainee(Trainee):
                 (p * (p.clamp(min=1e-12).log() - adapted)).sum(-1).mean()
             )  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
-            metrics["kl"] = float(kl)
+            metrics["kl"] = float(kl.detach())
         metrics["sim_tau"] = (
             float(chain_accept_length(torch.stack(chain)).float().mean()) if chain else 1.0
         )
@@ -192,7 +192,7 @@ def training_function(recipe: Recipe) -> dict:
             state.get("metrics", {}),
         )
         accelerator.print(f"resumed from {ckpt} at step {step}")
-    log = MetricsLog(recipe, accelerator)
+    log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch
     save_every = recipe.training.save_every_steps or per_epoch

@@ -5,13 +5,14 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import random
 import sys
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import set_seed
+from accelerate.utils import DataLoaderConfiguration, set_seed
 from transformers import get_cosine_schedule_with_warmup
 
 from heads import load_base
@@ -50,17 +51,33 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
 def make_accelerator(recipe: Recipe) -> Accelerator:
     log_with = None if recipe.logging.report_to == "none" else recipe.logging.report_to
     if log_with == "wandb":
-        import os
-
         os.environ.setdefault(
             "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
         )
+    # Several processes (torchrun, `accelerate launch --multi_gpu`) on a machine without a GPU:
+    # accelerate joins them with gloo only when told cpu=True; otherwise each trains alone.
+    world = int(os.environ.get("WORLD_SIZE", "1"))
     accelerator = Accelerator(
         gradient_accumulation_steps=recipe.training.gradient_accumulation_steps,
         mixed_precision=recipe.training.mixed_precision,
         log_with=log_with,
         project_dir=recipe.output.dir,
+        cpu=world > 1 and not torch.cuda.is_available(),
+        # epoch_batches already gives each process its own batches and count_steps counts
+        # optimizer steps: the prepared scheduler must step once per step, not once per process.
+        dataloader_config=DataLoaderConfiguration(split_batches=True),
     )
+    if world > 1 and accelerator.num_processes == 1:
+        raise RuntimeError(
+            f"{world} processes were launched but accelerate joined {accelerator.num_processes}: "
+            "each would train alone and overwrite the others' files"
+        )
+    deepspeed = accelerator.state.deepspeed_plugin
+    if deepspeed is not None and deepspeed.is_auto("train_micro_batch_size_per_gpu"):
+        # accelerate reads "auto" from a prepared DataLoader; the recipes batch by themselves.
+        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = (
+            recipe.training.micro_batch_size
+        )
     if log_with:
         accelerator.init_trackers(recipe.logging.project, config=_flat(recipe))
     set_seed(recipe.training.seed)
@@ -151,11 +168,22 @@ def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tu
 class MetricsLog:
     """metrics.jsonl on the main process (one line per log) + accelerate trackers."""
 
-    def __init__(self, recipe: Recipe, accelerator: Accelerator) -> None:
+    def __init__(self, recipe: Recipe, accelerator: Accelerator, start_step: int = 0) -> None:
         self.accelerator = accelerator
         self.path = Path(recipe.output.dir) / "metrics.jsonl"
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            if self.path.is_file():
+                # Lines past `start_step` come from a run killed after its last checkpoint: this
+                # run logs those steps again. A fresh run (start_step 0) starts a new file.
+                kept = [
+                    line
+                    for line in self.path.read_text().splitlines(keepends=True)
+                    if line.strip() and json.loads(line)["step"] <= start_step
+                ]
+                tmp = self.path.with_name(self.path.name + ".tmp")
+                tmp.write_text("".join(kept))
+                tmp.replace(self.path)
 
     def log(self, metrics: dict, step: int) -> None:
         if self.accelerator.is_main_process:
@@ -184,6 +212,14 @@ def save_final(recipe: Recipe, heads, accelerator: Accelerator, metrics: dict) -
 class Trainee(torch.nn.Module):
     """The module a recipe trains: the base and its heads. Checkpoints hold only what trains
     (heads, LoRA adapters) and the heads' buffers, never the frozen base."""
+
+    def train(self, mode: bool = True):
+        """`mode` for the heads; a frozen base stays in eval mode (no dropout in its features),
+        while Medusa-2's LoRA-adapted base follows `mode`."""
+        super().train(mode)
+        if not any(p.requires_grad for p in self.base.parameters()):
+            self.base.eval()
+        return self
 
     def _kept(self) -> set[str]:
         keep = {n for n, p in self.named_parameters() if p.requires_grad}

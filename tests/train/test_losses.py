@@ -1,0 +1,168 @@
+"""train/losses.py and EAGLE-3's training-time-test mask, on hand-written tensors."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from train.eagle import ttt_mask
+from train.losses import (
+    chain_accept_length,
+    hard_cross_entropy,
+    medusa_loss,
+    shift_left,
+    soft_cross_entropy,
+    topk_correct,
+)
+
+
+def test_shift_left_moves_along_time_and_fills_the_end():
+    x = torch.tensor([[1, 2, 3, 4], [5, 6, 7, 8]])
+    assert shift_left(x, 1).tolist() == [[2, 3, 4, 0], [6, 7, 8, 0]]
+    assert shift_left(x, 2, -1).tolist() == [[3, 4, -1, -1], [7, 8, -1, -1]]
+    assert shift_left(x, 0) is x
+    assert shift_left(x, 4, 9).tolist() == [[9] * 4, [9] * 4]
+    mask = torch.tensor([[False, True, True]])
+    assert shift_left(mask, 1, False).tolist() == [[True, True, False]]
+    h = torch.arange(12.0).view(1, 3, 4)  # (B,T,H): whole feature vectors move
+    assert shift_left(h, 1).tolist() == [[[4, 5, 6, 7], [8, 9, 10, 11], [0, 0, 0, 0]]]
+
+
+def test_chain_accept_length_counts_leading_correct_steps_plus_the_bonus_token():
+    correct = torch.tensor(
+        [  # (K=3 steps, N=4 positions)
+            [1, 1, 0, 1],
+            [1, 0, 1, 1],
+            [0, 1, 1, 1],
+        ],
+        dtype=torch.bool,
+    )
+    # Position 1: step 1 is wrong, so step 2's hit does not count; position 2: nothing accepted.
+    assert chain_accept_length(correct).tolist() == [3, 2, 1, 4]
+    assert chain_accept_length(torch.zeros(0, 2, dtype=torch.bool)).tolist() == [1, 1]
+
+
+def test_soft_cross_entropy_averages_over_masked_positions_only():
+    logits = torch.tensor([[[0.0, 0.0], [2.0, 0.0], [50.0, -50.0]]])  # (B=1,T=3,V=2)
+    target = torch.tensor([[[1.0, 0.0], [0.5, 0.5], [0.0, 1.0]]])
+    mask = torch.tensor([[1.0, 1.0, 0.0]])  # the last position (a huge loss) is masked out
+    lse = math.log(math.exp(2) + 1)
+    expected = (math.log(2) + 0.5 * (lse - 2) + 0.5 * lse) / 2
+    assert float(soft_cross_entropy(logits, target, mask)) == pytest.approx(expected, rel=1e-6)
+    assert float(soft_cross_entropy(logits, target, torch.zeros(1, 3))) == 0.0  # no 0/0
+
+
+def test_hard_cross_entropy_averages_over_masked_positions_only():
+    logits = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 0.0, 0.0]], [[0.0, 3.0, 0.0], [9.0, 0.0, 0.0]]])
+    labels = torch.tensor([[0, 2], [1, -100]])  # an ignored label under the mask is fine
+    mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
+    ce = [
+        -math.log(math.e / (math.e + 2)),
+        math.log(3),
+        -math.log(math.exp(3) / (math.exp(3) + 2)),
+    ]
+    loss = hard_cross_entropy(logits, labels, mask)
+    assert float(loss) == pytest.approx(sum(ce) / 3, rel=1e-6)
+    assert float(hard_cross_entropy(logits, labels.clamp(min=0), torch.zeros(2, 2))) == 0.0
+
+
+def test_topk_correct():
+    logits = torch.tensor([[[0.1, 0.5, 0.4], [0.9, 0.05, 0.05]]])
+    labels = torch.tensor([[2, 0]])
+    assert topk_correct(logits, labels, 1).tolist() == [[False, True]]
+    assert topk_correct(logits, labels, 2).tolist() == [[True, True]]
+    assert topk_correct(logits, labels, 5).all()  # k past the vocabulary: everything is in
+
+
+def one_hot_logits(tokens: torch.Tensor, V: int, scale: float = 30.0) -> torch.Tensor:
+    return torch.nn.functional.one_hot(tokens, V).float() * scale
+
+
+def test_medusa_loss_targets_token_t_plus_k_plus_2_with_decay():
+    # labels (B=1,T=6); head k at position t must predict labels[t + k + 2].
+    labels = torch.tensor([[5, 1, 2, 3, 4, 0]])
+    V, K = 6, 2
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1]])  # assistant tokens from t=2
+    right = torch.stack([one_hot_logits(shift_left(labels, k + 2), V) for k in range(K)])
+    loss, stats = medusa_loss(right, labels, mask)
+    assert float(loss) < 1e-6
+    # head 0 is checked at t=0..3 (targets 2..5), head 1 at t=0..2 (targets 3..5)
+    assert [s[0].tolist() for s in stats] == [[True] * 4, [True] * 3]
+
+    uniform = torch.zeros(K, 1, 6, V)  # CE log(V) at every valid position of every head
+    loss, stats = medusa_loss(uniform, labels, mask, decay=0.5)
+    assert float(loss) == pytest.approx((1 + 0.5) * math.log(V), rel=1e-6)
+    # Wrong only where the target is outside the mask: no effect on the loss.
+    wrong_outside = right.clone()
+    wrong_outside[0, 0, 4:] = 0.0  # head 0 at t=4,5: targets t+2 = 6, 7 do not exist
+    assert float(medusa_loss(wrong_outside, labels, mask)[0]) < 1e-6
+
+
+def test_medusa_loss_soft_labels_use_the_base_distribution_one_step_later():
+    labels = torch.tensor([[0, 1, 2, 3]])
+    mask = torch.ones(1, 4)
+    V = 4
+    # The base's distribution at t predicts token t+1: head 0 at t learns it at t+1.
+    base_probs = torch.nn.functional.one_hot(shift_left(labels, 1), V).float()
+    head = one_hot_logits(shift_left(labels, 2), V)[None]
+    loss, _ = medusa_loss(head, labels, mask, target_probs=base_probs)
+    assert float(loss) < 1e-6
+
+
+@pytest.mark.parametrize("soft", [True, False])
+def test_medusa_recipe_loss_equals_medusa_loss(tiny_llama, soft):
+    """train/medusa.py computes its loss on the valid rows only; it must equal the dense
+    reference on the full vocabulary, padding included."""
+    from heads import MedusaConfig, MedusaHeads
+    from train.config import load_recipe
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=3))
+    heads = heads.init_from_base(tiny_llama)
+    for block in heads.blocks:  # a fresh block is the identity; make the heads differ
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+    recipe = load_recipe(None, ["heads.num_heads=3", f"training.soft_labels={str(soft).lower()}"])
+    trainee = MedusaTrainee(tiny_llama, heads, recipe)
+    ids = torch.randint(3, 256, (2, 9))
+    attention = torch.tensor([[1] * 9, [1] * 6 + [0] * 3])
+    mask = torch.tensor([[0, 0, 1, 1, 1, 0, 1, 1, 1], [0, 1, 1, 1, 1, 1, 0, 0, 0]])
+    with torch.no_grad():
+        loss, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
+        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        probs = tiny_llama.lm_head(hidden).softmax(-1) if soft else None
+        expected, stats = medusa_loss(heads(hidden), ids, mask, 0.8, probs)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    for k, (top1, top5) in enumerate(stats):
+        assert metrics[f"head{k}/top1"] == pytest.approx(float(top1.float().mean()))
+        assert metrics[f"head{k}/top5"] == pytest.approx(float(top5.float().mean()))
+
+
+def test_ttt_mask_step_2_with_padding():
+    # B=2, T=3; the second example's last position is padding.
+    key_pad = torch.tensor([[False, False, False], [False, False, True]])
+    mask = ttt_mask(3, 2, key_pad, torch.float32)
+    assert mask.shape == (2, 1, 3, 9)  # (B,1,T,(step+1)T): step 0's keys, then steps 1 and 2
+    allowed = [
+        [  # causal over step 0 | own position in step 1 | own position in step 2
+            [1, 0, 0, 1, 0, 0, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0, 1, 0],
+            [1, 1, 1, 0, 0, 1, 0, 0, 1],
+        ],
+        [  # the padded key (position 2) is blocked in every step's block
+            [1, 0, 0, 1, 0, 0, 1, 0, 0],
+            [1, 1, 0, 0, 1, 0, 0, 1, 0],
+            [1, 1, 0, 0, 0, 0, 0, 0, 0],
+        ],
+    ]
+    blocked = torch.finfo(torch.float32).min
+    expected = torch.where(torch.tensor(allowed, dtype=torch.bool), 0.0, blocked)[:, None]
+    assert torch.equal(mask, expected)
+
+
+def test_ttt_mask_step_0_is_causal():
+    mask = ttt_mask(4, 0, torch.zeros(1, 4, dtype=torch.bool), torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and mask.shape == (1, 1, 4, 4)
+    assert torch.equal(mask[0, 0] == 0, torch.ones(4, 4, dtype=torch.bool).tril())
