@@ -71,7 +71,7 @@ class EagleTrainee(Trainee):
     def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
         ids, attn = batch["input_ids"], batch["attention_mask"]
         if "hidden" in batch:
-            feats = {k: batch[k].float() for k in ("hidden", "aux") if k in batch}
+            feats = {k: batch[k] for k in ("hidden", "aux") if k in batch}
         else:
             feats = base_features(self.base, ids, attn, self.aux_ids)
         with torch.no_grad():
@@ -79,9 +79,14 @@ class EagleTrainee(Trainee):
             next_is_target = shift_left(batch["loss_mask"].bool(), 1, False)
             row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
             row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
-            base_logits = self.base.get_output_embeddings()(
-                feats["hidden"][next_is_target]
+            lm_head = self.base.get_output_embeddings()
+            base_logits = lm_head(
+                feats["hidden"][next_is_target].to(lm_head.weight.dtype)
             )  # p rows
+        # The draft trains in fp32 whatever the base's dtype.
+        dtype = self.heads.fc.weight.dtype
+        feats = {k: v.to(dtype) for k, v in feats.items()}
+        embeds = embeds.to(dtype)
         if self.heads.config.version == 1:
             return self._eagle1(feats["hidden"], embeds, next_is_target, row_of, base_logits, step)
         return self._eagle3(feats["aux"], embeds, attn, next_is_target, row_of, base_logits)
@@ -104,7 +109,8 @@ class EagleTrainee(Trainee):
         pred, true = out[valid], shift_left(hidden, 1)[valid]
         rows = shift_left(row_of, 1, -1)[valid]
         target = base_logits[rows].float().softmax(-1)
-        logits = self.heads.compute_logits(pred, self.base.get_output_embeddings()).float()
+        lm_head = self.base.get_output_embeddings()
+        logits = lm_head(pred.to(lm_head.weight.dtype)).float()  # EAGLE-1 shares the base lm_head
         feature_loss = F.smooth_l1_loss(pred.float(), true.float())
         token_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
         loss = (
@@ -122,7 +128,7 @@ class EagleTrainee(Trainee):
         B, T, _ = aux.shape
         draft = self.heads
         draft_ids = torch.nonzero(draft.t2d).flatten()  # base ids of the draft vocabulary
-        hidden = draft.fuse(aux.to(draft.fc.weight.dtype))
+        hidden = draft.fuse(aux)
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)
         loss = aux.new_zeros(())
@@ -216,6 +222,10 @@ def training_function(recipe: Recipe) -> dict:
             batch = collate(train_ds, batches[bi], pad_id, device)
             with accelerator.accumulate(model):
                 loss, metrics = model(batch, step)
+                # Every micro-batch, before any update: a NaN never reaches the weights or a
+                # checkpoint (a collective, so every process stops together).
+                loss_value = float(accelerator.reduce(loss.detach(), "mean"))
+                check_finite(loss_value, step + 1, recipe.output.dir)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
@@ -227,8 +237,6 @@ def training_function(recipe: Recipe) -> dict:
                 continue
             step += 1
             bar.update(1)
-            loss_value = float(accelerator.reduce(loss.detach(), "mean"))
-            check_finite(loss_value, step, recipe.output.dir)
             if step % recipe.logging.log_every_steps == 0 or step == total:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
                 log.log(

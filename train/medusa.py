@@ -76,7 +76,7 @@ class MedusaTrainee(Trainee):
         row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
         row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
         with torch.no_grad():  # the original base's distribution: the heads' soft labels
-            base_logits = lm_head(original[next_is_target])  # (n, V)
+            base_logits = lm_head(original[next_is_target].to(lm_head.weight.dtype))  # (n, V)
         base_top = base_logits.argmax(-1)
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
@@ -85,7 +85,14 @@ class MedusaTrainee(Trainee):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
             if not valid.any():
                 break
-            logits = self.heads.head_lm(k)(block(hidden[valid])).float()  # (n_k, V_draft)
+            # Heads train in fp32 whatever the base's dtype (a shared lm_head keeps the base's).
+            x = block(
+                hidden[valid].to(block.layers[0].weight.dtype)
+                if block.layers
+                else hidden[valid].float()
+            )
+            head_lm = self.heads.head_lm(k)
+            logits = head_lm(x.to(head_lm.weight.dtype)).float()  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if self.soft:
                 target = base_logits[rows].float().softmax(-1)  # (n_k, V)
@@ -110,7 +117,9 @@ class MedusaTrainee(Trainee):
             chain.append(ok[next_is_target])
         if self.lora:
             ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
-            adapted = lm_head(hidden[next_is_target]).float().log_softmax(-1)
+            adapted = (
+                lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
+            )
             p = base_logits.float().softmax(-1)
             kl = (
                 (p * (p.clamp(min=1e-12).log() - adapted)).sum(-1).mean()
@@ -142,7 +151,8 @@ def build_heads(recipe: Recipe, base, train_ds) -> MedusaHeads:
             recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
         )
     heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
-    return heads.to(device=base.device, dtype=torch.float32)
+    # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
+    return heads.to(device=base.device)
 
 
 def training_function(recipe: Recipe) -> dict:
@@ -205,6 +215,10 @@ def training_function(recipe: Recipe) -> dict:
             batch = collate(train_ds, batches[bi], pad_id, device)
             with accelerator.accumulate(model):
                 loss, metrics = model(batch, step)
+                # Every micro-batch, before any update: a NaN never reaches the weights or a
+                # checkpoint (a collective, so every process stops together).
+                loss_value = float(accelerator.reduce(loss.detach(), "mean"))
+                check_finite(loss_value, step + 1, recipe.output.dir)
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
@@ -216,8 +230,6 @@ def training_function(recipe: Recipe) -> dict:
                 continue
             step += 1
             bar.update(1)
-            loss_value = float(accelerator.reduce(loss.detach(), "mean"))
-            check_finite(loss_value, step, recipe.output.dir)
             if step % recipe.logging.log_every_steps == 0 or step == total:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
                 log.log(
@@ -261,7 +273,8 @@ def training_function(recipe: Recipe) -> dict:
                 break
         epoch, skip = epoch + 1, 0
     bar.close()
-    save_final(recipe, accelerator.unwrap_model(model).heads, accelerator, best)
+    trainee = accelerator.unwrap_model(model)
+    save_final(recipe, trainee.heads, accelerator, best, base=trainee.base)
     accelerator.end_training()
     return best
 

@@ -192,8 +192,14 @@ class MetricsLog:
         self.accelerator.log(metrics, step=step)
 
 
-def save_final(recipe: Recipe, heads, accelerator: Accelerator, metrics: dict) -> Path | None:
-    """Write the heads in the native format to OUTPUT/heads and push them when hub.repo_id is set."""
+def save_final(
+    recipe: Recipe, heads, accelerator: Accelerator, metrics: dict, base=None
+) -> Path | None:
+    """Write the heads in the native format to OUTPUT/heads and push them when hub.repo_id is set.
+
+    Medusa-2 (`base` a peft model): the heads read the LoRA-adapted base, so its adapters go to
+    OUTPUT/lora; serve with `PeftModel.from_pretrained(base, OUTPUT/lora).merge_and_unload()`.
+    """
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
@@ -203,6 +209,9 @@ def save_final(recipe: Recipe, heads, accelerator: Accelerator, metrics: dict) -
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
     accelerator.print(f"heads saved to {folder}")
+    if base is not None and hasattr(base, "peft_config"):
+        base.save_pretrained(Path(recipe.output.dir) / "lora")
+        accelerator.print(f"Medusa-2 LoRA adapters saved to {Path(recipe.output.dir) / 'lora'}")
     if recipe.hub.repo_id:
         url = heads.push_to_hub(recipe.hub.repo_id, private=recipe.hub.private)
         accelerator.print(f"pushed to {url}")

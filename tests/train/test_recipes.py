@@ -340,6 +340,8 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     assert sum(t.numel() for k, t in ckpt.items() if "lora_" in k) == lora
     train_lines, _ = read_metrics(out)
     assert sorted(train_lines) == [1, 2] and "kl" in train_lines[1]
+    adapter = load_file(out / "lora" / "adapter_model.safetensors")  # served with the heads
+    assert sum(t.numel() for t in adapter.values()) == lora
 
 
 @pytest.mark.slow
