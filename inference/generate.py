@@ -118,9 +118,10 @@ class SpeculativeGenerator:
         # verifier computes only the rows it visits; a GPU does all N rows in one matmul.
         device = next(base.parameters()).device
         self.lazy_logits = device.type == "cpu" if lazy_logits is None else lazy_logits
-        # Adaptive by default, unless the caller fixed the drafter's settings.
+        # Adaptive by default, unless the caller fixed the drafter's settings (options, or a
+        # drafter object built by the caller).
         if adaptive is None:
-            adaptive = not drafter_options
+            adaptive = not drafter_options and not isinstance(heads_or_drafter, Drafter)
         self.arms = None
         if adaptive:
             self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)
@@ -263,15 +264,16 @@ class SpeculativeGenerator:
                     new, done = new[: i + 1], True
                     stats["finished"] = True
                     break
-            if stop_strings:
-                text = tokenizer.decode(generated + new)
-                if any(
-                    s in text[max(text_len - max(map(len, stop_strings)), 0) :]
-                    for s in stop_strings
-                ):
-                    done = True
-                    stats["finished"] = True
-                text_len = len(text)
+            if stop_strings:  # stop at the token that completes a stop string, as HF does
+                longest = max(map(len, stop_strings))
+                for i in range(len(new)):
+                    text = tokenizer.decode(generated + new[: i + 1])
+                    tail = text[max(text_len - longest, 0) :]
+                    if any(s in tail for s in stop_strings):
+                        new, done = new[: i + 1], True
+                        stats["finished"] = True
+                        break
+                text_len = len(tokenizer.decode(generated + new))
             return new, done
 
         first, done = finish([root])
@@ -281,19 +283,20 @@ class SpeculativeGenerator:
         current_arm = -1
         while not done:
             prefix = cache.get_seq_length()
-            if prefix + self.drafter.max_nodes + 1 > max_positions:
-                break  # the context is full
             t_step = t0 = time.perf_counter()
             arm = policy.choose() if policy else -1
             options = policy.arms[arm].options if policy else {}
+            if options and arm != current_arm:
+                self.drafter.configure(**options)
+                current_arm = arm
+            nodes = 1 if options is None else self.drafter.max_nodes
+            if prefix + nodes + 1 > max_positions:
+                break  # the context is full
             if options is None:  # plain decoding: the root alone, one token per step
                 draft = Draft(
                     self._root_only, sequence[-1:], torch.zeros(1, dtype=torch.bool, device=device)
                 )
             else:
-                if arm != current_arm and options:
-                    self.drafter.configure(**options)
-                    current_arm = arm
                 draft = self.drafter.propose(sequence, sampling)
             timings["draft"] += time.perf_counter() - t0
             mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
@@ -313,10 +316,10 @@ class SpeculativeGenerator:
             )
             timings["draft"] += time.perf_counter() - t0
             new = accepted[1:].tolist() + [acc.bonus_token]
-            stats["accepted_lengths"].append(len(new))
             if policy:
                 policy.update(arm, len(new), time.perf_counter() - t_step)
             new, done = finish(new)
+            stats["accepted_lengths"].append(len(new))
             generated.extend(new)
             sequence = torch.cat([sequence, sequence.new_tensor(new)])
             yield new
