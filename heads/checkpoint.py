@@ -47,6 +47,11 @@ class PretrainedHeads(nn.Module):
                 tensors[name] = t.contiguous().clone()
             save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
             self.config.save(tmp)
+            floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
+            if floats:  # engines read the checkpoint dtype from config.json
+                config = json.loads((tmp / CONFIG_NAME).read_text())
+                config["torch_dtype"] = str(floats[0]).removeprefix("torch.")
+                (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
             (tmp / "README.md").write_text(model_card(self.config))
             folder.mkdir(parents=True, exist_ok=True)
             for f in tmp.iterdir():  # os.replace per file: readers never see a torn file
@@ -181,7 +186,9 @@ def load_heads(
         config = MedusaConfig.from_dict(raw)
         module = MedusaHeads(config)
     elif raw.get("model_type") == "llama" and raw.get("num_hidden_layers") == 1:
-        config = EagleConfig.from_dict(raw)
+        config = EagleConfig.from_dict(
+            raw, base.config.num_hidden_layers if base is not None else None
+        )
         module = EagleDraft(config)
     else:
         raise ValueError(
@@ -198,12 +205,23 @@ def load_heads(
             tensors["lm_head.weight"] = tensors.pop("lm_heads.0.weight")
         if base is not None:
             optional = ("lm_head.weight",)
+        missing_head = "lm_head.weight" not in tensors and "token_map" in tensors
+        if module.token_map is not None and missing_head and base is not None:
+            weight = base.get_output_embeddings().weight
+            tensors["lm_head.weight"] = weight[tensors["token_map"].to(weight.device)].cpu()
+    if isinstance(module, EagleDraft):
+        # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
+        tensors.pop("embed_tokens.weight", None)
     load_state_checked(module, tensors, str(folder), optional=optional)
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)
     if base is not None:
         ref = next(base.parameters())
         module.to(device=device or ref.device, dtype=dtype or ref.dtype)
+        if isinstance(module, EagleDraft):  # rotary frequencies stay fp32, as in the base
+            module.rotary_emb = type(module.rotary_emb)(module.llama_config).to(
+                module.fc.weight.device
+            )
         if isinstance(module, MedusaHeads) and config.original_lm_head and module.token_map is None:
             module.lm_head.weight = base.get_output_embeddings().weight
     elif device is not None or dtype is not None:

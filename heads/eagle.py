@@ -172,7 +172,6 @@ class EagleConfig(HeadsConfig):
             "tie_word_embeddings": False,
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
-            "torch_dtype": "bfloat16",
         }
         if self.version == 3:
             d["draft_vocab_size"] = self.draft_vocab_size
@@ -189,7 +188,11 @@ class EagleConfig(HeadsConfig):
         return d
 
     @classmethod
-    def from_dict(cls, data: dict[str, Any]) -> EagleConfig:
+    def from_dict(
+        cls, data: dict[str, Any], base_num_hidden_layers: int | None = None
+    ) -> EagleConfig:
+        """From an engine config.json; `base_num_hidden_layers` supplies the default aux layers
+        of third-party EAGLE-3 folders that name neither them nor their base."""
         data = dict(data)
         is_v3 = any("Eagle3" in a for a in data.get("architectures") or [])
         data["version"] = 3 if is_v3 else 1
@@ -204,8 +207,14 @@ class EagleConfig(HeadsConfig):
                 "eagle_aux_hidden_state_layer_ids"
             )
             data.setdefault("target_hidden_size", data["hidden_size"])
-            if data["aux_layer_ids"] is None and data.get("base_num_hidden_layers"):
-                data["aux_layer_ids"] = list(default_aux_layer_ids(data["base_num_hidden_layers"]))
+            layers = data.get("base_num_hidden_layers") or base_num_hidden_layers
+            if data["aux_layer_ids"] is None:
+                if not layers:
+                    raise ValueError(
+                        "this EAGLE-3 config names neither eagle_config.eagle_aux_hidden_state_layer_ids "
+                        "nor its base's layer count: load it with base=... to use the default layers"
+                    )
+                data["aux_layer_ids"] = list(default_aux_layer_ids(layers))
         else:
             data["draft_vocab_size"] = data["vocab_size"]
             data.pop("aux_layer_ids", None)

@@ -1,7 +1,8 @@
 """Writing heads in other engines' layouts.
 
-vLLM and SGLang read headstart's native folders as they are (DESIGN.md), so exporting to them is
-a checked copy. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
+vLLM reads headstart's native folders as they are (DESIGN.md), so exporting to it is a checked
+copy; SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
+rather than the state entering it), which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
 `{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head), plus
 a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
 refused with the reason, never silently dropped.
@@ -43,6 +44,8 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
         for name in (CONFIG_NAME, "model.safetensors", "README.md"):
             if (Path(src) / name).is_file():
                 shutil.copy2(Path(src) / name, out / name)
+        if target == "sglang" and getattr(heads.config, "version", 1) == 3:
+            _sglang_aux_ids(out / CONFIG_NAME)
         return out
     if not is_medusa:
         raise ExportError(
@@ -51,6 +54,17 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
         )
     _write_medusa_lm_head(heads, target, out)
     return out
+
+
+def _sglang_aux_ids(config_path: Path) -> None:
+    """SGLang reads aux id i as the *output* of layer i (it captures before layer i + 1), where
+    headstart and vLLM mean the state *entering* layer i: write i - 1 for SGLang."""
+    config = json.loads(config_path.read_text())
+    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
+    if min(ids) < 1:
+        raise ExportError(f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0)")
+    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:

@@ -214,3 +214,23 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
         '"model": "me/tiny-eagle3"' in card
         and "--speculative-draft-model-path me/tiny-eagle3" in card
     )
+
+
+def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path):
+    draft = _eagle(tiny_llama, 3)
+    draft.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("eagle_config", "base_num_hidden_layers", "base_hidden_size", "base_vocab_size"):
+        del cfg[key]  # as in configs written by other EAGLE-3 trainers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    t = load_file(tmp_path / "model.safetensors")
+    t["embed_tokens.weight"] = torch.zeros(256, 64)  # some trainers save the base's embeddings
+    save_file(t, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="base="):
+        load_heads(tmp_path)
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert loaded.config.aux_layer_ids == [1, 1, 0]
+    assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    assert cfg["torch_dtype"] == "float32"  # what the file holds
+    draft.save_pretrained(tmp_path / "again", dtype=torch.bfloat16)
+    assert json.loads((tmp_path / "again/config.json").read_text())["torch_dtype"] == "bfloat16"

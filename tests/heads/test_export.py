@@ -92,3 +92,20 @@ def test_cli(medusa_dir, tmp_path):
         text=True,
     )
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
+
+
+def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    base = make_tiny_llama(num_hidden_layers=8)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(0, 256, 8))
+    draft.save_pretrained(tmp_path / "e3")
+    export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
+    native = json.loads((tmp_path / "e3/config.json").read_text())["eagle_config"]
+    sglang = json.loads((tmp_path / "s/config.json").read_text())["eagle_config"]
+    # headstart / vLLM: the state entering layers 2, 4, 5; SGLang adds 1 to what it reads.
+    assert native["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+    assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    export_heads(tmp_path / "e3", "vllm", tmp_path / "v")
+    assert json.loads((tmp_path / "v/config.json").read_text())["eagle_config"] == native
