@@ -299,8 +299,10 @@ class SpeculativeGenerator:
             else:
                 draft = self.drafter.propose(sequence, sampling)
             timings["draft"] += time.perf_counter() - t0
-            mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
-            positions = tree_position_ids(draft.tree, prefix)
+            mask = positions = None  # one token: the model's own causal path (and fast kernels)
+            if draft.tree.num_nodes > 1:
+                mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
+                positions = tree_position_ids(draft.tree, prefix)
             t0 = time.perf_counter()
             hidden, aux = self._forward(draft.tokens, cache, mask, positions)
             acc = self._verify(draft, hidden, sampling, acceptance)

@@ -18,7 +18,8 @@ def keep_accepted(cache: Cache, prefix_len: int, nodes: torch.Tensor) -> None:
     """
     n_tree = cache.get_seq_length() - prefix_len
     rows = prefix_len + nodes.to(torch.long)
-    for layer in cache.layers:
+    in_place = bool((nodes == torch.arange(nodes.numel(), device=nodes.device)).all())
+    for layer in [] if in_place else cache.layers:  # a chain's accepted rows already sit in place
         # (B, heads, T, head_dim): copy the accepted rows right after the prefix, then crop.
         layer.keys[..., prefix_len : prefix_len + rows.numel(), :] = layer.keys[..., rows, :]
         layer.values[..., prefix_len : prefix_len + rows.numel(), :] = layer.values[..., rows, :]
