@@ -43,8 +43,8 @@ class AdaptivePolicy:
     """
 
     arms: list[Arm]
-    warmup: int = 2
-    explore_every: int = 24
+    warmup: int = 1
+    explore_every: int = 32
     smoothing: float = 0.2
     step: int = field(default=0, init=False)
 

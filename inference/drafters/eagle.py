@@ -58,13 +58,13 @@ class EagleDrafter(Drafter):
         self.max_nodes = self.total_tokens
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
-        if device.type == "cpu":  # a CPU forward's cost grows with its tokens: chains, small trees
+        if (
+            device.type == "cpu"
+        ):  # a CPU forward's cost grows with its tokens: a chain, a small tree
             return [
                 None,
-                {"top_k": 1, "depth": 2, "total_tokens": 3},
                 {"top_k": 1, "depth": 4, "total_tokens": 5},
-                {"top_k": 2, "depth": 4, "total_tokens": 8},
-                {"top_k": 3, "depth": 5, "total_tokens": 12},
+                {"top_k": 3, "depth": 4, "total_tokens": 10},
             ]
         return [
             None,

@@ -58,11 +58,9 @@ class MedusaDrafter(Drafter):
     def default_arms(self, device: torch.device) -> list[dict | None]:
         K = self.heads.config.num_heads
         accuracies = DEFAULT_ACCURACIES[:K]
-        sizes = (8, 16) if device.type == "cpu" else (32, 64)
+        sizes = (8,) if device.type == "cpu" else (32, 64)
         trees = [build_static_tree(accuracies, n) for n in sizes]
-        return [None, {"choices": chain_choices(1)}, {"choices": chain_choices(K)}] + [
-            {"choices": t} for t in trees
-        ]
+        return [None, {"choices": chain_choices(K)}] + [{"choices": t} for t in trees]
 
     def reset(self) -> None:
         self._hidden = None
