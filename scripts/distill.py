@@ -12,13 +12,10 @@ in context: a multi-turn prompt is answered turn by turn. Output in `data.output
   renamed into place, so a shard is either whole or absent.
 - `manifest.json`: base model, generation settings, resolved chat template and counts.
 
-Resume: rerun the same command. Records whose id is already in a shard are skipped, so a killed
-run (even kill -9) loses at most the answers not yet in a shard and never writes duplicates. A
-recipe whose generation settings differ from the manifest's is refused.
+Resume: rerun the same command; records already in a shard are skipped (a kill -9 loses at most
+the answers not yet in a shard, never duplicates). Changed generation settings are refused.
 
-Backends: transformers (batched `generate`: left padding, KV cache, prompts sorted by length;
-bf16 on GPU, fp32 on CPU; one strided share per process under accelerate), or vLLM when it is
-importable and a GPU is present (`data.backend`).
+Backends (`data.backend`): batched HF `generate` (one strided share per process) or vLLM.
 """
 
 from __future__ import annotations

@@ -2,10 +2,11 @@
 
 import pytest
 import torch
-from transformers import DynamicCache, LlamaConfig, LlamaForCausalLM
+from transformers import DynamicCache
 
 from inference.mask import tree_attention_mask, tree_position_ids
 from inference.tree import tree_from_choices, tree_from_parents
+from tests.conftest import make_tiny_llama
 
 M = torch.finfo(torch.float32).min
 
@@ -70,23 +71,13 @@ def one_thread():
 @pytest.mark.parametrize("attn", ["eager", "sdpa"])
 def test_tree_forward_matches_causal_forward_per_path(attn):
     torch.manual_seed(0)
-    config = LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=256,
-        max_position_embeddings=512,
-    )
-    config._attn_implementation = attn
-    model = LlamaForCausalLM(config).eval()
+    model = make_tiny_llama(seed=0, attn=attn)
     prefix = torch.randint(0, 256, (1, 5))
     tree = tree_from_choices([(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 1, 0)])
     tokens = torch.randint(0, 256, (tree.num_nodes,))  # (N,)
     tokens[2] = tokens[1]  # a duplicate sibling token must still get its own row
     with torch.no_grad():
-        cache = DynamicCache(config=config)
+        cache = DynamicCache(config=model.config)
         model(prefix, cache=cache, use_cache=True)
         mask = tree_attention_mask(tree, prefix.shape[1], torch.float32)
         positions = tree_position_ids(tree, prefix.shape[1])
