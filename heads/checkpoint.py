@@ -18,6 +18,8 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from heads.cpu import PackedLinear, prepack_linear_weights
+
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"
 
@@ -224,6 +226,8 @@ def load_heads(
             )
         if isinstance(module, MedusaHeads) and config.original_lm_head and module.token_map is None:
             module.lm_head.weight = base.get_output_embeddings().weight
+        if any(isinstance(m, PackedLinear) for m in base.modules()):
+            prepack_linear_weights(module)  # the draft runs every step too: same CPU fast path
     elif device is not None or dtype is not None:
         module.to(device=device, dtype=dtype)
     module.eval()

@@ -109,8 +109,10 @@ def build_methods(names: list[str], args: argparse.Namespace):
             taken = set(METHODS)
             for folder in args.heads:
                 method = _heads_method(folder, base, args, settings, greedy)
+                stem, n = method.name, 1
                 while method.name in taken:
-                    method.name += "+"
+                    n += 1
+                    method.name = f"{stem}-{n}"
                 taken.add(method.name)
                 methods.append(method)
         elif name == "draft":
@@ -131,7 +133,9 @@ def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Meth
         heads = load_heads(folder, base=base)
     except (ValueError, OSError) as e:
         raise BenchError(f"--heads {folder}: {e}") from e
-    name = Path(folder).resolve().name
+    path = Path(folder).resolve()
+    # Training writes OUTPUT/heads: name the method after the run, not "heads".
+    name = path.parent.name if path.name == "heads" and path.parent.name else path.name
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
         choices = _medusa_choices(args.tree, heads.config.num_heads)

@@ -3,6 +3,7 @@ import torch
 
 import heads.base as base_module
 from heads import load_base
+from heads.cpu import PackedLinear, can_prepack
 
 
 @pytest.mark.slow
@@ -12,6 +13,9 @@ def test_embedded_model_loads_generates_and_caches(smollm2, monkeypatch):
     assert model.config.vocab_size == 49152 and model.dtype == torch.float32
     assert not model.training and not any(p.requires_grad for p in model.parameters())
     assert model.config._attn_implementation == "sdpa"
+    # fp32 on CPU: linear weights prepacked for oneDNN (heads.cpu), tied lm_head kept tied.
+    assert isinstance(model.lm_head, PackedLinear) == can_prepack()
+    assert model.lm_head.weight is model.get_input_embeddings().weight
     assert tokenizer.chat_template
     ids = tokenizer.apply_chat_template(
         [{"role": "user", "content": "Name a colour."}],

@@ -6,6 +6,7 @@ import torch
 from transformers import DynamicCache
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from heads.cpu import can_prepack, prepack_linear_weights
 from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
@@ -60,7 +61,7 @@ def _drafters(base):
     }
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa-prepacked"])
 @pytest.mark.parametrize(
     "name",
     [
@@ -75,8 +76,12 @@ def _drafters(base):
     ],
 )
 def test_greedy_equals_base_greedy(name, attn):
-    base = make_tiny_llama(attn=attn)
+    base = make_tiny_llama(attn=attn.removesuffix("-prepacked"))
     heads, options = _drafters(base)[name]
+    if attn.endswith("-prepacked"):  # oneDNN's packed weights, as load_base does on CPU
+        for module in (base, heads):
+            if module is not None:
+                assert prepack_linear_weights(module) > 0 or not can_prepack()
     # sdpa runs the CPU's row-by-row verifier, eager the dense one (as on a GPU).
     gen = SpeculativeGenerator(base, heads, lazy_logits=attn == "sdpa", **options)
     for seed in range(4):
