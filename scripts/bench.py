@@ -2,7 +2,7 @@
 
 python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [DIR ...]]
     [--methods baseline,hf-lookup,ngram,heads,draft] [--draft-model M] [--max-new-tokens N]
-    [--limit K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
+    [--limit K] [--per-category K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
     [--lookup-tokens N] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
 
@@ -88,6 +88,17 @@ def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> l
                 users=[m["content"] for m in p.messages if m["role"] == "user"][keep],
             )
         )
+    return out
+
+
+def per_category(prompts: list[BenchPrompt], k: int) -> list[BenchPrompt]:
+    """The first `k` prompts of each category, in file order (a balanced sample)."""
+    seen: dict[str, int] = {}
+    out = []
+    for p in prompts:
+        seen[p.category] = seen.get(p.category, 0) + 1
+        if seen[p.category] <= k:
+            out.append(p)
     return out
 
 
@@ -188,6 +199,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--draft-model", default=None, help="small draft LM sharing the base's tokenizer")
     add("--max-new-tokens", type=int, default=128)
     add("--limit", type=int, default=None, help="the first K prompts (file order)")
+    add("--per-category", type=int, default=None, help="the first K prompts of each category")
     add("--turns", choices=("first", "all"), default="first", help="all: multi-turn, in context")
     add("--temperature", type=float, default=0.0, help="0 is greedy")
     add("--top-p", type=float, default=1.0)
@@ -203,8 +215,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="default: cuda when available, else cpu")
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
-    if args.max_new_tokens < 1 or args.runs < 1 or (args.limit is not None and args.limit < 1):
-        parser.error("--max-new-tokens, --runs and --limit must be >= 1")
+    counts = (args.limit, args.per_category)
+    if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
+        parser.error("--max-new-tokens, --runs, --limit and --per-category must be >= 1")
     return args
 
 
@@ -217,6 +230,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         names = bench_methods.parse_methods(args.methods, args.heads, args.draft_model)
         prompts = read_prompts(args.prompts, args.turns, args.limit)
+        if args.per_category:
+            prompts = per_category(prompts, args.per_category)
         base, tokenizer, methods = bench_methods.build_methods(names, args)
         _warm_up(prompts[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:

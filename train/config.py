@@ -137,7 +137,10 @@ class TrainingConfig:
     loss_decay: float = 0.8  # weight decay^k of head / TTT step k
     soft_labels: bool = True  # the base's distribution as target instead of its token
     max_length: int = 2048  # tokens per example (longer ones are truncated)
-    text_corpus: list[str] = field(default_factory=list)  # plain-text files, every token a target
+    # Teacher-forced text beside the distilled answers (train/corpus.py): "embedded" (offline
+    # Python and package docs) or .txt/.md files and folders; every token is a target.
+    text_corpus: list[str] = field(default_factory=list)
+    text_max_tokens: int = 0  # cap on the corpus' target tokens; 0: all of it
     eval_fraction: float = 0.05  # held-out examples for accuracy / simulated acceptance
     eval_every_steps: int = 0  # 0: at the end of every epoch
     save_every_steps: int = 0  # 0: at the end of every epoch

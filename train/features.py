@@ -17,40 +17,54 @@ import torch
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from train.corpus import as_conversation, corpus_chunks
 from train.data import build_examples, load_distilled, pad_batch
 
 Example = dict[str, list[int]]
 
 
-def load_examples(recipe, tokenizer) -> list[Example]:
-    """Tokenised training examples of a recipe: distilled conversations + optional text."""
-    data = recipe.data
-    examples: list[Example] = []
+def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
+    """Tokenised examples of a recipe: (distilled conversations, text corpus)."""
+    data, training = recipe.data, recipe.training
     # Answers cut at max_new_tokens are kept: their tokens are still the base's own.
     conversations = load_distilled(data.output_dir, finished_only=False)
-    examples += build_examples(
+    distilled = build_examples(
         conversations,
         tokenizer,
         chat_template=data.chat_template,
         system_prompt=data.system_prompt,
-        max_length=recipe.training.max_length,
+        max_length=training.max_length,
     )
-    for path in recipe.training.text_corpus:
-        text = Path(path).read_text(encoding="utf-8")
-        examples += text_examples(text, tokenizer, recipe.training.max_length)
-    if not examples:
+    if not distilled:
         raise ValueError(f"no training examples with assistant tokens in {data.output_dir}")
-    return examples
+    text: list[Example] = []
+    if training.text_corpus:
+        chunks = corpus_chunks(training.text_corpus, training.seed)
+        if data.chat_template or tokenizer.chat_template:
+            text = build_examples(
+                [as_conversation(c) for c in chunks],
+                tokenizer,
+                chat_template=data.chat_template,
+                system_prompt=data.system_prompt,
+                max_length=training.max_length,
+            )
+        else:
+            text = [text_example(body, tokenizer, training.max_length) for _, body in chunks]
+        if training.text_max_tokens:  # the chunks are shuffled: the cap takes a mix
+            kept, total = [], 0
+            for example in text:
+                if total >= training.text_max_tokens:
+                    break
+                kept.append(example)
+                total += sum(example["loss_mask"])
+            text = kept
+    return distilled, text
 
 
-def text_examples(text: str, tokenizer, max_length: int) -> list[Example]:
-    """Chunks of a plain-text corpus; every token is a target (teacher-forced, no generation)."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    out = []
-    for start in range(0, len(ids) - 16, max_length):
-        chunk = ids[start : start + max_length]
-        out.append({"input_ids": chunk, "loss_mask": [1] * len(chunk), "labels": chunk})
-    return out
+def text_example(text: str, tokenizer, max_length: int) -> Example:
+    """Plain text (no chat template); every token is a target."""
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
+    return {"input_ids": ids, "loss_mask": [1] * len(ids), "labels": ids}
 
 
 def split_held_out(

@@ -109,11 +109,13 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
 
 def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_layer_ids=()):
     """(train dataset, held-out dataset); offline mode attaches the base's features."""
-    examples = load_examples(recipe, tokenizer)
-    train, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
+    distilled, text = load_examples(recipe, tokenizer)
+    # Held out from the distilled answers only: acceptance is measured on what the base writes.
+    train, held_out = split_held_out(distilled, recipe.training.eval_fraction, recipe.training.seed)
+    train += text
     accelerator.print(
-        f"examples: {len(train)} train, {len(held_out)} held out; "
-        f"{sum(sum(e['loss_mask']) for e in train)} train target tokens"
+        f"examples: {len(train)} train ({len(text)} from the text corpus), {len(held_out)} held "
+        f"out; {sum(sum(e['loss_mask']) for e in train)} train target tokens"
     )
     train_ds, eval_ds = ExampleDataset(train), ExampleDataset(held_out)
     if recipe.training.mode == "offline":

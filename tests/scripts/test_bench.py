@@ -200,3 +200,11 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
     assert bench.main([*argv, "--out", str(tmp_path / "out"), *extra]) == 2
     assert message in capsys.readouterr().err
     assert not (tmp_path / "out" / "results.json").exists()
+
+
+def test_per_category_takes_the_first_k_of_each(tmp_path):
+    records = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"Q{i}?"]} for i in range(7)]
+    prompts = bench.read_prompts(str(_jsonl(tmp_path / "q.jsonl", records)))
+    picked = bench.per_category(prompts, 2)
+    assert [p.id for p in picked] == [0, 1, 2, 3]
+    assert [p.category for p in picked] == ["a", "b", "a", "b"]

@@ -1,0 +1,80 @@
+"""train/corpus.py and the text-corpus half of train.features.load_examples: teacher-forced
+text beside the distilled answers, rendered as assistant turns, capped, never held out."""
+
+from pathlib import Path
+
+import pytest
+
+from train.config import load_recipe
+from train.corpus import CHUNK_WORDS, as_conversation, chunk_documents, embedded_documents
+from train.features import load_examples
+
+ROOT = Path(__file__).resolve().parents[2]
+
+WRAPPED = """The "assert" statement
+**********************
+
+Assert statements are a convenient way to insert debugging
+assertions into a program, and this paragraph is wrapped at
+sixty columns like Python's own reference text.
+
+   assert_stmt ::= "assert" expression
+   if not expression: raise AssertionError
+"""
+
+
+def test_chunks_unwrap_paragraphs_keep_code_and_drop_heading_rules():
+    chunks = chunk_documents([("assert", WRAPPED * 20)])
+    assert len(chunks) >= 2 and all(title == "assert" for title, _ in chunks)
+    body = chunks[0][1]
+    assert "****" not in body
+    assert "debugging assertions into a program" in body  # the wrapped lines are joined
+    assert '   assert_stmt ::= "assert" expression\n   if not expression' in body  # code kept
+    for _, text in chunks[:-1]:
+        assert CHUNK_WORDS <= len(text.split()) < CHUNK_WORDS + 60
+
+
+def test_embedded_corpus_is_offline_and_sizeable():
+    docs = embedded_documents()
+    assert sum(len(text.split()) for _, text in docs) > 20_000
+    assert any("Python topic" in title for title, _ in docs)
+    turn = as_conversation(("the Python topic 'assert'", "Text."))
+    assert turn[0]["role"] == "user" and turn[1] == {"role": "assistant", "content": "Text."}
+
+
+def _recipe(tiny_task, tmp_path, *overrides):
+    return load_recipe(
+        ROOT / "recipes" / "tiny-medusa.yaml", tiny_task.overrides(tmp_path) + list(overrides)
+    )
+
+
+def test_text_corpus_examples_are_assistant_turns_and_capped(
+    tiny_task, tmp_path, smollm2_tokenizer
+):
+    corpus = tmp_path / "notes"
+    corpus.mkdir()
+    words = " ".join(f"word{i}" for i in range(400))
+    (corpus / "first-note.txt").write_text(words, encoding="utf-8")
+    (corpus / "second.md").write_text("Short tail. " * 60, encoding="utf-8")
+    recipe = _recipe(tiny_task, tmp_path, f"training.text_corpus=[{corpus}]")
+    distilled, text = load_examples(recipe, smollm2_tokenizer)
+    assert len(distilled) == 40 and len(text) == 2
+    for example in text:
+        targets = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+        answer = smollm2_tokenizer.decode(targets)
+        assert answer.startswith(("word0", "Short tail.")), answer[:40]
+        prompt = smollm2_tokenizer.decode(example["input_ids"][: example["loss_mask"].index(1)])
+        assert "Tell me about" in prompt and "<|im_start|>assistant" in prompt
+    capped = load_examples(
+        _recipe(
+            tiny_task, tmp_path, f"training.text_corpus=[{corpus}]", "training.text_max_tokens=10"
+        ),
+        smollm2_tokenizer,
+    )[1]
+    assert len(capped) == 1  # the first chunk already passes the cap
+
+
+def test_missing_text_corpus_is_clear(tiny_task, tmp_path, smollm2_tokenizer):
+    recipe = _recipe(tiny_task, tmp_path, f"training.text_corpus=[{tmp_path / 'absent.txt'}]")
+    with pytest.raises(FileNotFoundError, match="absent.txt: no such file or folder"):
+        load_examples(recipe, smollm2_tokenizer)
