@@ -2,7 +2,7 @@
 self-distill, train Medusa heads and an EAGLE-3 draft layer, benchmark both against the plain
 model, and write a report. Re-running reuses every finished stage.
 
-    python scripts/demo.py [--prompts FILE.jsonl|humaneval] [--limit N] [--max-new-tokens N] [--out runs/demo]
+    python scripts/demo.py [--prompts FILE.jsonl|humaneval] [--per-category K] [--max-new-tokens N] [--out runs/demo]
 
 Stages run as subprocesses (each with its own progress bar):
 1. scripts/distill.py recipes/smollm2-135m-medusa.yaml (the EAGLE recipe shares its data)
@@ -59,7 +59,9 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="benchmark prompts (default: MT-bench if found, else humaneval)",
     )
-    parser.add_argument("--limit", type=int, default=24, help="benchmark prompts to run")
+    parser.add_argument(
+        "--per-category", type=int, default=2, help="benchmark prompts per category"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default="runs/demo")
     args = parser.parse_args(argv)
@@ -92,8 +94,8 @@ def main(argv: list[str] | None = None) -> int:
             "baseline,hf-lookup,ngram,heads",
             "--prompts",
             prompts,
-            "--limit",
-            str(args.limit),
+            "--per-category",
+            str(args.per_category),
             "--max-new-tokens",
             str(args.max_new_tokens),
             "--out",
