@@ -215,6 +215,7 @@ def training_function(recipe: Recipe) -> dict:
         disable=not accelerator.is_main_process,
     )
     tokens, t0 = 0, time.perf_counter()
+    step_losses: list[float] = []  # this optimizer step's micro-batch losses
     model.train()
     while step < total:
         batches = epoch_batches(len(train_ds), recipe, epoch, accelerator)
@@ -226,6 +227,8 @@ def training_function(recipe: Recipe) -> dict:
                 # checkpoint (a collective, so every process stops together).
                 loss_value = float(accelerator.reduce(loss.detach(), "mean"))
                 check_finite(loss_value, step + 1, recipe.output.dir)
+                step_losses.append(loss_value)
+                lr = scheduler.get_last_lr()[0]  # the rate this update uses
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
                     accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
@@ -236,21 +239,20 @@ def training_function(recipe: Recipe) -> dict:
             if not accelerator.sync_gradients:
                 continue
             step += 1
+            step_loss, step_losses = sum(step_losses) / len(step_losses), []
             bar.update(1)
             if step % recipe.logging.log_every_steps == 0 or step == total:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
                 log.log(
                     {
-                        "loss": loss_value,
-                        "lr": scheduler.get_last_lr()[0],
+                        "loss": step_loss,  # mean over the step's micro-batches
+                        "lr": lr,
                         "tokens_per_s": rate,
                         **metrics,
                     },
                     step,
                 )
-                bar.set_postfix(
-                    loss=f"{loss_value:.3f}", top1=f"{metrics.get('step0/top1', 0):.2f}"
-                )
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{metrics.get('step0/top1', 0):.2f}")
             if step % eval_every == 0 or step == total:
                 best = (
                     evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)

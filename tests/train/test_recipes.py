@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import os
 import re
 import socket
@@ -225,6 +226,14 @@ def test_medusa_loss_falls_on_a_learnable_task(medusa_run):
     assert eval_lines[12]["eval/loss"] < 0.2 * eval_lines[1]["eval/loss"]
     assert eval_lines[12]["eval/head0/top1"] > eval_lines[1]["eval/head0/top1"] + 0.5
     assert eval_lines[12]["eval/sim_tau"] > 2.0  # 1 + both heads mostly right
+
+
+def test_logged_lr_is_the_rate_each_update_used(medusa_run):
+    """Cosine schedule with 1 warmup step over 12 steps: update 1 uses lr 0, update s > 1 uses
+    0.02 * (1 + cos(pi * (s - 2) / 11)) / 2 (transformers' get_cosine_schedule_with_warmup)."""
+    train_lines, _ = read_metrics(medusa_run[0])
+    want = [0.0] + [0.01 * (1 + math.cos(math.pi * (s - 1) / 11)) for s in range(1, 12)]
+    assert [train_lines[s]["lr"] for s in range(1, 13)] == pytest.approx(want, abs=1e-9)
 
 
 def assert_same_run(out: Path, reference: Path, steps: int) -> None:
