@@ -14,7 +14,6 @@ in context: a multi-turn prompt is answered turn by turn. Output in `data.output
 
 Resume: rerun the same command; records already in a shard are skipped (a kill -9 loses at most
 the answers not yet in a shard, never duplicates). Changed generation settings are refused.
-
 Backends (`data.backend`): batched HF `generate` (one strided share per process) or vLLM.
 """
 
