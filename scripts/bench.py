@@ -205,7 +205,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--top-p", type=float, default=1.0)
     add("--runs", type=int, default=1, help="timed repeats per prompt; medians are reported")
     add("--seed", type=int, default=0)
-    add("--tree", default=None, help="Medusa tree: preset name or JSON choices (default cpu-8)")
+    add(
+        "--tree", default=None, help="fixed Medusa tree: preset or JSON choices (default: adaptive)"
+    )
     add("--eagle-top-k", type=int, default=None)
     add("--eagle-depth", type=int, default=None)
     add("--eagle-total-tokens", type=int, default=None)

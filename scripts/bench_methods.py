@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,11 +19,8 @@ import torch
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
 from inference import SpeculativeGenerator
 
-logger = logging.getLogger("bench")
-
 METHODS = ("baseline", "hf-lookup", "ngram", "heads", "draft")
 # The Medusa tree when --tree is not given; cut to the heads' depth for shallower heads.
-DEFAULT_TREE = "cpu-8"
 
 
 class BenchError(ValueError):
@@ -138,15 +134,19 @@ def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Meth
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
-        choices = _medusa_choices(args.tree, heads.config.num_heads)
-        try:
-            gen = SpeculativeGenerator(base, heads, choices=choices)
-        except ValueError as e:
-            raise BenchError(f"--tree for {folder}: {e}") from e
-        tree = gen.drafter.tree
-        options = {"tree": args.tree or DEFAULT_TREE, "nodes": tree.num_nodes, "depth": tree.depth}
+        K = heads.config.num_heads
+        if args.tree is None:  # the generator's default: adaptive (plain, a chain, a small tree)
+            gen = SpeculativeGenerator(base, heads)
+            options = {"tree": "adaptive", "arms": gen.arms}
+        else:
+            try:
+                gen = SpeculativeGenerator(base, heads, choices=_medusa_choices(args.tree))
+            except ValueError as e:
+                raise BenchError(f"--tree for {folder}: {e}") from e
+            tree = gen.drafter.tree
+            options = {"tree": args.tree, "nodes": tree.num_nodes, "depth": tree.depth}
         run = _spec_runner(gen, settings)
-        return Method(name, "medusa", run, device, greedy, options, tree.depth, folder)
+        return Method(name, "medusa", run, device, greedy, options, K, folder)
     assert isinstance(heads, EagleDraft)
     given = {"top_k": args.eagle_top_k, "depth": args.eagle_depth}
     given["total_tokens"] = args.eagle_total_tokens
@@ -162,17 +162,8 @@ def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Meth
     )
 
 
-def _medusa_choices(tree: str | None, num_heads: int):
-    """--tree as a preset name or JSON choices; the default preset is cut to the heads' depth."""
-    from inference import get_preset
-
-    if tree is None:
-        choices = [c for c in get_preset(DEFAULT_TREE) if len(c) <= num_heads]
-        if len(choices) < len(get_preset(DEFAULT_TREE)):
-            logger.warning(
-                "tree %s cut to depth %d for %d heads", DEFAULT_TREE, num_heads, num_heads
-            )
-        return choices
+def _medusa_choices(tree: str):
+    """--tree as a preset name or JSON choices."""
     if tree.lstrip().startswith("["):
         try:
             return [tuple(c) for c in json.loads(tree)]

@@ -463,11 +463,12 @@ def test_two_processes(tiny_task, tmp_path):
     assert isinstance(load_heads(out / "heads", base=load_tiny_base(tiny_task)), MedusaHeads)
     ckpt = out / "checkpoints" / "step-00000004"
     assert {p.name for p in ckpt.iterdir()} == CHECKPOINT_FILES | {"random_states_1.pkl"}
-    # 36 examples, 4 per process: 4 steps of 8; the schedule is the one-process run's.
+    # 36 examples, 4 per process: 4 steps of 8; the schedule is the one-process run's (1 warmup
+    # step, then cosine over 3): each step logs the rate its update used.
     train_lines, _ = read_metrics(out)
     assert sorted(train_lines) == [1, 2, 3, 4]
     lrs = [train_lines[s]["lr"] for s in range(1, 5)]
-    assert lrs == pytest.approx([1e-3, 7.5e-4, 2.5e-4, 0.0])
+    assert lrs == pytest.approx([0.0, 1e-3, 7.5e-4, 2.5e-4])
 
 
 def test_deepspeed_configs(tmp_path):
