@@ -225,7 +225,7 @@ def load_heads(
                 module.fc.weight.device
             )
         if isinstance(module, MedusaHeads) and config.original_lm_head and module.token_map is None:
-            module.lm_head.weight = base.get_output_embeddings().weight
+            module.lm_head = base.get_output_embeddings()  # the base's module: one packed copy
         if any(isinstance(m, PackedLinear) for m in base.modules()):
             prepack_linear_weights(module)  # the draft runs every step too: same CPU fast path
     elif device is not None or dtype is not None:

@@ -20,7 +20,6 @@ from heads import EagleDraft, MedusaHeads, load_base, load_heads
 from inference import SpeculativeGenerator
 
 METHODS = ("baseline", "hf-lookup", "ngram", "heads", "draft")
-# The Medusa tree when --tree is not given; cut to the heads' depth for shallower heads.
 
 
 class BenchError(ValueError):

@@ -18,7 +18,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from train.corpus import as_conversation, corpus_chunks
-from train.data import build_examples, load_distilled, pad_batch
+from train.data import build_examples, load_distilled, pad_batch, tokenize_conversation
 
 Example = dict[str, list[int]]
 
@@ -37,34 +37,34 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
     )
     if not distilled:
         raise ValueError(f"no training examples with assistant tokens in {data.output_dir}")
-    text: list[Example] = []
-    if training.text_corpus:
-        chunks = corpus_chunks(training.text_corpus, training.seed)
-        if data.chat_template or tokenizer.chat_template:
-            text = build_examples(
-                [as_conversation(c) for c in chunks],
+    return distilled, corpus_examples(recipe, tokenizer)
+
+
+def corpus_examples(recipe, tokenizer) -> list[Example]:
+    """`training.text_corpus` chunks as assistant turns (plain text without a chat template),
+    tokenised in their shuffled order until `training.text_max_tokens` targets are taken."""
+    data, training = recipe.data, recipe.training
+    templated = bool(data.chat_template or tokenizer.chat_template)
+    examples: list[Example] = []
+    total = 0
+    for chunk in corpus_chunks(training.text_corpus, training.seed):
+        if training.text_max_tokens and total >= training.text_max_tokens:
+            break
+        if templated:
+            example = tokenize_conversation(
+                as_conversation(chunk),
                 tokenizer,
                 chat_template=data.chat_template,
                 system_prompt=data.system_prompt,
                 max_length=training.max_length,
             )
-        else:
-            text = [text_example(body, tokenizer, training.max_length) for _, body in chunks]
-        if training.text_max_tokens:  # the chunks are shuffled: the cap takes a mix
-            kept, total = [], 0
-            for example in text:
-                if total >= training.text_max_tokens:
-                    break
-                kept.append(example)
-                total += sum(example["loss_mask"])
-            text = kept
-    return distilled, text
-
-
-def text_example(text: str, tokenizer, max_length: int) -> Example:
-    """Plain text (no chat template); every token is a target."""
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"][:max_length]
-    return {"input_ids": ids, "loss_mask": [1] * len(ids), "labels": ids}
+        else:  # every token is a target
+            ids = tokenizer(chunk[1], add_special_tokens=False)["input_ids"][: training.max_length]
+            example = {"input_ids": ids, "loss_mask": [1] * len(ids), "labels": ids}
+        if any(example["loss_mask"]):
+            examples.append(example)
+            total += sum(example["loss_mask"])
+    return examples
 
 
 def split_held_out(

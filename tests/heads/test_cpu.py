@@ -44,3 +44,16 @@ def test_only_fp32_cpu_linears_are_packed():
     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Embedding(5, 4))
     assert prepack_linear_weights(model) == 1
     assert type(model[1]) is nn.Linear
+
+
+def test_loaded_heads_are_packed_and_a_shared_lm_head_is_the_bases(tmp_path):
+    from heads import MedusaConfig, MedusaHeads, load_heads
+
+    base = make_tiny_llama()
+    config = MedusaConfig.from_base(base.config, num_heads=2, original_lm_head=True)
+    MedusaHeads(config).init_from_base(base).save_pretrained(tmp_path)
+    prepack_linear_weights(base)
+    packed = base.lm_head._packed
+    heads = load_heads(tmp_path, base=base)
+    assert heads.lm_head is base.lm_head and base.lm_head._packed is packed  # not packed twice
+    assert all(type(m) is not nn.Linear for m in heads.modules())

@@ -54,6 +54,8 @@ EAGLE3_RUN = [
     "training.eval_every_steps=1",
 ]
 HEADS_FILES = {"config.json", "model.safetensors", "README.md", "training_metrics.json"}
+# A run's output folder when the recipe sets heads.draft_vocab_size.
+RUN_FILES = {"heads", "checkpoints", "metrics.jsonl", "recipe.yaml", "draft_vocab.safetensors"}
 CHECKPOINT_FILES = {
     "model.safetensors",  # the trainee's state dict: heads (and LoRA) only, never the base
     "optimizer.bin",
@@ -183,13 +185,7 @@ def test_tiny_recipes_validate():
 @pytest.mark.slow
 def test_medusa_run_writes_the_heads_and_keeps_the_base(medusa_run, tiny_task):
     out, base, printed = medusa_run
-    assert {p.name for p in out.iterdir()} == {
-        "heads",
-        "checkpoints",
-        "metrics.jsonl",
-        "recipe.yaml",
-        "draft_vocab.safetensors",  # heads.draft_vocab_size is set
-    }
+    assert {p.name for p in out.iterdir()} == RUN_FILES  # heads.draft_vocab_size is set
     assert {p.name for p in (out / "heads").iterdir()} == HEADS_FILES
     # keep_last_checkpoints: 2 of the six written (every 2 steps) remain; no temporary folders.
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
@@ -284,13 +280,7 @@ def test_eagle3_resume_reuses_the_draft_vocabulary(tiny_task, tmp_path, monkeypa
 @pytest.mark.slow
 def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     out, base, printed = eagle3_run
-    assert {p.name for p in out.iterdir()} == {
-        "heads",
-        "checkpoints",
-        "metrics.jsonl",
-        "recipe.yaml",
-        "draft_vocab.safetensors",
-    }
+    assert {p.name for p in out.iterdir()} == RUN_FILES
     assert {p.name for p in (out / "heads").iterdir()} == HEADS_FILES
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
         "step-00000016",
