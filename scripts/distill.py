@@ -13,7 +13,8 @@ in context: a multi-turn prompt is answered turn by turn. Output in `data.output
 - `manifest.json`: base model, generation settings, resolved chat template and counts.
 
 Resume: rerun the same command; records already in a shard are skipped (a kill -9 loses at most
-the answers not yet in a shard, never duplicates). Changed generation settings are refused.
+the answers not yet in a shard, never duplicates). Changed generation settings are refused,
+except a larger `data.limit`, which extends the run with more prompts.
 Backends (`data.backend`): batched HF `generate` (one strided share per process) or vLLM.
 """
 
@@ -45,21 +46,24 @@ from train.data import (
     with_system_prompt,
 )
 from train.prompts import Message, PromptSourceError, conversation_id, load_prompts
+from train.shards import (
+    FORMAT,
+    MANIFEST,
+    DistillError,
+    ShardWriter,
+    check_manifest,
+    read_done_ids,
+    write_atomic,
+)
 
 logger = logging.getLogger("distill")
 
-MANIFEST = "manifest.json"
-FORMAT = "headstart-distill-1"
 # Test hook: sleep this many seconds after each batch (lets tests kill a run mid-way).
 DELAY_ENV = "HEADSTART_DISTILL_BATCH_DELAY_S"
 _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 
 # One answer per prompt row: (new token ids without the end-of-turn token, finished).
 Generate = Callable[[list[list[int]]], list[tuple[list[int], bool]]]
-
-
-class DistillError(RuntimeError):
-    """A run that cannot start or continue (changed recipe, unreadable shard, ...)."""
 
 
 @dataclass
@@ -158,72 +162,6 @@ def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem
         "too_long_skipped": too_long,
     }
     return items, counts
-
-
-def read_done_ids(out_dir: Path) -> set[str]:
-    """Ids of every record already in a shard (any rank)."""
-    done: set[str] = set()
-    for path in sorted(out_dir.glob("shard-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                try:
-                    done.add(json.loads(line)["id"])
-                except (ValueError, KeyError, TypeError) as e:
-                    raise DistillError(f"{path}:{lineno}: unreadable record ({e})") from e
-    return done
-
-
-def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
-    """Refuse to continue a run made with other generation settings."""
-    path = out_dir / MANIFEST
-    if not path.is_file():
-        return
-    old = json.loads(path.read_text(encoding="utf-8")).get("settings", {})
-    diffs = [
-        f"{key}: {old.get(key)!r} in the manifest, {settings.get(key)!r} now"
-        for key in sorted(set(old) | set(settings))
-        if old.get(key) != settings.get(key)
-    ]
-    if diffs:
-        raise DistillError(
-            f"{out_dir} holds a run made with other settings ({'; '.join(diffs)}). "
-            "Use another data.output_dir, or restore the settings to resume it."
-        )
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write to a temporary file beside `path`, fsync, then rename over it."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
-class ShardWriter:
-    """Buffers records and writes them as numbered shards of this rank."""
-
-    def __init__(self, out_dir: Path, rank: int, records_per_shard: int):
-        self.out_dir, self.rank, self.size = out_dir, rank, records_per_shard
-        self.buffer: list[dict[str, Any]] = []
-        existing = [
-            int(p.stem.rsplit("-", 1)[1]) for p in out_dir.glob(f"shard-r{rank:03d}-*.jsonl")
-        ]
-        self.next_index = max(existing, default=-1) + 1
-
-    def add(self, record: dict[str, Any]) -> None:
-        self.buffer.append(record)
-        if len(self.buffer) >= self.size:
-            self.flush()
-
-    def flush(self) -> None:
-        if not self.buffer:
-            return
-        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.buffer)
-        write_atomic(self.out_dir / f"shard-r{self.rank:03d}-{self.next_index:05d}.jsonl", lines)
-        self.next_index += 1
-        self.buffer = []
 
 
 def eos_token_ids(tokenizer, generation_config) -> list[int]:

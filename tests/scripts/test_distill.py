@@ -150,6 +150,23 @@ def test_distill_end_to_end(tmp_path, tiny_base, capsys):
     assert "max_new_tokens: 6 in the manifest, 7 now" in capsys.readouterr().err
 
 
+def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
+    out = tmp_path / "out"
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out))
+    assert distill.main([recipe, "data.limit=3"]) == 0
+    first = read_records(out)
+    assert len(first) == 3
+    assert distill.main([recipe, "data.limit=6"]) == 0
+    grown = read_records(out)
+    assert len(grown) == len({r["id"] for r in grown}) == 6  # 3 more, none twice
+    assert [r for r in grown if r["id"] in {f["id"] for f in first}] == first
+    assert json.loads((out / "manifest.json").read_text())["settings"]["limit"] == 6
+    assert distill.main([recipe, "data.limit=4"]) == 2  # a smaller limit is a different set
+    assert "limit: 6 in the manifest, 4 now" in capsys.readouterr().err
+    assert distill.main([recipe]) == 0  # no limit: every prompt
+    assert len(read_records(out)) == 8
+
+
 def test_several_samples_per_prompt(tmp_path, tiny_base):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Name a tree."}\n')

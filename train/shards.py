@@ -1,0 +1,88 @@
+"""The self-distilled data on disk: ShareGPT JSONL shards written atomically, and the manifest
+that records the generation settings a run may be resumed (or extended) with."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from typing import Any
+
+MANIFEST = "manifest.json"
+FORMAT = "headstart-distill-1"
+
+
+class DistillError(RuntimeError):
+    """A run that cannot start or continue (changed recipe, unreadable shard, ...)."""
+
+
+def read_done_ids(out_dir: Path) -> set[str]:
+    """Ids of every record already in a shard (any rank)."""
+    done: set[str] = set()
+    for path in sorted(out_dir.glob("shard-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for lineno, line in enumerate(f, 1):
+                try:
+                    done.add(json.loads(line)["id"])
+                except (ValueError, KeyError, TypeError) as e:
+                    raise DistillError(f"{path}:{lineno}: unreadable record ({e})") from e
+    return done
+
+
+def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
+    """Refuse to continue a run made with other generation settings."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        return
+    old = json.loads(path.read_text(encoding="utf-8")).get("settings", {})
+    diffs = [
+        f"{key}: {old.get(key)!r} in the manifest, {settings.get(key)!r} now"
+        for key in sorted(set(old) | set(settings))
+        if old.get(key) != settings.get(key) and not (key == "limit" and _extends(old, settings))
+    ]
+    if diffs:
+        raise DistillError(
+            f"{out_dir} holds a run made with other settings ({'; '.join(diffs)}). "
+            "Use another data.output_dir, or restore the settings to resume it."
+        )
+
+
+def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """A larger (or no) limit extends a run: the shuffled prompts under a limit are a prefix."""
+    was, now = old.get("limit"), new.get("limit")
+    return now is None or (was is not None and now >= was)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write to a temporary file beside `path`, fsync, then rename over it."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class ShardWriter:
+    """Buffers records and writes them as numbered shards of this rank."""
+
+    def __init__(self, out_dir: Path, rank: int, records_per_shard: int):
+        self.out_dir, self.rank, self.size = out_dir, rank, records_per_shard
+        self.buffer: list[dict[str, Any]] = []
+        existing = [
+            int(p.stem.rsplit("-", 1)[1]) for p in out_dir.glob(f"shard-r{rank:03d}-*.jsonl")
+        ]
+        self.next_index = max(existing, default=-1) + 1
+
+    def add(self, record: dict[str, Any]) -> None:
+        self.buffer.append(record)
+        if len(self.buffer) >= self.size:
+            self.flush()
+
+    def flush(self) -> None:
+        if not self.buffer:
+            return
+        lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in self.buffer)
+        write_atomic(self.out_dir / f"shard-r{self.rank:03d}-{self.next_index:05d}.jsonl", lines)
+        self.next_index += 1
+        self.buffer = []
