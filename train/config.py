@@ -126,6 +126,9 @@ class TrainingConfig:
     """The optimisation loop (accelerate does the distributed work)."""
 
     mode: Literal["online", "offline"] = "online"  # offline: base features computed once, kept
+    # offline mode: a folder for the features as bf16 safetensors shards, reused by later runs
+    # on the same data (train/feature_cache.py); None keeps them in memory for this run only
+    feature_cache: str | None = None
     epochs: int = 1
     max_steps: int | None = None  # optimizer steps; None: epochs decide
     micro_batch_size: int = 8  # examples per process per forward
@@ -156,6 +159,8 @@ class TrainingConfig:
             )
         if self.learning_rate <= 0 or not 0 <= self.eval_fraction < 1:
             raise RecipeError("need training.learning_rate > 0 and 0 <= eval_fraction < 1")
+        if self.feature_cache and self.mode != "offline":
+            raise RecipeError("training.feature_cache needs training.mode=offline")
 
 
 @dataclass

@@ -17,6 +17,7 @@ from transformers import get_cosine_schedule_with_warmup
 
 from heads import load_base
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
+from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
     collate,
@@ -118,7 +119,26 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
         f"out; {sum(sum(e['loss_mask']) for e in train)} train target tokens"
     )
     train_ds, eval_ds = ExampleDataset(train), ExampleDataset(held_out)
-    if recipe.training.mode == "offline":
+    if recipe.training.feature_cache:  # on disk, bf16, shared by runs on the same data
+        cache = recipe.training.feature_cache
+        try:
+            fill_cache(
+                base,
+                train + held_out,
+                aux_layer_ids,
+                cache,
+                base_name=recipe.model.name_or_path,
+                batch_size=recipe.training.micro_batch_size,
+                pad_token_id=tokenizer.pad_token_id,
+                accelerator=accelerator,
+            )
+        except FeatureCacheError as e:
+            print(f"error: {e}", file=sys.stderr)
+            raise SystemExit(2) from None
+        names = ("hidden", "aux") if aux_layer_ids else ("hidden",)
+        for ds in (train_ds, eval_ds):
+            ds.features = FeatureCache(cache, ds.examples, base.dtype, names)
+    elif recipe.training.mode == "offline":
         for ds in (train_ds, eval_ds):
             ds.features = precompute_features(
                 base,

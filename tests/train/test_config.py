@@ -94,6 +94,9 @@ def test_cross_field_checks_and_bad_overrides():
         load_recipe(None, ["data.limit"])
     with pytest.raises(RecipeError, match="has no sub-keys"):
         load_recipe(None, ["data.limit.x=1"])
+    with pytest.raises(RecipeError, match="feature_cache needs training.mode=offline"):
+        load_recipe(None, ["training.feature_cache=cache"])
+    assert load_recipe(None, ["training.feature_cache=c", "training.mode=offline"]).training.mode
 
 
 def test_save_recipe_round_trips(tmp_path):

@@ -362,6 +362,44 @@ def test_offline_features_give_the_online_losses(kind, request, tiny_task, tmp_p
 
 
 @pytest.mark.slow
+def test_a_feature_cache_is_filled_once_and_shared_by_both_recipes(
+    request, tiny_task, tmp_path, capsys
+):
+    """training.feature_cache keeps the features as bf16 on disk: the first steps' losses are
+    the online run's up to bf16 rounding, and a second run (another recipe, the same data)
+    computes nothing."""
+    online = read_metrics(request.getfixturevalue("eagle3_run")[0])[0]
+    cache = tmp_path / "cache"
+    offline = [*EAGLE3_RUN, "training.mode=offline", f"training.feature_cache={cache}"]
+    run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "a", *offline, "training.max_steps=2")
+    # 40 records of 8 distinct conversations: each token sequence is computed and stored once.
+    assert "0 examples cached, 8 to compute" in capsys.readouterr().out
+    first = read_metrics(tmp_path / "a")[0]
+    for step in (1, 2):
+        assert first[step]["loss"] == pytest.approx(online[step]["loss"], rel=2e-2)
+    assert len(list(cache.glob("features-r000-*.safetensors"))) == 1
+
+    run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "b", *offline, "training.max_steps=2")
+    assert "8 examples cached, 0 to compute" in capsys.readouterr().out
+    assert read_metrics(tmp_path / "b")[0][2]["loss"] == first[2]["loss"]
+    # Medusa reads "hidden" only, from the same cache.
+    run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "c", *offline[-2:], "training.max_steps=2")
+    assert "8 examples cached, 0 to compute" in capsys.readouterr().out
+    assert sorted(read_metrics(tmp_path / "c")[0]) == [1, 2]
+    # A cache of other aux layers is refused, saying what differs.
+    with pytest.raises(SystemExit):
+        run(
+            train.eagle,
+            TINY_EAGLE,
+            tiny_task,
+            tmp_path / "d",
+            *offline,
+            "heads.aux_layer_ids=[0,0,1]",
+        )
+    assert "aux_layer_ids" in capsys.readouterr().err
+
+
+@pytest.mark.slow
 def test_medusa_shared_lm_head_over_the_full_vocabulary(tiny_task, tmp_path, capsys):
     out = tmp_path / "out"
     base = run(

@@ -1,0 +1,141 @@
+"""The on-disk feature cache of offline training: bf16 shards, lazy reads, resume, refusals."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections import namedtuple
+
+import pytest
+import torch
+from accelerate import PartialState
+
+import train.feature_cache as fc
+from tests.conftest import make_tiny_llama
+from train.features import base_features
+
+AUX = [0, 1, 1]  # states entering layers 0 and 1 of the 2-layer tiny Llama
+
+
+@pytest.fixture(scope="module")
+def base():
+    return make_tiny_llama(seed=3)
+
+
+def examples(n: int = 7, seed: int = 0) -> list[dict]:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 20, (n,), generator=g).tolist()
+    ids = [torch.randint(3, 256, (t,), generator=g).tolist() for t in lengths]
+    return [{"input_ids": x, "loss_mask": [1] * len(x), "labels": x} for x in ids]
+
+
+def fill(base, exs, cache_dir, aux=AUX, **kwargs):
+    fc.fill_cache(
+        base,
+        exs,
+        aux,
+        cache_dir,
+        base_name="tiny",
+        batch_size=3,
+        pad_token_id=0,
+        accelerator=PartialState(),
+        **kwargs,
+    )
+
+
+def expected(base, example, aux=AUX) -> dict[str, torch.Tensor]:
+    ids = torch.tensor([example["input_ids"]])
+    feats = base_features(base, ids, torch.ones_like(ids), aux)
+    return {k: v[0].to(torch.bfloat16).float() for k, v in feats.items()}
+
+
+def test_cached_features_are_the_bases_in_bf16(base, tmp_path):
+    exs = examples()
+    fill(base, exs, tmp_path, shard_bytes=4096)  # several shards
+    assert len(list(tmp_path.glob("features-r000-*.safetensors"))) > 1
+    assert not list(tmp_path.glob(".*tmp"))
+    identity = json.loads((tmp_path / "features.json").read_text())
+    assert identity["aux_layer_ids"] == AUX and identity["hidden_size"] == 64
+    cache = fc.FeatureCache(tmp_path, exs, torch.float32)
+    assert len(cache) == len(exs)
+    for i in (0, 3, len(exs) - 1):
+        got, want = cache[i], expected(base, exs[i])
+        assert sorted(got) == ["aux", "hidden"]
+        assert got["hidden"].dtype == torch.float32
+        assert got["hidden"].shape == (len(exs[i]["input_ids"]), 64)
+        assert got["aux"].shape == (len(exs[i]["input_ids"]), 3 * 64)
+        # Padding in a batch leaves a row's features as they are alone (up to fp32 noise
+        # that may flip a bf16 rounding).
+        torch.testing.assert_close(got["hidden"], want["hidden"], atol=2e-2, rtol=1e-2)
+        torch.testing.assert_close(got["aux"], want["aux"], atol=2e-2, rtol=1e-2)
+
+
+def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, capsys, monkeypatch):
+    exs = examples(9)
+    fill(base, exs, tmp_path, shard_bytes=4096)
+    before = fc.FeatureCache(tmp_path, exs, torch.float32)
+    full = [before[i] for i in range(len(exs))]
+    shards = sorted(tmp_path.glob("features-r000-*.safetensors"))
+    lost = {k for k, _, _ in json.loads(_metadata(shards[-1])["index"])}
+    shards[-1].unlink()  # the shard being filled when the run was killed
+    (tmp_path / ".features-r000-00099.safetensors.tmp").write_bytes(b"half a shard")
+    capsys.readouterr()
+
+    calls = []
+    real = fc.base_features
+    monkeypatch.setattr(fc, "base_features", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    fill(base, exs, tmp_path, shard_bytes=4096)
+    assert sum(calls) == len(lost)  # the rows of the lost shard, nothing else
+    assert (
+        f"{len(exs) - len(lost)} examples cached, {len(lost)} to compute" in capsys.readouterr().out
+    )
+    assert not list(tmp_path.glob(".*tmp"))
+    after = fc.FeatureCache(tmp_path, exs, torch.float32)
+    for i in range(len(exs)):
+        for k in full[i]:
+            torch.testing.assert_close(after[i][k], full[i][k], atol=2e-2, rtol=1e-2)
+
+    calls.clear()
+    fill(base, exs + exs[:2], tmp_path)  # complete, and duplicates are one entry
+    assert calls == []
+
+
+def _metadata(path):
+    from safetensors import safe_open
+
+    with safe_open(path, framework="pt") as f:
+        return f.metadata()
+
+
+def test_a_cache_of_another_setup_is_refused(base, tmp_path):
+    exs = examples(3)
+    fill(base, exs, tmp_path)
+    with pytest.raises(fc.FeatureCacheError, match="aux_layer_ids.*new folder"):
+        fill(base, exs, tmp_path, aux=[1, 1, 1])
+    fill(base, exs + examples(2, seed=1), tmp_path, aux=[])  # "hidden" only: served, and
+    cache = fc.FeatureCache(tmp_path, examples(2, seed=1), torch.float32, names=("hidden",))
+    assert list(cache[1]) == ["hidden"]  # what it adds has the aux layers too
+    assert list(fc.FeatureCache(tmp_path, examples(2, seed=1), torch.float32)[1]) == [
+        "hidden",
+        "aux",
+    ]
+    with pytest.raises(fc.FeatureCacheError, match="no features"):
+        fc.FeatureCache(tmp_path, examples(2, seed=2), torch.float32)
+
+
+def test_not_enough_disk_is_a_clear_error_before_any_work(base, tmp_path, monkeypatch):
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10**6, 10**6 - 100, 100))
+    with pytest.raises(fc.FeatureCacheError, match="GiB free: free some space"):
+        fill(base, examples(3), tmp_path)
+    assert not list(tmp_path.glob("features-r*"))
+
+
+def test_disk_estimate_is_printed_first(base, tmp_path, capsys):
+    exs = examples(4)
+    tokens = sum(len(e["input_ids"]) for e in exs)
+    fill(base, exs, tmp_path / "plain", aux=[])
+    out = capsys.readouterr().out
+    assert "0 examples cached, 4 to compute" in out
+    assert f"{tokens * 2 * 64 / 2**30:.2f} GiB more at 0.1 KiB per token" in out
+    assert fc.bytes_per_token(4096, with_aux=True) == 32 * 1024  # ~32 KB per token at H=4096
