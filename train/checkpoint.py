@@ -41,8 +41,12 @@ def save_checkpoint(
     tmp = root / f".tmp-{final.name}"
     if accelerator.is_main_process:
         shutil.rmtree(tmp, ignore_errors=True)
+        # Made before any process writes: under DeepSpeed, another rank's RNG state may come
+        # before the first process has created the folder.
+        tmp.mkdir(parents=True)
     accelerator.wait_for_everyone()
     accelerator.save_state(str(tmp))
+    accelerator.wait_for_everyone()  # every process has written its part before the rename
     if accelerator.is_main_process:
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
         save_recipe(recipe, tmp / "recipe.yaml")

@@ -84,6 +84,32 @@ class DataConfig:
 
 
 @dataclass
+class SelfInstructConfig:
+    """New prompts written by the base itself (`scripts/self_instruct.py`): shown a numbered
+    list of example requests of one category, it continues the list with a new one."""
+
+    seed_sources: list[str] = field(default_factory=lambda: ["embedded"])  # the examples shown
+    num_prompts: int = 1000  # new prompts to write (a rerun with more continues)
+    examples_per_prompt: int = 5
+    temperature: float = 1.0
+    top_p: float = 0.95
+    max_new_tokens: int = 64  # a request longer than this is dropped
+    max_similarity: float = 0.7  # word-set Jaccard above this to a kept prompt: a near duplicate
+    output: str = "runs/self-instruct/prompts.jsonl"  # a prompt source for data.sources
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.examples_per_prompt < 1 or self.max_new_tokens < 1:
+            raise RecipeError(
+                "need self_instruct.num_prompts, examples_per_prompt, max_new_tokens >= 1"
+            )
+        if self.temperature <= 0 or not 0 < self.top_p <= 1 or not 0 < self.max_similarity <= 1:
+            raise RecipeError(
+                "need self_instruct.temperature > 0, 0 < top_p <= 1, 0 < max_similarity <= 1"
+            )
+
+
+@dataclass
 class HeadsSpec:
     """The draft heads to train (`type` picks the recipe: train/medusa.py or train/eagle.py)."""
 
@@ -184,10 +210,12 @@ class LoggingConfig:
 
 @dataclass
 class Recipe:
-    """A whole recipe: the base, the data, the heads, training, output, Hub and logging."""
+    """A whole recipe: the base, the data (and self-instruct prompts), the heads, training,
+    output, Hub and logging."""
 
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    self_instruct: SelfInstructConfig = field(default_factory=SelfInstructConfig)
     heads: HeadsSpec = field(default_factory=HeadsSpec)
     training: TrainingConfig = field(default_factory=TrainingConfig)
     output: OutputConfig = field(default_factory=OutputConfig)

@@ -30,6 +30,7 @@ from train.run import (
     count_steps,
     epoch_batches,
     evaluate,
+    gathered,
     load_frozen_base,
     make_accelerator,
     make_optimizer,
@@ -132,7 +133,7 @@ class MedusaTrainee(Trainee):
         return loss, metrics
 
 
-def build_heads(recipe: Recipe, base, train_ds) -> MedusaHeads:
+def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
     """Fresh heads (lm_heads from the base's); a reduced vocabulary is chosen from the data once
     and kept in OUTPUT/draft_vocab.safetensors so a resumed run uses the same one."""
     spec = recipe.heads
@@ -147,10 +148,13 @@ def build_heads(recipe: Recipe, base, train_ds) -> MedusaHeads:
     )
     token_map = None
     if vocab is not None:
-        token_map = draft_vocabulary(
-            recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
-        )
-    heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
+        with accelerator.main_process_first():  # the first process writes it, the others read
+            token_map = draft_vocabulary(
+                recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
+            )
+    # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
+    with gathered(base.get_output_embeddings().weight):  # its rows start the heads' lm_heads
+        heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
     return heads.to(device=base.device)
 
@@ -159,8 +163,7 @@ def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     base, tokenizer = load_frozen_base(recipe, accelerator)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
-    with accelerator.main_process_first():
-        heads = build_heads(recipe, base, train_ds)
+    heads = build_heads(recipe, base, train_ds, accelerator)
     lora_params = []
     if recipe.heads.lora_r > 0:  # Medusa-2
         if recipe.training.mode == "offline":

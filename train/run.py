@@ -8,12 +8,19 @@ import math
 import os
 import random
 import sys
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration, set_seed
+from accelerate.utils import (
+    DataLoaderConfiguration,
+    InitProcessGroupKwargs,
+    parse_flag_from_env,
+    set_seed,
+)
 from transformers import get_cosine_schedule_with_warmup
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
@@ -58,12 +65,17 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     # Several processes (torchrun, `accelerate launch --multi_gpu`) on a machine without a GPU:
     # accelerate joins them with gloo only when told cpu=True; otherwise each trains alone.
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    cpu_only = world > 1 and not torch.cuda.is_available()
+    # DeepSpeed on CPUs (its CPU accelerator talks gloo): cpu=True would silently drop DeepSpeed
+    # for plain DDP, and without a backend accelerate would join a single process.
+    deepspeed_on_cpu = cpu_only and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
     accelerator = Accelerator(
         gradient_accumulation_steps=recipe.training.gradient_accumulation_steps,
         mixed_precision=recipe.training.mixed_precision,
         log_with=log_with,
         project_dir=recipe.output.dir,
-        cpu=world > 1 and not torch.cuda.is_available(),
+        cpu=cpu_only and not deepspeed_on_cpu,
+        kwargs_handlers=[InitProcessGroupKwargs(backend="gloo")] if deepspeed_on_cpu else None,
         # epoch_batches already gives each process its own batches and count_steps counts
         # optimizer steps: the prepared scheduler must step once per step, not once per process.
         dataloader_config=DataLoaderConfiguration(split_batches=True),
@@ -98,14 +110,28 @@ def _flat(recipe: Recipe) -> dict:
 
 def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
     dtype = None if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
-    with accelerator.main_process_first():  # the first process converts / downloads once
+    # ZeRO-3 partitions the weights inside from_pretrained (zero.Init, a collective): every
+    # process must load at once, and the partitioned weights cannot be prepacked for the CPU.
+    zero3 = is_deepspeed_zero3_enabled()
+    # Otherwise the first process converts / downloads once, then the others read its files.
+    with nullcontext() if zero3 else accelerator.main_process_first():
         base, tokenizer = load_base(
             recipe.model.name_or_path,
             dtype=dtype,
             device=accelerator.device,
             attn_implementation=recipe.model.attn_implementation,
+            prepack=False if zero3 else None,
         )
     return base, tokenizer
+
+
+def gathered(*params: torch.nn.Parameter):
+    """Whole parameters to read under ZeRO-3 (where each process holds a shard); else a no-op."""
+    if not is_deepspeed_zero3_enabled():
+        return nullcontext()
+    import deepspeed
+
+    return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
 def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_layer_ids=()):

@@ -1,0 +1,198 @@
+"""Self-instruct: the base writes new prompts, for more diverse self-distilled data.
+
+python scripts/self_instruct.py RECIPE.yaml [self_instruct.num_prompts=2000 ...]
+python scripts/distill.py RECIPE.yaml 'data.sources=[embedded,runs/self-instruct/prompts.jsonl]'
+
+Reads the recipe's `model` and `self_instruct` sections (and `data.batch_size`). The base is shown
+a numbered list of `examples_per_prompt` requests of one category, drawn from `seed_sources`
+(single-turn, one-line requests), as plain text without a chat template, and continues the list:
+its next line, sampled, is a new request. Categories take turns. A line is kept when the base
+ended it within `max_new_tokens`, it has 3-80 words, and its word-set Jaccard similarity to every
+seed and every kept prompt is at most `max_similarity`. Kept prompts go to `output` as JSONL
+records `{"prompt", "category"}` (a prompt source for `data.sources`), rewritten atomically after
+every batch: rerunning continues a killed run, and a larger `num_prompts` extends a finished one.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import random
+import re
+import sys
+from collections import Counter
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from heads.base import load_base
+from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe
+from train.prompts import Prompt, PromptSourceError, load_prompts
+from train.shards import write_atomic
+
+logger = logging.getLogger("self_instruct")
+
+HEADER = "Requests that users sent to an AI assistant:\n"
+MAX_SEED_CHARS = 300
+
+
+def category_of(prompt: Prompt) -> str:
+    """ "embedded:math" for the embedded set; a file's name for a file (its line number cut)."""
+    return re.sub(r":\d+$", "", prompt.source)
+
+
+def seed_pools(prompts: list[Prompt]) -> dict[str, list[str]]:
+    """Category -> its single-turn, one-line requests (a numbered list needs one line each)."""
+    pools: dict[str, list[str]] = {}
+    for p in prompts:
+        users = [m["content"].strip() for m in p.messages if m["role"] == "user"]
+        if len(users) == 1 and "\n" not in users[0] and len(users[0]) <= MAX_SEED_CHARS:
+            pools.setdefault(category_of(p), []).append(users[0])
+    return {c: texts for c, texts in sorted(pools.items()) if texts}
+
+
+def list_prompt(examples: list[str]) -> str:
+    numbered = "".join(f"{i}. {text}\n" for i, text in enumerate(examples, 1))
+    return f"{HEADER}{numbered}{len(examples) + 1}."
+
+
+def clean(line: str) -> str | None:
+    """The request in a generated line, or None when it is not one."""
+    text = re.sub(r"^\d+\.\s*", "", line.strip()).strip('"').strip()  # "8. ..." -> "..."
+    n_words = len(text.split())
+    return text if 3 <= n_words <= 80 else None
+
+
+def word_set(text: str) -> frozenset[str]:
+    return frozenset(re.findall(r"\w+", text.lower()))
+
+
+class NearDuplicates:
+    """Word-set Jaccard similarity against every text added so far."""
+
+    def __init__(self, threshold: float):
+        self.threshold, self.sets = threshold, []
+
+    def add(self, text: str) -> None:
+        self.sets.append(word_set(text))
+
+    def near(self, text: str) -> bool:
+        words = word_set(text)
+        return any(len(words & s) > self.threshold * len(words | s) for s in self.sets if words & s)
+
+
+def transformers_writer(model, tokenizer, cfg: SelfInstructConfig):
+    """Batched sampling of one line per prompt: (text, ended) with ended False when
+    max_new_tokens cut the line."""
+    device = next(model.parameters()).device
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+
+    @torch.no_grad()
+    def write(texts: list[str]) -> list[tuple[str, bool]]:
+        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        T = max(map(len, rows))
+        ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # left padded
+        mask = torch.zeros_like(ids)
+        for i, r in enumerate(rows):
+            ids[i, T - len(r) :], mask[i, T - len(r) :] = torch.tensor(r), 1
+        out = model.generate(
+            input_ids=ids.to(device),
+            attention_mask=mask.to(device),
+            max_new_tokens=cfg.max_new_tokens,
+            do_sample=True,
+            temperature=cfg.temperature,
+            top_p=cfg.top_p,
+            top_k=0,
+            stop_strings=["\n"],
+            tokenizer=tokenizer,
+            pad_token_id=pad_id,
+            cache_implementation="static",  # a growing cache re-copies itself every step
+        )
+        lines = tokenizer.batch_decode(out[:, T:], skip_special_tokens=True)
+        return [(line.split("\n")[0], "\n" in line) for line in lines]
+
+    return write
+
+
+def read_kept(path: Path) -> list[dict]:
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+
+
+def self_instruct(recipe: Recipe, write=None) -> dict:
+    """Write (or continue) the prompt file; returns counts. `write` stands in for the model."""
+    cfg = recipe.self_instruct
+    prompts, _ = load_prompts(cfg.seed_sources, seed=cfg.seed)
+    pools = seed_pools(prompts)
+    if not pools:
+        raise PromptSourceError(
+            f"no single-turn one-line requests of at most {MAX_SEED_CHARS} characters in "
+            f"{cfg.seed_sources} to show the base"
+        )
+    if write is None:
+        dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
+        model, tokenizer = load_base(
+            recipe.model.name_or_path,
+            dtype=dtype,
+            device="cuda" if torch.cuda.is_available() else "cpu",
+            attn_implementation=recipe.model.attn_implementation,
+        )
+        write = transformers_writer(model, tokenizer, cfg)
+    out = Path(cfg.output)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    kept = read_kept(out)
+    seen = NearDuplicates(cfg.max_similarity)
+    for text in [t for texts in pools.values() for t in texts] + [r["prompt"] for r in kept]:
+        seen.add(text)
+    categories = list(pools)
+    rejected: Counter[str] = Counter()
+    batch_size = recipe.data.batch_size
+    bar = tqdm(total=cfg.num_prompts, initial=min(len(kept), cfg.num_prompts), unit="prompt")
+    while len(kept) < cfg.num_prompts:
+        # Seeded by what is already kept, so a rerun after a kill draws the same way.
+        rng = random.Random(f"{cfg.seed}-{len(kept)}")
+        cats = [categories[(len(kept) + i) % len(categories)] for i in range(batch_size)]
+        shown = [rng.sample(pools[c], min(cfg.examples_per_prompt, len(pools[c]))) for c in cats]
+        before = len(kept)
+        for cat, (line, ended) in zip(cats, write([list_prompt(s) for s in shown])):
+            text = clean(line)
+            if not ended:
+                rejected["cut at max_new_tokens"] += 1
+            elif text is None:
+                rejected["length"] += 1
+            elif seen.near(text):
+                rejected["near duplicate"] += 1
+            elif len(kept) < cfg.num_prompts:
+                kept.append({"prompt": text, "category": cat})
+                seen.add(text)
+        write_atomic(out, "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in kept))
+        bar.update(len(kept) - before)
+        bar.set_postfix(rejected=sum(rejected.values()))
+        if sum(rejected.values()) > 50 * cfg.num_prompts:
+            logger.warning("stopping: almost every line is rejected (%s)", dict(rejected))
+            break
+    bar.close()
+    return {"kept": len(kept), "rejected": dict(rejected), "output": str(out)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("recipe", help="recipe YAML (model, self_instruct, data.batch_size)")
+    parser.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    try:
+        summary = self_instruct(load_recipe(args.recipe, args.overrides))
+    except (RecipeError, PromptSourceError, FileNotFoundError) as e:
+        print(f"self_instruct failed: {e}", file=sys.stderr)
+        return 2
+    rejected = ", ".join(f"{n} {why}" for why, n in sorted(summary["rejected"].items()))
+    print(f"{summary['kept']} prompts in {summary['output']} (rejected: {rejected or 'none'})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

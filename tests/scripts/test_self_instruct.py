@@ -1,0 +1,132 @@
+"""scripts/self_instruct.py: the list prompt, filtering, resume and the model writer."""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import self_instruct as si  # noqa: E402  (scripts/ is not a package)
+
+from tests.conftest import make_tiny_llama  # noqa: E402
+from train.config import load_recipe  # noqa: E402
+from train.prompts import load_prompts  # noqa: E402
+
+
+def seeds_file(tmp_path: Path) -> Path:
+    lines = [{"prompt": f"Name a colour that rhymes with word {i}."} for i in range(6)]
+    lines += [
+        {"prompt": "Two\nlines are not shown in a numbered list."},
+        {"turns": ["A two-turn", "conversation is not shown either."]},
+    ]
+    path = tmp_path / "seeds.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+    return path
+
+
+def recipe(tmp_path: Path, *overrides: str):
+    return load_recipe(
+        None,
+        [
+            f"self_instruct.seed_sources=[{seeds_file(tmp_path)}]",
+            f"self_instruct.output={tmp_path / 'out' / 'prompts.jsonl'}",
+            "self_instruct.examples_per_prompt=3",
+            "data.batch_size=4",
+            *overrides,
+        ],
+    )
+
+
+class Writer:
+    """Stands in for the base: answers each list prompt with the next line of a script."""
+
+    def __init__(self, lines):
+        self.lines, self.seen = list(lines), []
+
+    def __call__(self, prompts):
+        self.seen += prompts
+        return [self.lines.pop(0) for _ in prompts]
+
+
+def test_pools_keep_one_line_single_turn_requests(tmp_path):
+    prompts, _ = load_prompts([str(seeds_file(tmp_path))])
+    pools = si.seed_pools(prompts)
+    assert list(pools) == [str(tmp_path / "seeds.jsonl")]  # a file is one category
+    assert len(pools[str(tmp_path / "seeds.jsonl")]) == 6
+    assert si.list_prompt(["Say hi.", "Count to 3."]) == (
+        "Requests that users sent to an AI assistant:\n1. Say hi.\n2. Count to 3.\n3."
+    )
+    assert si.clean(' 4. "Write a poem about rain." ') == "Write a poem about rain."
+    assert si.clean("Hi") is None and si.clean("word " * 81) is None
+
+
+def test_filters_resume_and_extend(tmp_path):
+    r = recipe(tmp_path, "self_instruct.num_prompts=3")
+    writer = Writer(
+        [
+            ("Write a short poem about the sea.", True),
+            ("Name a colour that rhymes with word 2.", True),  # a seed: near duplicate
+            ("Explain how tides work in two sentences and then keep going", False),  # cut
+            ("Ok", True),  # too short
+            ("What is the boiling point of water at altitude?", True),
+            ("Write a short poem about the sea!", True),  # same words as a kept one
+            ("Give three tips for learning to juggle.", True),
+            ("One more request that is not needed.", True),  # past num_prompts
+        ]
+    )
+    summary = si.self_instruct(r, write=writer)
+    assert summary["kept"] == 3
+    assert summary["rejected"] == {"near duplicate": 2, "cut at max_new_tokens": 1, "length": 1}
+    out = tmp_path / "out" / "prompts.jsonl"
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [k["prompt"] for k in kept] == [
+        "Write a short poem about the sea.",
+        "What is the boiling point of water at altitude?",
+        "Give three tips for learning to juggle.",
+    ]
+    # Every prompt shown lists 3 seeds and asks for item 4.
+    assert all(p.count("\n") == 4 and p.endswith("\n4.") for p in writer.seen)
+    # The output is a prompt source as it is.
+    prompts, _ = load_prompts([str(out)])
+    assert sorted(p.messages[0]["content"] for p in prompts) == sorted(k["prompt"] for k in kept)
+
+    # Done: a rerun writes nothing; a larger num_prompts extends the file.
+    assert si.self_instruct(r, write=Writer([]))["kept"] == 3
+    more = recipe(tmp_path, "self_instruct.num_prompts=4")
+    si.self_instruct(more, write=Writer([("Write a haiku about autumn leaves.", True)] * 4))
+    assert [json.loads(x)["prompt"] for x in out.read_text().splitlines()][:3] == [
+        k["prompt"] for k in kept
+    ]
+    assert len(out.read_text().splitlines()) == 4
+
+
+def test_everything_rejected_stops_with_a_warning(tmp_path, caplog):
+    r = recipe(tmp_path, "self_instruct.num_prompts=1")
+    summary = si.self_instruct(r, write=Writer([("Ok", True)] * 100))
+    assert summary["kept"] == 0 and "almost every line is rejected" in caplog.text
+
+
+def test_no_usable_seeds_is_a_clear_error(tmp_path, capsys):
+    seeds = tmp_path / "multi.jsonl"
+    seeds.write_text(json.dumps({"prompt": "line one\nline two"}) + "\n")
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text(json.dumps({"self_instruct": {"seed_sources": [str(seeds)]}}))
+    assert si.main([str(recipe_file)]) == 2
+    assert "no single-turn one-line requests" in capsys.readouterr().err
+    assert si.main([str(recipe_file), "self_instruct.temperature=0"]) == 2
+    assert "temperature > 0" in capsys.readouterr().err
+
+
+def test_model_writer_returns_one_line(smollm2_tokenizer):
+    model = make_tiny_llama(seed=1, vocab_size=len(smollm2_tokenizer))
+    cfg = load_recipe(None, ["self_instruct.max_new_tokens=12"]).self_instruct
+    write = si.transformers_writer(model, smollm2_tokenizer, cfg)
+    torch.manual_seed(0)
+    out = write([si.list_prompt(["Say hi.", "Count to three."]), si.list_prompt(["Hello."])])
+    assert len(out) == 2
+    for text, ended in out:
+        assert "\n" not in text
+        n_tokens = len(smollm2_tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert ended or n_tokens >= 10  # cut lines used up (about) max_new_tokens
