@@ -45,8 +45,7 @@ from train.data import (
     resolve_chat_template,
     with_system_prompt,
 )
-from train.prompts import Message, PromptSourceError, conversation_id, load_prompts
-from train.shards import (
+from train.distilled import (
     FORMAT,
     MANIFEST,
     DistillError,
@@ -55,6 +54,7 @@ from train.shards import (
     read_done_ids,
     write_atomic,
 )
+from train.prompts import Message, PromptSourceError, conversation_id, load_prompts
 
 logger = logging.getLogger("distill")
 

@@ -22,6 +22,7 @@ import random
 import re
 import sys
 from collections import Counter
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -29,12 +30,14 @@ from tqdm import tqdm
 
 from heads.base import load_base
 from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe
+from train.distilled import write_atomic
 from train.prompts import Prompt, PromptSourceError, load_prompts
-from train.shards import write_atomic
 
 logger = logging.getLogger("self_instruct")
 
 HEADER = "Requests that users sent to an AI assistant:\n"
+# List prompts -> one (generated line, ended) each.
+Write = Callable[[list[str]], list[tuple[str, bool]]]
 MAX_SEED_CHARS = 300
 
 
@@ -83,11 +86,14 @@ class NearDuplicates:
         return any(len(words & s) > self.threshold * len(words | s) for s in self.sets if words & s)
 
 
-def transformers_writer(model, tokenizer, cfg: SelfInstructConfig):
+def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
     """Batched sampling of one line per prompt: (text, ended) with ended False when
-    max_new_tokens cut the line."""
+    max_new_tokens cut the line (a newline or EOS ends it)."""
     device = next(model.parameters()).device
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    eos = model.generation_config.eos_token_id
+    eos_ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
+    eos_ids = [i for i in eos_ids if i is not None]
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
     @torch.no_grad()
     def write(texts: list[str]) -> list[tuple[str, bool]]:
@@ -110,8 +116,10 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig):
             pad_token_id=pad_id,
             cache_implementation="static",  # a growing cache re-copies itself every step
         )
-        lines = tokenizer.batch_decode(out[:, T:], skip_special_tokens=True)
-        return [(line.split("\n")[0], "\n" in line) for line in lines]
+        new = out[:, T:].cpu()  # (B, new tokens)
+        stopped = torch.isin(new, torch.tensor(eos_ids)).any(-1)  # ended at EOS, no newline
+        lines = tokenizer.batch_decode(new, skip_special_tokens=True)
+        return [(line.split("\n")[0], "\n" in line or bool(s)) for line, s in zip(lines, stopped)]
 
     return write
 
@@ -122,7 +130,7 @@ def read_kept(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def self_instruct(recipe: Recipe, write=None) -> dict:
+def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
     """Write (or continue) the prompt file; returns counts. `write` stands in for the model."""
     cfg = recipe.self_instruct
     prompts, _ = load_prompts(cfg.seed_sources, seed=cfg.seed)
@@ -152,7 +160,8 @@ def self_instruct(recipe: Recipe, write=None) -> dict:
     batch_size = recipe.data.batch_size
     bar = tqdm(total=cfg.num_prompts, initial=min(len(kept), cfg.num_prompts), unit="prompt")
     while len(kept) < cfg.num_prompts:
-        # Seeded by what is already kept, so a rerun after a kill draws the same way.
+        # Seeded by what is already kept: a rerun after a kill shows the same examples (the
+        # sampled lines differ).
         rng = random.Random(f"{cfg.seed}-{len(kept)}")
         cats = [categories[(len(kept) + i) % len(categories)] for i in range(batch_size)]
         shown = [rng.sample(pools[c], min(cfg.examples_per_prompt, len(pools[c]))) for c in cats]

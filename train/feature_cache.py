@@ -4,12 +4,13 @@ One teacher-forced forward of the frozen base per example gives "hidden" (the fi
 the lm_head reads) and, for EAGLE-3, "aux" (the states entering the aux layers). They are stored
 once as bf16 safetensors shards and read back lazily (memory-mapped slices), so a resumed run,
 a longer second run, or the other recipe on the same data never runs the base again, and a
-large set needs disk rather than memory. Layout of DIR:
+large set needs disk rather than memory. Layout of DIR (a folder every process can read):
 
 - `features.json`: what the features are of (base model and dtype, hidden size, aux layers).
-- `features-r{RANK}-{N}.safetensors`: tensors "hidden" (tokens, H) and "aux" (tokens, 3H) of
-  many examples end to end; the metadata entry "index" lists [key, first row, rows] per example,
-  where the key hashes the example's token ids. Shards are written to a temporary file and
+- `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H) and "aux" (tokens, 3H)
+  of many examples end to end; the metadata entry "index" lists [key, first row, rows] per
+  example, where the key hashes the example's token ids. RUN is new for every fill, so two runs
+  filling one folder never write the same file. Shards are fsynced under a temporary name and
   renamed, so a killed run loses only the shard it was filling and a rerun computes the rest.
 """
 
@@ -17,17 +18,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import shutil
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from accelerate.utils import broadcast_object_list
 from safetensors import safe_open
 from safetensors.torch import save_file
-from tqdm.auto import tqdm
 
-from train.data import pad_batch
-from train.features import base_features
+from train.distilled import write_atomic
+from train.features import feature_batches
 
 FORMAT = "headstart-features-1"
 MANIFEST = "features.json"
@@ -83,9 +86,15 @@ def read_index(cache_dir: Path) -> dict[str, tuple[str, int, int]]:
     """key -> (shard file name, first row, rows) over every shard in the folder."""
     where: dict[str, tuple[str, int, int]] = {}
     for path in sorted(cache_dir.glob("features-r*.safetensors")):
-        with safe_open(path, framework="pt") as f:
-            for key, start, rows in json.loads(f.metadata()["index"]):
-                where[key] = (path.name, start, rows)
+        try:
+            with safe_open(path, framework="pt") as f:
+                index = json.loads(f.metadata()["index"])
+        except Exception as e:  # safetensors raises its own error types
+            raise FeatureCacheError(
+                f"{path} is unreadable ({e}); delete it and rerun to compute its examples again"
+            ) from e
+        for key, start, rows in index:
+            where[key] = (path.name, start, rows)
     return where
 
 
@@ -94,23 +103,20 @@ def _read_identity(cache_dir: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
-def check_identity(cache_dir: Path, identity: dict) -> None:
+def ensure_identity(cache_dir: Path, identity: dict) -> None:
     """Write features.json for a new cache; refuse a cache made with other settings."""
-    path = cache_dir / MANIFEST
     old = _read_identity(cache_dir)
-    if old is not None:
-        diffs = [
-            f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in identity.items() if old.get(k) != v
-        ]
-        if diffs:
-            raise FeatureCacheError(
-                f"{cache_dir} holds features of another setup ({'; '.join(diffs)}): "
-                "point training.feature_cache at a new folder"
-            )
+    if old is None:
+        write_atomic(cache_dir / MANIFEST, json.dumps(identity, indent=2))
         return
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps(identity, indent=2), encoding="utf-8")
-    tmp.replace(path)
+    diffs = [
+        f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in identity.items() if old.get(k) != v
+    ]
+    if diffs:
+        raise FeatureCacheError(
+            f"{cache_dir} holds features of another setup ({'; '.join(diffs)}): "
+            "point training.feature_cache at a new folder"
+        )
 
 
 def bytes_per_token(hidden_size: int, with_aux: bool) -> int:
@@ -119,7 +125,7 @@ def bytes_per_token(hidden_size: int, with_aux: bool) -> int:
 
 @torch.no_grad()
 def fill_cache(
-    base,
+    base: torch.nn.Module,
     examples: Sequence[dict],
     aux_layer_ids: Sequence[int],
     cache_dir: str | Path,
@@ -127,12 +133,18 @@ def fill_cache(
     base_name: str,
     batch_size: int,
     pad_token_id: int,
-    accelerator,
+    accelerator,  # an Accelerator or PartialState
     shard_bytes: int = SHARD_BYTES,
 ) -> None:
-    """Compute the features the cache lacks (each process a share of them) and write them."""
+    """Compute the features the cache lacks (each process a share of them) and write them.
+    The main process decides what is missing and whether it fits, and tells the others."""
     cache_dir = Path(cache_dir)
     hidden_size = base.config.hidden_size
+    made = _read_identity(cache_dir)
+    if not aux_layer_ids and made and made.get("aux_layer_ids"):
+        # A cache made for EAGLE-3 also serves a recipe that reads "hidden" only (Medusa);
+        # what this run adds must have the same tensors as the rest.
+        aux_layer_ids = made["aux_layer_ids"]
     identity = {
         "format": FORMAT,
         "base_model": base_name,
@@ -141,77 +153,88 @@ def fill_cache(
         "aux_layer_ids": list(aux_layer_ids),
         "dtype": "bfloat16",
     }
-    rank, world = accelerator.process_index, accelerator.num_processes
-    made = _read_identity(cache_dir)
-    if not aux_layer_ids and made and made.get("aux_layer_ids"):
-        # A cache made for EAGLE-3 also serves a recipe that reads "hidden" only (Medusa);
-        # what this run adds must have the same tensors as the rest.
-        aux_layer_ids = identity["aux_layer_ids"] = made["aux_layer_ids"]
+    plan = [None, None]  # [missing keys, error message]
     if accelerator.is_main_process:
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        check_identity(cache_dir, identity)
+        try:
+            cache_dir.mkdir(parents=True, exist_ok=True)
+            ensure_identity(cache_dir, identity)
+            plan = _plan(cache_dir, examples, bytes_per_token(hidden_size, bool(aux_layer_ids)))
+            accelerator.print(plan.pop())
+        except FeatureCacheError as e:
+            plan = [None, str(e)]
+    missing, error = broadcast_object_list(plan, from_process=0)
+    if error:  # every process stops, none waits for the others
+        raise FeatureCacheError(error)
+    _remove_stale_tmp(cache_dir)
+    todo = {example_key(e["input_ids"]): e for e in examples}
+    rank, world = accelerator.process_index, accelerator.num_processes
+    mine = [todo[k] for k in missing[rank::world]]
+    shard = _ShardBuffer(cache_dir, rank, shard_bytes)
+    batches = feature_batches(
+        base,
+        mine,
+        aux_layer_ids,
+        batch_size,
+        pad_token_id,
+        desc="base features -> cache",
+        disable_progress=not accelerator.is_main_process,
+    )
+    for idx, feats in batches:
+        for b, i in enumerate(idx):
+            n = len(mine[i]["input_ids"])
+            shard.add(example_key(mine[i]["input_ids"]), {k: v[b, :n] for k, v in feats.items()})
+    shard.flush()
     accelerator.wait_for_everyone()
-    check_identity(cache_dir, identity)
-    for stale in cache_dir.glob(f".features-r{rank:03d}-*.tmp"):  # left by a killed run
-        stale.unlink()
 
+
+def _plan(cache_dir: Path, examples: Sequence[dict], per_token: int) -> list:
+    """[keys of the distinct examples without features, None (no error), a line to print]."""
     have = read_index(cache_dir)
-    todo: dict[str, dict] = {}  # each missing token sequence once
+    missing: dict[str, int] = {}  # key -> tokens, each distinct token sequence once
     for e in examples:
         key = example_key(e["input_ids"])
         if key not in have:
-            todo.setdefault(key, e)
-    per_token = bytes_per_token(hidden_size, bool(aux_layer_ids))
-    need = sum(len(e["input_ids"]) for e in todo.values()) * per_token
-    free = shutil.disk_usage(cache_dir).free
-    accelerator.print(
-        f"feature cache {cache_dir}: {len(have)} examples cached, {len(todo)} to compute, "
-        f"{need / 2**30:.2f} GiB more at {per_token / 1024:.1f} KiB per token "
-        f"({free / 2**30:.1f} GiB free)"
-    )
-    if need > free:  # every process sees the same figures, so all of them stop
+            missing[key] = len(e["input_ids"])
+    need, free = sum(missing.values()) * per_token, shutil.disk_usage(cache_dir).free
+    if need > free:
         raise FeatureCacheError(
             f"the feature cache needs {need / 2**30:.2f} GiB but {cache_dir} has "
             f"{free / 2**30:.2f} GiB free: free some space, point training.feature_cache "
             "elsewhere, or unset it to keep the features in memory"
         )
-    mine = sorted(todo.items(), key=lambda kv: len(kv[1]["input_ids"]))[rank::world]  # less padding
-    done = [int(p.stem.rsplit("-", 1)[1]) for p in cache_dir.glob(f"features-r{rank:03d}-*")]
-    shard = _ShardBuffer(cache_dir, rank, max(done, default=-1) + 1, shard_bytes)
-    device = next(base.parameters()).device
-    bar = tqdm(
-        total=sum(len(e["input_ids"]) for _, e in mine),
-        unit="tok",
-        desc="base features -> cache",
-        disable=not accelerator.is_main_process,
+    line = (
+        f"feature cache {cache_dir}: {len(have)} examples cached, {len(missing)} to compute, "
+        f"{need / 2**30:.2f} GiB more at {per_token / 1024:.1f} KiB per token "
+        f"({free / 2**30:.1f} GiB free)"
     )
-    with bar:
-        for start in range(0, len(mine), batch_size):
-            chunk = mine[start : start + batch_size]
-            batch = pad_batch([e for _, e in chunk], pad_token_id)
-            feats = base_features(
-                base,
-                batch["input_ids"].to(device),
-                batch["attention_mask"].to(device),
-                aux_layer_ids,
-            )
-            for b, (key, e) in enumerate(chunk):
-                shard.add(key, {k: v[b, : len(e["input_ids"])] for k, v in feats.items()})
-            bar.update(sum(len(e["input_ids"]) for _, e in chunk))
-    shard.flush()
-    accelerator.wait_for_everyone()
+    return [list(missing), None, line]
+
+
+def _remove_stale_tmp(cache_dir: Path) -> None:
+    """Temporary shards of killed fills (their process is gone) on this machine."""
+    for tmp in cache_dir.glob(".features-*.tmp"):  # .NAME.PID.tmp
+        pid = tmp.name.split(".")[-2]
+        try:
+            os.kill(int(pid), 0)
+        except (ValueError, ProcessLookupError):
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # alive, another user's
+            pass
 
 
 class _ShardBuffer:
     """Rows of finished examples, written as one atomic shard once `limit` bytes are held."""
 
-    def __init__(self, cache_dir: Path, rank: int, next_index: int, limit: int):
-        self.cache_dir, self.rank, self.next_index, self.limit = cache_dir, rank, next_index, limit
+    def __init__(self, cache_dir: Path, rank: int, limit: int):
+        self.cache_dir, self.limit = cache_dir, limit
+        self.prefix = f"features-r{rank:03d}-{uuid.uuid4().hex[:12]}"
+        self.next_index = 0
         self.rows: dict[str, list[torch.Tensor]] = {}
         self.index: list[tuple[str, int, int]] = []
         self.count = self.bytes = 0
 
     def add(self, key: str, feats: dict[str, torch.Tensor]) -> None:
+        """One example's features, {name: (T, D)}."""
         n = next(iter(feats.values())).shape[0]
         for name, value in feats.items():
             value = value.to("cpu", torch.bfloat16)
@@ -225,10 +248,12 @@ class _ShardBuffer:
     def flush(self) -> None:
         if not self.index:
             return
-        name = f"features-r{self.rank:03d}-{self.next_index:05d}.safetensors"
-        tmp = self.cache_dir / f".{name}.tmp"
-        tensors = {k: torch.cat(v).contiguous() for k, v in self.rows.items()}
+        name = f"{self.prefix}-{self.next_index:05d}.safetensors"
+        tmp = self.cache_dir / f".{name}.{os.getpid()}.tmp"
+        tensors = {k: torch.cat(v).contiguous() for k, v in self.rows.items()}  # (rows, D)
         save_file(tensors, tmp, metadata={"index": json.dumps(self.index)})
+        with open(tmp, "rb+") as f:
+            os.fsync(f.fileno())
         tmp.replace(self.cache_dir / name)
         self.next_index += 1
         self.rows, self.index, self.count, self.bytes = {}, [], 0, 0

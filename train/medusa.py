@@ -30,7 +30,7 @@ from train.run import (
     count_steps,
     epoch_batches,
     evaluate,
-    gathered,
+    gather_for_reading,
     load_frozen_base,
     make_accelerator,
     make_optimizer,
@@ -153,7 +153,9 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
                 recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
             )
     # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
-    with gathered(base.get_output_embeddings().weight):  # its rows start the heads' lm_heads
+    with gather_for_reading(
+        base.get_output_embeddings().weight
+    ):  # its rows start the heads' lm_heads
         heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
     return heads.to(device=base.device)

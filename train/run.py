@@ -125,7 +125,7 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
     return base, tokenizer
 
 
-def gathered(*params: torch.nn.Parameter):
+def gather_for_reading(*params: torch.nn.Parameter):
     """Whole parameters to read under ZeRO-3 (where each process holds a shard); else a no-op."""
     if not is_deepspeed_zero3_enabled():
         return nullcontext()
@@ -145,6 +145,13 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
         f"out; {sum(sum(e['loss_mask']) for e in train)} train target tokens"
     )
     train_ds, eval_ds = ExampleDataset(train), ExampleDataset(held_out)
+    if recipe.training.mode == "offline" and is_deepspeed_zero3_enabled():
+        print(
+            "error: training.mode=offline runs the base before DeepSpeed has gathered its "
+            "ZeRO-3 partitions; use training.mode=online under ZeRO-3",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if recipe.training.feature_cache:  # on disk, bf16, shared by runs on the same data
         cache = recipe.training.feature_cache
         try:

@@ -30,20 +30,22 @@ def test_yaml_and_overrides(tmp_path):
         path,
         [
             "data.limit=7",  # section.key
-            "top_p=0.9",  # bare key that names one field of one section
+            "num_samples=2",  # bare key that names one field of one section
             "data.sources=[a.jsonl, hf:org/set:train]",
             "data.system_prompt=You are terse: answer in one line.",  # str kept verbatim
             "model.name_or_path=123",  # a str field does not become an int
         ],
     )
     assert recipe.model.dtype == "float32"
-    assert recipe.data.limit == 7 and recipe.data.top_p == 0.9
+    assert recipe.data.limit == 7 and recipe.data.num_samples == 2
     assert recipe.data.temperature == 1.0 and isinstance(recipe.data.temperature, float)
     assert recipe.data.sources == ["a.jsonl", "hf:org/set:train"]
     assert recipe.data.system_prompt == "You are terse: answer in one line."
     assert recipe.model.name_or_path == "123"
     assert load_recipe(path, ["data.limit=null"]).data.limit is None
     assert load_recipe(path, ["data.sources=b.jsonl"]).data.sources == ["b.jsonl"]
+    with pytest.raises(RecipeError, match="'top_p' is ambiguous; write one of data.top_p, self"):
+        load_recipe(path, ["top_p=0.9"])
 
 
 def test_unknown_key_lists_the_valid_keys(tmp_path):
@@ -96,7 +98,8 @@ def test_cross_field_checks_and_bad_overrides():
         load_recipe(None, ["data.limit.x=1"])
     with pytest.raises(RecipeError, match="feature_cache needs training.mode=offline"):
         load_recipe(None, ["training.feature_cache=cache"])
-    assert load_recipe(None, ["training.feature_cache=c", "training.mode=offline"]).training.mode
+    cached = load_recipe(None, ["training.feature_cache=c", "training.mode=offline"]).training
+    assert cached.feature_cache == "c"
 
 
 def test_save_recipe_round_trips(tmp_path):

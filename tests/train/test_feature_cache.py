@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import shutil
 from collections import namedtuple
 
@@ -11,6 +12,7 @@ import torch
 from accelerate import PartialState
 
 import train.feature_cache as fc
+import train.features as features
 from tests.conftest import make_tiny_llama
 from train.features import base_features
 
@@ -78,26 +80,53 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     shards = sorted(tmp_path.glob("features-r000-*.safetensors"))
     lost = {k for k, _, _ in json.loads(_metadata(shards[-1])["index"])}
     shards[-1].unlink()  # the shard being filled when the run was killed
-    (tmp_path / ".features-r000-00099.safetensors.tmp").write_bytes(b"half a shard")
+    dead = tmp_path / ".features-r000-0a1b2c-00003.safetensors.999999999.tmp"  # killed
+    dead.write_bytes(b"half a shard")
+    live = tmp_path / f".features-r000-3d4e5f-00000.safetensors.{os.getpid()}.tmp"  # filling
+    live.write_bytes(b"being written")
     capsys.readouterr()
 
     calls = []
-    real = fc.base_features
-    monkeypatch.setattr(fc, "base_features", lambda *a: calls.append(a[1].shape[0]) or real(*a))
+    real = features.base_features
+    monkeypatch.setattr(
+        features, "base_features", lambda *a: calls.append(a[1].shape[0]) or real(*a)
+    )
     fill(base, exs, tmp_path, shard_bytes=4096)
     assert sum(calls) == len(lost)  # the rows of the lost shard, nothing else
     assert (
         f"{len(exs) - len(lost)} examples cached, {len(lost)} to compute" in capsys.readouterr().out
     )
-    assert not list(tmp_path.glob(".*tmp"))
+    assert not dead.exists() and live.exists()
     after = fc.FeatureCache(tmp_path, exs, torch.float32)
     for i in range(len(exs)):
         for k in full[i]:
             torch.testing.assert_close(after[i][k], full[i][k], atol=2e-2, rtol=1e-2)
 
     calls.clear()
-    fill(base, exs + exs[:2], tmp_path)  # complete, and duplicates are one entry
+    fill(base, exs, tmp_path)  # complete: nothing to compute
     assert calls == []
+
+
+def test_duplicates_are_computed_and_stored_once(base, tmp_path, capsys):
+    exs = examples(4)
+    fill(base, exs + exs[:3], tmp_path)
+    assert "0 examples cached, 4 to compute" in capsys.readouterr().out
+    (shard,) = tmp_path.glob("features-r000-*.safetensors")
+    index = json.loads(_metadata(shard)["index"])
+    assert len(index) == 4 and sum(rows for _, _, rows in index) == sum(
+        len(e["input_ids"]) for e in exs
+    )
+    cache = fc.FeatureCache(tmp_path, exs + exs[:3], torch.float32)
+    torch.testing.assert_close(cache[5]["hidden"], cache[1]["hidden"])
+
+
+def test_an_unreadable_shard_names_itself(base, tmp_path):
+    fill(base, examples(3), tmp_path)
+    (tmp_path / "features-r000-ffffff-00000.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(
+        fc.FeatureCacheError, match="ffffff-00000.safetensors is unreadable.*delete"
+    ):
+        fill(base, examples(3), tmp_path)
 
 
 def _metadata(path):
