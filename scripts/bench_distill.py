@@ -1,7 +1,7 @@
 """Distillation throughput: batched (the distill code path) against one prompt at a time.
 
 python scripts/bench_distill.py [--prompts 48] [--unbatched 8] [--max-new-tokens 64]
-                                [--batch-size 32] [--threads N] [--out results.json]
+                                [--batch-size 32] [--max-length N] [--threads N] [--out results.json]
 
 Both runs use the same model, prompts (the embedded set), greedy decoding and max_new_tokens,
 in one process. Tokens are counted up to and including the end-of-turn token; padding after
@@ -55,6 +55,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, default=DataConfig().batch_size)
     parser.add_argument(
+        "--max-length",
+        type=int,
+        default=DataConfig().max_length,
+        help="data.max_length: longer prompts are skipped, later turns that do not fit dropped "
+        "(the CPU recipes use 320)",
+    )
+    parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"
     )
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
@@ -68,6 +75,7 @@ def main(argv: list[str] | None = None) -> int:
             f"model.name_or_path={args.base}",
             f"data.limit={args.prompts}",
             f"data.max_new_tokens={args.max_new_tokens}",
+            f"data.max_length={args.max_length}",
             "data.sources=embedded",
         ],
     )
@@ -91,6 +99,7 @@ def main(argv: list[str] | None = None) -> int:
         "cpu_count": os.cpu_count(),
         "load_average_1min": round(os.getloadavg()[0], 2),
         "max_new_tokens": args.max_new_tokens,
+        "max_length": args.max_length,
         "unbatched": unbatched,
         "batched": batched,
         "speedup": round(batched["tokens_per_s"] / unbatched["tokens_per_s"], 2),

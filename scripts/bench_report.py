@@ -171,7 +171,8 @@ def markdown(results: dict) -> str:
             "",
             "tau: mean tokens per verify step of the base, bonus token included (Spec-Bench's "
             "mean accepted tokens; HF prompt lookup does not expose it). Speedup: tokens/s over "
-            "HF greedy `generate` on the same prompt (median over prompts; overall = total "
+            f"HF `generate` ({'greedy' if s['temperature'] == 0 else 'sampling alike'}) on the "
+            "same prompt (median over prompts; overall = total "
             "tokens/s ratio). Identical: output equal to the baseline token for token (greedy only).",
             "",
             "## Per category",
