@@ -445,7 +445,7 @@ def test_unknown_recipe_key_exits_2_listing_the_valid_keys(tmp_path, capsys):
     assert exit_.value.code == 2
     err = capsys.readouterr().err
     assert "unknown key 'training.lerning_rate'" in err and "Did you mean 'learning_rate'" in err
-    assert "Valid keys of 'training': mode, epochs, max_steps" in err
+    assert "Valid keys of 'training': mode, feature_cache, epochs, max_steps" in err
 
     recipe = yaml.safe_load(TINY_EAGLE.read_text())
     recipe["heads"]["ttt_step"] = 3
