@@ -28,10 +28,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from heads.base import load_base
-from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe
-from train.distilled import write_atomic
-from train.prompts import Prompt, PromptSourceError, load_prompts
+sys.path.insert(0, str(Path(__file__).parent))
+import distill  # noqa: E402  (the distill script's EOS ids)
+
+from heads.base import load_base  # noqa: E402
+from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe  # noqa: E402
+from train.distilled import write_atomic  # noqa: E402
+from train.prompts import Prompt, PromptSourceError, load_prompts  # noqa: E402
 
 logger = logging.getLogger("self_instruct")
 
@@ -90,9 +93,7 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
     """Batched sampling of one line per prompt: (text, ended) with ended False when
     max_new_tokens cut the line (a newline or EOS ends it)."""
     device = next(model.parameters()).device
-    eos = model.generation_config.eos_token_id
-    eos_ids = [tokenizer.eos_token_id, *(eos if isinstance(eos, list) else [eos])]
-    eos_ids = [i for i in eos_ids if i is not None]
+    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
 
     @torch.no_grad()
