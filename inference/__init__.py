@@ -5,6 +5,7 @@ from inference.drafters.eagle import EagleDrafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.model import ModelDrafter
 from inference.drafters.ngram import NgramDrafter
+from inference.drafters.union import UnionDrafter
 from inference.generate import GenerationOutput, SpeculativeGenerator, make_drafter
 from inference.tree import PRESETS, Tree, get_preset, tree_from_choices, tree_from_parents
 
@@ -20,6 +21,7 @@ __all__ = [
     "Sampling",
     "SpeculativeGenerator",
     "Tree",
+    "UnionDrafter",
     "get_preset",
     "make_drafter",
     "tree_from_choices",

@@ -59,14 +59,25 @@ class GenerationOutput:
 
 def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     """Wrap heads in the matching drafter; a Drafter passes through; a causal LM becomes a
-    draft model; None gives the n-gram drafter. `options` go to the drafter."""
+    draft model; None gives the n-gram drafter; a list or tuple of these gives the union of
+    their trees (`UnionDrafter`). `options` go to the drafter (not to a union: configure its
+    members as drafter objects)."""
     from heads.eagle import EagleDraft
     from heads.medusa import MedusaHeads
     from inference.drafters.eagle import EagleDrafter
     from inference.drafters.medusa import MedusaDrafter
     from inference.drafters.model import ModelDrafter
     from inference.drafters.ngram import NgramDrafter
+    from inference.drafters.union import UnionDrafter
 
+    if isinstance(heads_or_drafter, (list, tuple)):
+        if options:
+            raise ValueError(
+                f"options {sorted(options)} are ambiguous for a union of drafters: pass drafter "
+                "objects with their settings, e.g. [MedusaDrafter(heads, choices='cpu-8'), "
+                "NgramDrafter(num_tokens=4)]"
+            )
+        return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
     if isinstance(heads_or_drafter, Drafter):
         return heads_or_drafter
     if heads_or_drafter is None:
@@ -90,7 +101,9 @@ class SpeculativeGenerator:
     Args:
         base: a transformers causal LM (unmodified; sdpa or eager attention).
         heads_or_drafter: MedusaHeads, EagleDraft, a small draft model with the same
-            vocabulary, a `Drafter`, or None for n-gram prompt lookup.
+            vocabulary, a `Drafter`, or None for n-gram prompt lookup; or a list of these,
+            verified together as the union of their trees (`[heads, None]`: the heads plus
+            n-gram prompt lookup).
         lazy_logits: compute the base's lm_head only for the tree nodes the verifier visits
             (default on a CPU, where each row is costly).
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
@@ -122,7 +135,12 @@ class SpeculativeGenerator:
         # Adaptive by default, unless the caller fixed the drafter's settings (options, or a
         # drafter object built by the caller).
         if adaptive is None:
-            adaptive = not drafter_options and not isinstance(heads_or_drafter, Drafter)
+            members = (
+                heads_or_drafter
+                if isinstance(heads_or_drafter, (list, tuple))
+                else [heads_or_drafter]
+            )
+            adaptive = not drafter_options and not any(isinstance(m, Drafter) for m in members)
         self.arms = None
         if adaptive:
             self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)

@@ -1,14 +1,16 @@
 """Benchmark speculative decoding against the plain base model, interleaved in one run.
 
 python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [DIR ...]]
-    [--methods baseline,hf-lookup,ngram,heads,draft] [--draft-model M] [--max-new-tokens N]
+    [--methods baseline,hf-lookup,ngram,heads,heads+ngram,draft] [--draft-model M] [--max-new-tokens N]
     [--limit K] [--per-category K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
     [--lookup-tokens N] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
 
 Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
 run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per
-`--heads` folder, Medusa or EAGLE) and `draft` (`--draft-model`, same tokenizer). For each
+`--heads` folder, Medusa or EAGLE), `heads+ngram` (each heads folder and the n-gram drafter
+verified together, the union of their trees; not in the default set) and `draft`
+(`--draft-model`, same tokenizer). For each
 prompt every method runs in turn, in an order rotated per prompt, so that machine noise hits
 all of them alike. Writes OUT/results.json, OUT/results.md and PNG plots (docs/bench.md).
 """

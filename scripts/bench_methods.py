@@ -17,9 +17,9 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from inference import SpeculativeGenerator
+from inference import NgramDrafter, SpeculativeGenerator, make_drafter
 
-METHODS = ("baseline", "hf-lookup", "ngram", "heads", "draft")
+METHODS = ("baseline", "hf-lookup", "ngram", "heads", "heads+ngram", "draft")
 
 
 class BenchError(ValueError):
@@ -59,16 +59,21 @@ class Method:
 def parse_methods(spec: str | None, heads: list[str], draft_model: str | None) -> list[str]:
     """Method names to run, baseline first. `spec=None` means every method the options allow."""
     if spec is None:
-        names = [n for n in METHODS if (n != "heads" or heads) and (n != "draft" or draft_model)]
+        names = [
+            n
+            for n in METHODS
+            if (n != "heads" or heads) and n != "heads+ngram" and (n != "draft" or draft_model)
+        ]
     else:
         names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         raise BenchError(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
-    if "heads" in names and not heads:
-        raise BenchError("method 'heads' needs --heads DIR [DIR ...]")
-    if heads and "heads" not in names:
-        raise BenchError("--heads given but 'heads' is not in --methods")
+    for name in ("heads", "heads+ngram"):
+        if name in names and not heads:
+            raise BenchError(f"method '{name}' needs --heads DIR [DIR ...]")
+    if heads and "heads" not in names and "heads+ngram" not in names:
+        raise BenchError("--heads given but neither 'heads' nor 'heads+ngram' is in --methods")
     if "draft" in names and not draft_model:
         raise BenchError("method 'draft' needs --draft-model")
     if draft_model and "draft" not in names:
@@ -100,10 +105,10 @@ def build_methods(names: list[str], args: argparse.Namespace):
             options = {"num_tokens": gen.drafter.num_tokens, "max_ngram": gen.drafter.max_ngram}
             run = _spec_runner(gen, settings)
             methods.append(Method(name, name, run, device, greedy, options, args.lookup_tokens))
-        elif name == "heads":
-            taken = set(METHODS)
+        elif name in ("heads", "heads+ngram"):
+            taken = set(METHODS) | {m.name for m in methods}
             for folder in args.heads:
-                method = _heads_method(folder, base, args, settings, greedy)
+                method = _heads_method(folder, base, args, settings, greedy, name == "heads+ngram")
                 stem, n = method.name, 1
                 while method.name in taken:
                     n += 1
@@ -123,7 +128,11 @@ def build_methods(names: list[str], args: argparse.Namespace):
     return base, tokenizer, methods
 
 
-def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Method:
+def _heads_method(
+    folder: str, base, args, settings: dict, greedy: bool, with_ngram: bool = False
+) -> Method:
+    """A heads folder's method; `with_ngram`: its drafter and n-gram prompt lookup together
+    (the union of their trees, `inference.UnionDrafter`)."""
     try:
         heads = load_heads(folder, base=base)
     except (ValueError, OSError) as e:
@@ -131,6 +140,8 @@ def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Meth
     path = Path(folder).resolve()
     # Training writes OUTPUT/heads: name the method after the run, not "heads".
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
+    if with_ngram:
+        return _union_method(f"{name}+ngram", folder, heads, base, args, settings, greedy)
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
         K = heads.config.num_heads
@@ -159,6 +170,36 @@ def _heads_method(folder: str, base, args, settings: dict, greedy: bool) -> Meth
     return Method(
         name, kind, _spec_runner(gen, settings), device, greedy, options, drafter.depth, folder
     )
+
+
+def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool) -> Method:
+    """Heads plus n-gram lookup (`--lookup-tokens`): adaptive over the union's arms, unless
+    `--tree` / `--eagle-*` fix the heads' settings (then both always run)."""
+    ngram = NgramDrafter(num_tokens=args.lookup_tokens)
+    if isinstance(heads, MedusaHeads):
+        kind, depth = "medusa+ngram", heads.config.num_heads
+        fixed = {} if args.tree is None else {"choices": _medusa_choices(args.tree)}
+    else:
+        kind = f"eagle{heads.config.version}+ngram"
+        fixed = {
+            k: v
+            for k, v in dict(
+                top_k=args.eagle_top_k, depth=args.eagle_depth, total_tokens=args.eagle_total_tokens
+            ).items()
+            if v is not None
+        }
+    try:
+        primary = make_drafter(base, heads, **fixed)
+        gen = SpeculativeGenerator(base, [primary, ngram], adaptive=not fixed)
+    except ValueError as e:
+        raise BenchError(f"{name}: {e}") from e
+    if isinstance(heads, EagleDraft):
+        depth = primary.depth
+    options = {"ngram_tokens": args.lookup_tokens, **fixed}
+    options["arms"] = gen.arms if gen.arms else "fixed"
+    depth = max(depth, args.lookup_tokens)
+    run = _spec_runner(gen, settings)
+    return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
 
 
 def _medusa_choices(tree: str):

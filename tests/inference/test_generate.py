@@ -7,7 +7,14 @@ from transformers import DynamicCache
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from heads.cpu import can_prepack, prepack_linear_weights
-from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents
+from inference import (
+    Draft,
+    Drafter,
+    MedusaDrafter,
+    NgramDrafter,
+    SpeculativeGenerator,
+    tree_from_parents,
+)
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from tests.conftest import make_tiny_llama
@@ -38,11 +45,9 @@ class OracleDrafter(Drafter):
 def _drafters(base):
     eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
     eagle3.set_vocab_map(torch.arange(0, 256, 4))
+    medusa = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=3)).init_from_base(base)
     return {
-        "medusa": (
-            MedusaHeads(MedusaConfig.from_base(base.config, num_heads=3)).init_from_base(base),
-            {"choices": "cpu-8"},
-        ),
+        "medusa": (medusa, {"choices": "cpu-8"}),
         "medusa-shared": (
             MedusaHeads(
                 MedusaConfig.from_base(base.config, num_heads=2, original_lm_head=True)
@@ -58,6 +63,9 @@ def _drafters(base):
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
         "ngram": (None, {"num_tokens": 4}),
+        # Unions: fixed settings (drafter objects), and adaptive over the union's arms.
+        "medusa+ngram": ([MedusaDrafter(medusa, "cpu-8"), NgramDrafter(num_tokens=4)], {}),
+        "eagle3+ngram": ([eagle3, None], {}),
     }
 
 
@@ -73,6 +81,8 @@ def _drafters(base):
         "draft-model",
         "self-draft",
         "ngram",
+        "medusa+ngram",
+        "eagle3+ngram",
     ],
 )
 def test_greedy_equals_base_greedy(name, attn):
@@ -80,7 +90,7 @@ def test_greedy_equals_base_greedy(name, attn):
     heads, options = _drafters(base)[name]
     if attn.endswith("-prepacked"):  # oneDNN's packed weights, as load_base does on CPU
         for module in (base, heads):
-            if module is not None:
+            if isinstance(module, torch.nn.Module):
                 assert prepack_linear_weights(module) > 0 or not can_prepack()
     # sdpa runs the CPU's row-by-row verifier, eager the dense one (as on a GPU).
     gen = SpeculativeGenerator(base, heads, lazy_logits=attn == "sdpa", **options)

@@ -8,7 +8,15 @@ import pytest
 import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
-from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents
+from inference import (
+    Draft,
+    Drafter,
+    MedusaDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeGenerator,
+    tree_from_parents,
+)
 from inference.acceptance import warp_probs
 from tests.conftest import make_tiny_llama
 
@@ -81,10 +89,20 @@ def _gen(kind):
         return base, SpeculativeGenerator(base, draft, top_k=2, depth=2, total_tokens=5)
     if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
         return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
+    if kind == "union-sampled+topk":  # sampled and point-mass siblings under one root
+        heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+        drafters = [
+            MedusaDrafter(heads, [(0,), (1,), (0, 0)]),
+            ModelDrafter(peaky_tiny(seed=3), num_tokens=2),
+            NgramDrafter(num_tokens=2),
+        ]
+        return base, SpeculativeGenerator(base, drafters)
     raise ValueError(kind)
 
 
-@pytest.mark.parametrize("kind", ["medusa-topk", "eagle-topk", "draft-model-sampled"])
+@pytest.mark.parametrize(
+    "kind", ["medusa-topk", "eagle-topk", "draft-model-sampled", "union-sampled+topk"]
+)
 def test_speculative_sampling_matches_base_law(kind):
     base, gen = _gen(kind)
     stat, critical = chi_square(gen, base)

@@ -123,10 +123,13 @@ def test_all_methods_greedy_identical(folders, tmp_path):
 
 def test_multi_turn_categories_and_runs(folders, tmp_path):
     prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH)
-    extra = ["--turns", "all", "--runs", "2", "--methods", "ngram,heads"]
+    extra = ["--turns", "all", "--runs", "2", "--methods", "ngram,heads,heads+ngram"]
     results = _run(folders, tmp_path, prompts, *extra, "--heads", str(folders["medusa"]))
     records = results["records"]
-    assert len(records) == 3 * 2 * 3  # prompts x turns x (baseline, ngram, medusa)
+    assert len(records) == 3 * 2 * 4  # prompts x turns x (baseline, ngram, medusa, medusa+ngram)
+    union = results["methods"][-1]
+    assert union["name"] == "medusa+ngram" and union["kind"] == "medusa+ngram"
+    assert union["options"]["ngram_tokens"] == 4 and union["options"]["arms"][0] is None
     assert {r["turn"] for r in records} == {0, 1} and all(r["identical"] for r in records)
     assert all(len(r["seconds_runs"]) == 2 for r in records)
     assert {r["id"] for r in records} == {81, 82, 83}
@@ -181,6 +184,7 @@ def test_summary_counts_steps_not_prompts():
         ("other-vocab", "does not share the base's tokenizer"),
         ("unknown-method", "unknown methods ['medusa']"),
         ("draft-without-model", "needs --draft-model"),
+        ("union-without-heads", "'heads+ngram' needs --heads"),
     ],
 )
 def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
@@ -193,6 +197,7 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
         "other-vocab": ["--draft-model", str(folders["small"])],
         "unknown-method": ["--methods", "baseline,medusa"],
         "draft-without-model": ["--methods", "draft"],
+        "union-without-heads": ["--methods", "ngram,heads+ngram"],
     }[case]
     if case == "malformed":
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')

@@ -1,0 +1,135 @@
+"""Several drafters in one verify step: the union of their trees.
+
+Each drafter proposes its own tree from the same root; the trees are merged into one trie (a
+token proposed by two drafters at the same place is one node) and verified in one forward. A
+path is accepted wherever any drafter was right, so on a CPU, where a few more tree nodes cost
+little, the trained heads and n-gram prompt lookup add up: the heads guess new text, the lookup
+copies text the prompt or the answer already holds (extraction, code edits, long lists).
+
+Lossless at every temperature: point-mass nodes (top-k, static trees, n-gram) are merged freely;
+sampled nodes (a draft model at temperature > 0) come from one drafter only, which goes first, and
+are never merged with another drafter's node, so each sampled node keeps the q it was drawn from.
+The verifier's per-child rule (DESIGN.md, Inference) is exact for any mix of such children.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+
+from inference.draft import Draft, Drafter, Sampling
+from inference.tree import tree_from_parents
+
+
+class UnionDrafter(Drafter):
+    """Proposes the union of its drafters' trees.
+
+    Args:
+        drafters: two or more drafters; at most one may need the base's aux layers (EAGLE-3).
+            The first is the primary: `default_arms` adapts its settings and keeps the others
+            as configured.
+    """
+
+    def __init__(self, drafters: Sequence[Drafter]) -> None:
+        self.drafters = list(drafters)
+        if len(self.drafters) < 2:
+            raise ValueError("a UnionDrafter needs at least two drafters")
+        needing_aux = [d for d in self.drafters if d.aux_layer_ids]
+        if len(needing_aux) > 1:
+            raise ValueError("at most one drafter of a union may read the base's aux layers")
+        self.aux_layer_ids = needing_aux[0].aux_layer_ids if needing_aux else ()
+        self.enabled = [True] * len(self.drafters)
+        self._update_max_nodes()
+
+    def _update_max_nodes(self) -> None:
+        self.max_nodes = 1 + sum(
+            d.max_nodes - 1 for d, on in zip(self.drafters, self.enabled) if on
+        )
+
+    def configure(self, parts: Sequence[dict | None]) -> None:
+        """`parts[i]`: options for drafter i (`{}` keeps its settings), or None to leave it out."""
+        if len(parts) != len(self.drafters):
+            raise ValueError(f"parts has {len(parts)} entries for {len(self.drafters)} drafters")
+        if all(p is None for p in parts):
+            raise ValueError("a union needs at least one drafter enabled (None for all is plain)")
+        for drafter, options in zip(self.drafters, parts):
+            if options:
+                drafter.configure(**options)
+        self.enabled = [p is not None for p in parts]
+        self._update_max_nodes()
+
+    def default_arms(self, device: torch.device) -> list[dict | None]:
+        """Plain decoding; each of the primary's settings with the others added; the others
+        without the primary."""
+        rest = [{}] * (len(self.drafters) - 1)
+        arms: list[dict | None] = [None]
+        for options in self.drafters[0].default_arms(device):
+            if options is not None:
+                arms.append({"parts": [options, *rest]})
+        arms.append({"parts": [None, *rest]})
+        return arms
+
+    def reset(self) -> None:
+        for drafter in self.drafters:
+            drafter.reset()
+
+    def observe(self, tokens, hidden, aux, next_token) -> None:
+        for drafter in self.drafters:
+            drafter.observe(tokens, hidden, aux, next_token)
+
+    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
+        drafts = [d.propose(sequence, sampling) for d, on in zip(self.drafters, self.enabled) if on]
+        if len(drafts) == 1:
+            return drafts[0]
+        return merge_drafts(drafts)
+
+
+def merge_drafts(drafts: Sequence[Draft]) -> Draft:
+    """One trie holding every draft's paths; all drafts share the root.
+
+    Point-mass nodes with the same parent and token become one node. Sampled nodes keep their
+    own node and their draft's `draft_probs` row; only one draft may have them.
+    """
+    sampled_drafts = [i for i, d in enumerate(drafts) if bool(d.sampled.any())]
+    if len(sampled_drafts) > 1:
+        raise ValueError("only one drafter of a union may sample its tokens from q")
+    if sampled_drafts:  # the sampling draft first: its nodes keep their rows
+        first = sampled_drafts[0]
+        drafts = [drafts[first]] + [d for i, d in enumerate(drafts) if i != first]
+    root = int(drafts[0].tokens[0])
+    if any(int(d.tokens[0]) != root for d in drafts):
+        raise ValueError("the drafts of a union must share the root token")
+    tokens, parents, sampled, rows = [root], [-1], [False], [0]
+    point_mass_child: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
+    for d, draft in enumerate(drafts):
+        merged = [0] * draft.tokens.numel()  # the draft's node -> merged node
+        draft_parents, draft_tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
+        draft_sampled = draft.sampled.tolist()
+        for i in range(1, len(draft_tokens)):
+            parent, token = merged[draft_parents[i]], draft_tokens[i]
+            key = (parent, token)
+            if not draft_sampled[i] and key in point_mass_child:
+                merged[i] = point_mass_child[key]
+                continue
+            merged[i] = len(tokens)
+            if not draft_sampled[i]:
+                point_mass_child[key] = merged[i]
+            tokens.append(token)
+            parents.append(parent)
+            sampled.append(draft_sampled[i])
+            rows.append(i if d == 0 else -1)  # the row of draft_probs after this node
+    device = drafts[0].tokens.device
+    probs = None
+    if sampled_drafts:  # rows of the sampling draft; zeros where no sampled child hangs
+        source = drafts[0].draft_probs
+        probs = torch.zeros(len(tokens), source.shape[-1], dtype=source.dtype, device=device)
+        rows_t = torch.tensor(rows, device=device)
+        has = rows_t >= 0
+        probs[has] = source[rows_t[has]]
+    return Draft(
+        tree_from_parents(parents, device=device),
+        torch.tensor(tokens, dtype=torch.long, device=device),
+        torch.tensor(sampled, dtype=torch.bool, device=device),
+        probs,
+    )

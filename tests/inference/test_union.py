@@ -1,0 +1,118 @@
+"""The union of several drafters' trees: the trie merge, its bookkeeping, and the generator."""
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from inference import (
+    Draft,
+    Drafter,
+    MedusaDrafter,
+    ModelDrafter,
+    NgramDrafter,
+    SpeculativeGenerator,
+    UnionDrafter,
+    tree_from_parents,
+)
+from inference.drafters.union import merge_drafts
+from tests.conftest import make_tiny_llama
+
+
+def _draft(parents, tokens, sampled=None, probs=None):
+    n = len(tokens)
+    sampled = torch.zeros(n, dtype=torch.bool) if sampled is None else torch.tensor(sampled)
+    return Draft(tree_from_parents(parents), torch.tensor(tokens), sampled, probs)
+
+
+def _paths(draft):
+    """Every root-to-node token path of a draft, as tuples."""
+    parents, tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
+    out = set()
+    for i in range(len(tokens)):
+        path, j = [], i
+        while j >= 0:
+            path.append(tokens[j])
+            j = parents[j]
+        out.add(tuple(reversed(path)))
+    return out
+
+
+def test_point_mass_trees_merge_into_one_trie():
+    a = _draft([-1, 0, 0, 1], [9, 1, 2, 3])  # 9 -> 1 -> 3, 9 -> 2
+    b = _draft([-1, 0, 1, 2], [9, 1, 3, 4])  # 9 -> 1 -> 3 -> 4 (shares 9 -> 1 -> 3)
+    merged = merge_drafts([a, b])
+    assert merged.tree.num_nodes == 5  # root, 1, 2, 3, 4: the shared prefix is stored once
+    assert _paths(merged) == _paths(a) | _paths(b)
+    assert not bool(merged.sampled.any()) and merged.draft_probs is None
+    # Parents come before children (the verifier's topological order).
+    assert all(p < i for i, p in enumerate(merged.tree.parents.tolist()) if i)
+
+
+def test_sampled_nodes_keep_their_node_and_row():
+    V = 5
+    probs = torch.rand(3, V)
+    sampled = _draft([-1, 0, 1], [9, 1, 2], [False, True, True], probs)  # a sampled chain
+    point = _draft([-1, 0, 1], [9, 1, 4])  # the same first token, as a point mass
+    merged = merge_drafts([point, sampled])  # the sampling draft is put first whatever the order
+    assert merged.tree.num_nodes == 5  # the point-mass 1 is not merged into the sampled 1
+    assert _paths(merged) == _paths(point) | _paths(sampled)
+    toks, smp = merged.tokens.tolist(), merged.sampled.tolist()
+    assert sum(smp) == 2 and smp[:3] == [False, True, True]
+    assert torch.equal(merged.draft_probs[:3], probs)  # the sampling draft's rows, in place
+    assert toks[3:] == [1, 4] and float(merged.draft_probs[3:].abs().sum()) == 0.0
+
+
+def test_merge_refuses_two_sampling_drafts_and_different_roots():
+    probs = torch.rand(2, 5)
+    s = _draft([-1, 0], [9, 1], [False, True], probs)
+    with pytest.raises(ValueError, match="only one drafter"):
+        merge_drafts([s, s])
+    with pytest.raises(ValueError, match="share the root"):
+        merge_drafts([_draft([-1, 0], [9, 1]), _draft([-1, 0], [8, 1])])
+
+
+def test_union_settings_arms_and_refusals():
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    union = UnionDrafter([MedusaDrafter(heads, "chain-2"), NgramDrafter(num_tokens=4)])
+    assert union.max_nodes == 1 + 2 + 4
+    union.configure(parts=[None, {"num_tokens": 3}])
+    assert union.max_nodes == 1 + 3 and union.enabled == [False, True]
+    with pytest.raises(ValueError, match="at least one"):
+        union.configure(parts=[None, None])
+    with pytest.raises(ValueError, match="2 drafters"):
+        union.configure(parts=[{}])
+    arms = union.default_arms(torch.device("cpu"))
+    assert arms[0] is None and arms[-1] == {"parts": [None, {}]}
+    assert all(a["parts"][1] == {} for a in arms[1:])  # the n-gram kept as configured
+    assert len(arms) == len(MedusaDrafter(heads).default_arms(torch.device("cpu"))) + 1
+    with pytest.raises(ValueError, match="at least two"):
+        UnionDrafter([NgramDrafter()])
+    eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    eagle3.set_vocab_map(torch.arange(0, 256, 4))
+    with pytest.raises(ValueError, match="aux layers"):
+        SpeculativeGenerator(base, [eagle3, eagle3])
+    with pytest.raises(ValueError, match="ambiguous"):
+        SpeculativeGenerator(base, [heads, None], choices="cpu-8")
+    gen = SpeculativeGenerator(base, [eagle3, None])
+    assert gen.drafter.aux_layer_ids == tuple(eagle3.config.aux_layer_ids)
+    assert gen.arms == gen.drafter.default_arms(torch.device("cpu"))  # adaptive by default
+
+
+class Junk(Drafter):
+    """Always proposes tokens the base will not choose (a 3-chain of token 0)."""
+
+    max_nodes = 4
+
+    def propose(self, sequence, sampling):
+        return Draft.chain(int(sequence[-1]), [0, 0, 0], sequence.device)
+
+
+def test_the_right_branch_is_accepted_whichever_drafter_proposed_it():
+    base = make_tiny_llama()
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(prompt, max_new_tokens=24, do_sample=False)
+    gen = SpeculativeGenerator(base, [Junk(), ModelDrafter(base, num_tokens=4)])
+    out = gen.generate(prompt, max_new_tokens=24)
+    assert torch.equal(out.sequences, ref)
+    assert out.mean_accepted_length > 4.0  # the perfect draft model's chain, past the junk
