@@ -8,7 +8,8 @@ Stages run as subprocesses (each with its own progress bar):
 1. scripts/distill.py recipes/smollm2-135m-medusa.yaml (the EAGLE recipe shares its data)
 2. train/medusa.py recipes/smollm2-135m-medusa.yaml
 3. train/eagle.py recipes/smollm2-135m-eagle.yaml
-4. scripts/bench.py over the prompts (MT-bench when found, else HumanEval) -> OUT/REPORT.md
+4. scripts/bench.py over the prompts (MT-bench when found, else HumanEval): HF greedy, HF prompt
+   lookup, our n-gram drafter, each heads folder alone and with n-gram lookup -> OUT/REPORT.md
 """
 
 from __future__ import annotations
@@ -91,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
             "runs/smollm2-medusa/heads",
             "runs/smollm2-eagle/heads",
             "--methods",
-            "baseline,hf-lookup,ngram,heads",
+            "baseline,hf-lookup,ngram,heads,heads+ngram",
             "--prompts",
             prompts,
             "--per-category",
