@@ -1,12 +1,13 @@
 """Distributed launches of the real recipes on CPU processes: `accelerate launch` with DDP over
 gloo, and with DeepSpeed ZeRO-2 / ZeRO-3 (DeepSpeed's CPU accelerator) when deepspeed is
-installed; the shipped launch configs parse."""
+installed, including a resume from a DeepSpeed checkpoint; the shipped launch configs parse."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 
@@ -19,6 +20,7 @@ from tests.train.test_recipes import (
     HEADS_FILES,
     ROOT,
     TINY_MEDUSA,
+    assert_same_run,
     free_port,
     load_tiny_base,
     read_metrics,
@@ -72,15 +74,9 @@ def test_deepspeed_configs(tmp_path):
     assert deepspeed.__version__
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("stage", ["zero2", "zero3"])
-def test_deepspeed_launch_on_cpu(tiny_task, tmp_path, stage):
-    """A real `accelerate launch --use_deepspeed` of the tiny Medusa recipe on two CPU processes
-    (DeepSpeed's CPU accelerator over gloo), with the shipped ZeRO config."""
-    pytest.importorskip(
-        "deepspeed", reason="deepspeed is not installed (pip install headstart[deepspeed])"
-    )
-    out = tmp_path / "out"
+def deepspeed_launch(stage: str, task, out, *overrides: str) -> subprocess.CompletedProcess:
+    """`accelerate launch --use_deepspeed` of the tiny Medusa recipe on two CPU processes
+    (DeepSpeed's CPU accelerator over gloo), with the shipped ZeRO config; asserts success."""
     config = ROOT / "recipes" / "deepspeed" / f"{stage}.json"
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch", "--use_deepspeed"),
@@ -90,12 +86,26 @@ def test_deepspeed_launch_on_cpu(tiny_task, tmp_path, stage):
         *("--main_process_port", str(free_port())),
         str(ROOT / "train" / "medusa.py"),
         str(TINY_MEDUSA),
-        *tiny_task.overrides(out),
+        *task.overrides(out),
+        *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     ranks = "\n".join(line for line in result.stderr.splitlines() if line.startswith("[rank"))
     assert result.returncode == 0, ranks[-4000:] or result.stderr[-3000:]
+    return result
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["zero2", "zero3"])
+def test_deepspeed_launch_on_cpu(tiny_task, tmp_path, stage):
+    """A real DeepSpeed launch of the tiny Medusa recipe; then a resume from its step-2
+    checkpoint, as after a kill during step 4, continues with the same losses and heads."""
+    pytest.importorskip(
+        "deepspeed", reason="deepspeed is not installed (pip install headstart[deepspeed])"
+    )
+    out = tmp_path / "out"
+    deepspeed_launch(stage, tiny_task, out)
     # DeepSpeed ran (not a silent DDP fallback): its checkpoints hold each rank's ZeRO shard.
     ckpt = out / "checkpoints" / "step-00000004"
     assert len(list(ckpt.rglob("zero_pp_rank_*optim_states.pt"))) == 2
@@ -104,6 +114,18 @@ def test_deepspeed_launch_on_cpu(tiny_task, tmp_path, stage):
     train_lines, _ = read_metrics(out)
     assert sorted(train_lines) == [1, 2, 3, 4]
     assert all(math.isfinite(line["loss"]) for line in train_lines.values())
+
+    # What a kill during step 4 leaves: checkpoints up to step 2, metrics up to step 3.
+    reference = tmp_path / "reference"
+    shutil.copytree(out, reference)
+    shutil.rmtree(out / "heads")
+    shutil.rmtree(ckpt)
+    metrics = (out / "metrics.jsonl").read_text().splitlines()
+    kept = [line for line in metrics if json.loads(line)["step"] <= 3]
+    (out / "metrics.jsonl").write_text("\n".join(kept) + "\n")
+    result = deepspeed_launch(stage, tiny_task, out)
+    assert "at step 2" in result.stdout
+    assert_same_run(out, reference, 4)
 
 
 LAUNCH_CONFIGS = sorted((ROOT / "recipes" / "deepspeed").glob("*.json")) + sorted(
