@@ -99,4 +99,3 @@ def test_vocab_map_roundtrip_and_errors(tiny_llama):
     t2d[50] = True
     with pytest.raises(ValueError, match="t2d"):
         check_vocab_map(draft.d2t, t2d)
-
