@@ -158,10 +158,8 @@ def _heads_method(
         run = _spec_runner(gen, settings)
         return Method(name, "medusa", run, device, greedy, options, K, folder)
     assert isinstance(heads, EagleDraft)
-    given = {"top_k": args.eagle_top_k, "depth": args.eagle_depth}
-    given["total_tokens"] = args.eagle_total_tokens
     try:
-        gen = SpeculativeGenerator(base, heads, **{k: v for k, v in given.items() if v is not None})
+        gen = SpeculativeGenerator(base, heads, **_eagle_options(args))
     except ValueError as e:
         raise BenchError(f"EAGLE options for {folder}: {e}") from e
     drafter = gen.drafter
@@ -180,14 +178,7 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
         kind, depth = "medusa+ngram", heads.config.num_heads
         fixed = {} if args.tree is None else {"choices": _medusa_choices(args.tree)}
     else:
-        kind = f"eagle{heads.config.version}+ngram"
-        fixed = {
-            k: v
-            for k, v in dict(
-                top_k=args.eagle_top_k, depth=args.eagle_depth, total_tokens=args.eagle_total_tokens
-            ).items()
-            if v is not None
-        }
+        kind, fixed = f"eagle{heads.config.version}+ngram", _eagle_options(args)
     try:
         primary = make_drafter(base, heads, **fixed)
         gen = SpeculativeGenerator(base, [primary, ngram], adaptive=not fixed)
@@ -200,6 +191,14 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
     depth = max(depth, args.lookup_tokens)
     run = _spec_runner(gen, settings)
     return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
+
+
+def _eagle_options(args: argparse.Namespace) -> dict:
+    """The EAGLE tree settings given on the command line (`--eagle-*`)."""
+    given = dict(
+        top_k=args.eagle_top_k, depth=args.eagle_depth, total_tokens=args.eagle_total_tokens
+    )
+    return {k: v for k, v in given.items() if v is not None}
 
 
 def _medusa_choices(tree: str):
