@@ -174,9 +174,12 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
     """Heads plus n-gram lookup (`--lookup-tokens`): adaptive over the union's arms, unless
     `--tree` / `--eagle-*` fix the heads' settings (then both always run)."""
     ngram = NgramDrafter(num_tokens=args.lookup_tokens)
-    if isinstance(heads, MedusaHeads):
-        kind, depth = "medusa+ngram", heads.config.num_heads
-        fixed = {} if args.tree is None else {"choices": _medusa_choices(args.tree)}
+    medusa = isinstance(heads, MedusaHeads)
+    if medusa:
+        kind, fixed = (
+            "medusa+ngram",
+            {} if args.tree is None else {"choices": _medusa_choices(args.tree)},
+        )
     else:
         kind, fixed = f"eagle{heads.config.version}+ngram", _eagle_options(args)
     try:
@@ -184,11 +187,8 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
         gen = SpeculativeGenerator(base, [primary, ngram], adaptive=not fixed)
     except ValueError as e:
         raise BenchError(f"{name}: {e}") from e
-    if isinstance(heads, EagleDraft):
-        depth = primary.depth
-    options = {"ngram_tokens": args.lookup_tokens, **fixed}
-    options["arms"] = gen.arms if gen.arms else "fixed"
-    depth = max(depth, args.lookup_tokens)
+    options = {"ngram_tokens": args.lookup_tokens, **fixed, "arms": gen.arms or "fixed"}
+    depth = max(heads.config.num_heads if medusa else primary.depth, args.lookup_tokens)
     run = _spec_runner(gen, settings)
     return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
 

@@ -40,12 +40,11 @@ class UnionDrafter(Drafter):
             raise ValueError("at most one drafter of a union may read the base's aux layers")
         self.aux_layer_ids = needing_aux[0].aux_layer_ids if needing_aux else ()
         self.enabled = [True] * len(self.drafters)
-        self._update_max_nodes()
 
-    def _update_max_nodes(self) -> None:
-        self.max_nodes = 1 + sum(
-            d.max_nodes - 1 for d, on in zip(self.drafters, self.enabled) if on
-        )
+    @property
+    def max_nodes(self) -> int:
+        """The root plus every enabled drafter's candidates (before merging shared ones)."""
+        return 1 + sum(d.max_nodes - 1 for d, on in zip(self.drafters, self.enabled) if on)
 
     def configure(self, parts: Sequence[dict | None]) -> None:
         """`parts[i]`: options for drafter i (`{}` keeps its settings), or None to leave it out."""
@@ -57,7 +56,6 @@ class UnionDrafter(Drafter):
             if options:
                 drafter.configure(**options)
         self.enabled = [p is not None for p in parts]
-        self._update_max_nodes()
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         """Plain decoding; each of the primary's settings with the others added; the others
