@@ -180,8 +180,12 @@ def split_answer(new_tokens: list[int], eos_ids: list[int]) -> tuple[list[int], 
     return new_tokens, False
 
 
-def transformers_generator(model, tokenizer, recipe: Recipe, eos_ids: list[int]) -> Generate:
-    """Batched HF generate: left padding, KV cache, sampling when temperature > 0."""
+def transformers_generator(
+    model, tokenizer, recipe: Recipe, eos_ids: list[int], static_cache: bool = True
+) -> Generate:
+    """Batched HF generate: left padding, KV cache, sampling when temperature > 0.
+
+    static_cache=False gives HF's default (dynamic) cache: the faster one at batch size 1."""
     data = recipe.data
     sample = data.temperature > 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
@@ -208,7 +212,8 @@ def transformers_generator(model, tokenizer, recipe: Recipe, eos_ids: list[int])
             eos_token_id=eos_ids,
             pad_token_id=pad_id,
             use_cache=True,
-            cache_implementation="static",  # a growing cache re-copies itself every step
+            # A growing cache re-copies itself every step: costly for a batch.
+            cache_implementation="static" if static_cache else None,
         )
         return [split_answer(row.tolist(), eos_ids) for row in out[:, T:].cpu()]  # (B, new)
 

@@ -49,7 +49,7 @@ class DataConfig:
     num_samples: int = 1  # answers per prompt; more than one needs temperature > 0
     system_prompt: str | None = None  # None: the source's system turn, else the template default
     chat_template: str | None = None  # Jinja string or path to a .jinja file; None: tokenizer's
-    batch_size: int = 32  # prompts per generate call
+    batch_size: int = 64  # prompts per generate call (64 ran 1.17x the rate of 32 on 2 CPU cores)
     max_length: int = 2048  # tokens of a whole conversation (prompt + answers)
     output_dir: str = "runs/distill"
     records_per_shard: int = 256  # a shard (one answer per record) is written atomically this often

@@ -12,6 +12,9 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
+from heads.base import load_base
+from train.config import load_recipe
+
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "distill.py"
 sys.path.insert(0, str(SCRIPT.parent))
@@ -99,6 +102,22 @@ def test_eos_ids_merge_tokenizer_and_generation_config(smollm2_tokenizer):
 
     assert distill.eos_token_ids(smollm2_tokenizer, Config()) == [2, 7]
     assert distill.eos_token_ids(smollm2_tokenizer, None) == [2]
+
+
+def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_base):
+    """bench_distill's batch-1 baseline (HF's default cache) answers as the distill path does."""
+    recipe = load_recipe(
+        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=8)
+    )
+    model, tok = load_base(str(tiny_base))
+    eos = distill.eos_token_ids(tok, model.generation_config)
+    prompts = [tok(f"Question {i}: a colour?")["input_ids"] for i in range(3)]
+    prompts[1] = prompts[1][:4]  # unequal lengths: left padding in the batch
+    static = distill.transformers_generator(model, tok, recipe, eos)
+    dynamic = distill.transformers_generator(model, tok, recipe, eos, static_cache=False)
+    batched = static(prompts)
+    assert all(len(ids) > 0 for ids, _ in batched)
+    assert batched == [dynamic([p])[0] for p in prompts]
 
 
 def test_distill_end_to_end(tmp_path, tiny_base, capsys):
