@@ -89,8 +89,8 @@ def main(argv: list[str] | None = None) -> int:
     distill.run_batch(items[:2], generate, tokenizer, template, recipe)  # warm-up
     items, _ = distill.build_items(recipe, tokenizer, template)  # fresh (answers cleared)
 
-    # The baseline is plain HF generate, one prompt at a time, with its default (dynamic) cache:
-    # at batch size 1 it is faster than the static cache the batched path uses.
+    # The baseline is plain HF generate, one prompt at a time, as a user runs it: its default
+    # (dynamic) cache, not the static one of the batched path.
     plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
     distill.run_batch(items[:1], plain, tokenizer, template, recipe)  # warm-up
     items, _ = distill.build_items(recipe, tokenizer, template)

@@ -185,7 +185,7 @@ def transformers_generator(
 ) -> Generate:
     """Batched HF generate: left padding, KV cache, sampling when temperature > 0.
 
-    static_cache=False gives HF's default (dynamic) cache: the faster one at batch size 1."""
+    static_cache=False gives HF's default (dynamic) cache, as plain `generate` uses."""
     data = recipe.data
     sample = data.temperature > 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
