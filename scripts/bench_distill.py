@@ -85,21 +85,20 @@ def main(argv: list[str] | None = None) -> int:
     template = resolve_chat_template(tokenizer, None)
     eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
     generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
-    items, _ = distill.build_items(recipe, tokenizer, template)
-    distill.run_batch(items[:2], generate, tokenizer, template, recipe)  # warm-up
-    items, _ = distill.build_items(recipe, tokenizer, template)  # fresh (answers cleared)
+
+    def fresh_items():  # a run fills in its items' answers: every run starts from new ones
+        return distill.build_items(recipe, tokenizer, template)[0]
 
     # The baseline is plain HF generate, one prompt at a time, as a user runs it: its default
     # (dynamic) cache, not the static one of the batched path.
     plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
-    distill.run_batch(items[:1], plain, tokenizer, template, recipe)  # warm-up
-    items, _ = distill.build_items(recipe, tokenizer, template)
-    unbatched = measure(items[: args.unbatched], plain, tokenizer, template, recipe, 1)
+    distill.run_batch(fresh_items()[:2], generate, tokenizer, template, recipe)  # warm-ups
+    distill.run_batch(fresh_items()[:1], plain, tokenizer, template, recipe)
+    unbatched = measure(fresh_items()[: args.unbatched], plain, tokenizer, template, recipe, 1)
     print(f"unbatched: {unbatched}", flush=True)
     batched = []
     for batch_size in args.batch_size:
-        items, _ = distill.build_items(recipe, tokenizer, template)
-        batched.append(measure(items, generate, tokenizer, template, recipe, batch_size))
+        batched.append(measure(fresh_items(), generate, tokenizer, template, recipe, batch_size))
         print(f"batched:   {batched[-1]}", flush=True)
     results = {
         "base": args.base,

@@ -176,10 +176,8 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
     ngram = NgramDrafter(num_tokens=args.lookup_tokens)
     medusa = isinstance(heads, MedusaHeads)
     if medusa:
-        kind, fixed = (
-            "medusa+ngram",
-            {} if args.tree is None else {"choices": _medusa_choices(args.tree)},
-        )
+        kind = "medusa+ngram"
+        fixed = {} if args.tree is None else {"choices": _medusa_choices(args.tree)}
     else:
         kind, fixed = f"eagle{heads.config.version}+ngram", _eagle_options(args)
     try:

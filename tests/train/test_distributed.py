@@ -74,7 +74,7 @@ def test_deepspeed_configs(tmp_path):
     assert deepspeed.__version__
 
 
-def deepspeed_launch(stage: str, task, out, *overrides: str) -> subprocess.CompletedProcess:
+def deepspeed_launch(stage: str, task, out) -> subprocess.CompletedProcess:
     """`accelerate launch --use_deepspeed` of the tiny Medusa recipe on two CPU processes
     (DeepSpeed's CPU accelerator over gloo), with the shipped ZeRO config; asserts success."""
     config = ROOT / "recipes" / "deepspeed" / f"{stage}.json"
@@ -87,7 +87,6 @@ def deepspeed_launch(stage: str, task, out, *overrides: str) -> subprocess.Compl
         str(ROOT / "train" / "medusa.py"),
         str(TINY_MEDUSA),
         *task.overrides(out),
-        *overrides,
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
