@@ -44,8 +44,8 @@ def peaky_tiny(seed=0):
 def exact_law(base, temperature, top_p):
     """P(x2, x3) for the first three generated tokens, marginalised over x1: (V, V)."""
     T = PROMPT.shape[1]
-    seqs = torch.tensor([[a, b] for a in range(V) for b in range(V)])  # (V*V, 2)
-    ids = torch.cat([PROMPT.expand(V * V, T), seqs], 1)
+    seqs = torch.tensor([[a, b] for a in range(V) for b in range(V)], device=base.device)
+    ids = torch.cat([PROMPT.to(base.device).expand(V * V, T), seqs], 1)  # (V*V, T+2)
     probs = warp_probs(base(ids).logits.float(), temperature, 0, top_p)  # (V*V, T+2, V)
     p1 = probs[0, T - 1]  # (V,)
     p2 = probs[::V, T]  # rows for x1 = a: (V, V)
