@@ -125,7 +125,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def tree_costs(model, sizes: list[int], prefix_tokens: int, repeats: int) -> list[dict]:
+def time_tree_forwards(model, sizes: list[int], prefix_tokens: int, repeats: int) -> list[dict]:
     """Median seconds of one N-token tree forward (4-ary tree) over a cached prefix, per N."""
     device = model.device
     dtype = next(model.parameters()).dtype
@@ -151,28 +151,32 @@ def tree_costs(model, sizes: list[int], prefix_tokens: int, repeats: int) -> lis
             if rep >= 3:  # the first rounds warm up kernels and allocators
                 times[n].append(time.perf_counter() - t0)
             cache.crop(-n)  # back to the prefix (transformers 5: crop(-n) drops n tokens)
-    one = statistics.median(times[sizes[0]])
+    one = statistics.median(times[1])
     return [
-        {"nodes": n, "ms": 1000 * statistics.median(t), "vs_first": statistics.median(t) / one}
+        {"nodes": n, "ms": 1000 * statistics.median(t), "vs_one_node": statistics.median(t) / one}
         for n, t in times.items()
     ]
 
 
-def parting_margin(model, truth: torch.Tensor, ours: torch.Tensor) -> tuple[float, float]:
+def measure_parting(
+    model, truth: torch.Tensor, ours: torch.Tensor, prompt_len: int
+) -> tuple[float, float]:
     """Where our greedy output first parts from HF's: the base's logit gap between the two
-    tokens there, and the median gap between its best two tokens over the whole output (how
-    close a typical step is to a tie). A parting with a gap far above rounding is a bug."""
+    tokens there, and the median gap between its best two tokens over HF's output (how close
+    a typical step is to a tie). A parting with a gap far above rounding is a bug."""
     t = int((ours != truth).nonzero()[0])
     with torch.no_grad():
         logits = model(truth[None]).logits[0].float()  # (T, V)
     gap = (logits[t - 1, truth[t]] - logits[t - 1, ours[t]]).abs().item()
-    top2 = logits[:-1].topk(2, dim=-1).values  # (T-1, 2)
+    top2 = logits[prompt_len - 1 : -1].topk(2, dim=-1).values  # (new tokens, 2)
     return gap, (top2[:, 0] - top2[:, 1]).median().item()
 
 
-def loop_speed(model, shapes, prompts: int, prompt_tokens: int, max_new_tokens: int, seed: int):
+def time_decode_loop(
+    model, shapes, prompts: int, prompt_tokens: int, max_new_tokens: int, seed: int
+):
     """Per shape (D, W): median tokens/s, speedup vs HF greedy, tokens per step, identical
-    rate, and the logit gaps where outputs parted (`parting_margin`)."""
+    rate, and the logit gaps where outputs parted (`measure_parting`)."""
     device = model.device
     model.generation_config.eos_token_id = None  # every run makes max_new_tokens tokens
     model.generation_config.pad_token_id = 0
@@ -220,7 +224,7 @@ def loop_speed(model, shapes, prompts: int, prompt_tokens: int, max_new_tokens: 
                 if torch.equal(out, truth):
                     rows[m]["identical"] += 1
                 else:
-                    gap, typical = parting_margin(model, truth, out)
+                    gap, typical = measure_parting(model, truth, out, prompt_tokens)
                     rows[m]["gaps"].append(gap)
                     typical_gaps.append(typical)
         hf_tps.append(max_new_tokens / seconds[None])
@@ -247,7 +251,7 @@ def loop_speed(model, shapes, prompts: int, prompt_tokens: int, max_new_tokens: 
     return table
 
 
-def markdown(results: dict) -> str:
+def render_markdown(results: dict) -> str:
     lines = [
         f"# Tree verification: {results['base']}, {results['dtype']}, {results['device_name']}",
         "",
@@ -259,7 +263,9 @@ def markdown(results: dict) -> str:
         "| nodes | ms | vs 1 node |",
         "| ---: | ---: | ---: |",
     ]
-    lines += [f"| {c['nodes']} | {c['ms']:.2f} | {c['vs_first']:.2f}x |" for c in results["cost"]]
+    lines += [
+        f"| {c['nodes']} | {c['ms']:.2f} | {c['vs_one_node']:.2f}x |" for c in results["cost"]
+    ]
     lines += [
         "",
         f"Decode loop, {results['prompts']} random prompts of {results['prompt_tokens']} tokens, "
@@ -324,6 +330,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.sizes, default=0) < 1 or min(args.repeats, args.prompts, args.prompt_tokens) < 1:
         parser.error("--sizes, --repeats, --prompts and --prompt-tokens must be >= 1")
+    if 1 not in args.sizes:
+        parser.error("--sizes must include 1: the other sizes' costs are given relative to it")
     return args
 
 
@@ -358,15 +366,15 @@ def main(argv: list[str] | None = None) -> int:
         "prompts": args.prompts,
         "prompt_tokens": args.prompt_tokens,
         "max_new_tokens": args.max_new_tokens,
-        "cost": tree_costs(model, args.sizes, args.prefix_tokens, args.repeats),
-        "loop": loop_speed(
+        "cost": time_tree_forwards(model, args.sizes, args.prefix_tokens, args.repeats),
+        "loop": time_decode_loop(
             model, args.shapes, args.prompts, args.prompt_tokens, args.max_new_tokens, args.seed
         ),
     }
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "verify.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    text = markdown(results)
+    text = render_markdown(results)
     (out / "verify.md").write_text(text, encoding="utf-8")
     print(text)
     print(f"wrote {out / 'verify.json'} and {out / 'verify.md'}")

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU checks, as one short run (about 4 minutes on one H200): the CUDA tests (tree masks
+# The GPU checks, as one short run (about 7 minutes on one H200): the CUDA tests (tree masks
 # through sdpa and eager in fp32 and bf16, greedy output equal to the base's for every drafter,
 # lossless sampling, bf16 partings only at near-ties), then scripts/bench_verify.py on random
 # weights: Llama-3-8B's shape in bf16 and fp32, and SmolLM2-135M's shape in bf16.
@@ -13,21 +13,23 @@ out=${1:-${OUT:-runs/gpu-check}}
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=${TQDM_DISABLE:-1}  # no progress bars in the log
 mkdir -p "$out"
-exec > >(tee "$out/check.log") 2>&1
-status=0
-nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
-"$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
-
-"$python" -m pytest -m gpu tests/gpu -q -p no:cacheprovider || status=1
 
 bench() { # NAME ARGS...: one bench_verify run into $out/NAME
     local name=$1
     shift
     echo "== $name"
-    "$python" scripts/bench_verify.py --out "$out/$name" "$@" || status=1
+    "$python" scripts/bench_verify.py --out "$out/$name" "$@"
 }
-bench llama3-8b-bf16 --base random:llama3-8b --dtype bf16 --prompts 4
-bench llama3-8b-fp32 --base random:llama3-8b --dtype fp32 --sizes 1,8,32,64 --repeats 10 \
-    --prompts 2 --shapes 0x1,4x1,6x10
-bench smollm2-135m-bf16 --base random:smollm2-135m --dtype bf16 --prompts 4
-exit $status
+
+{
+    status=0
+    nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+    "$python" -c 'import torch, transformers; print("torch", torch.__version__, "transformers", transformers.__version__)'
+    "$python" -m pytest -m gpu tests/gpu -q -p no:cacheprovider || status=1
+    bench llama3-8b-bf16 --base random:llama3-8b --dtype bf16 --prompts 4 || status=1
+    bench llama3-8b-fp32 --base random:llama3-8b --dtype fp32 --sizes 1,8,32,64 --repeats 10 \
+        --prompts 2 --shapes 0x1,4x1,6x10 || status=1
+    bench smollm2-135m-bf16 --base random:smollm2-135m --dtype bf16 --prompts 4 || status=1
+    exit $status
+} 2>&1 | tee "$out/check.log"
+exit "${PIPESTATUS[0]}"

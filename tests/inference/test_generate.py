@@ -1,6 +1,9 @@
 """The core invariant (greedy output == the base's greedy output) for every drafter, the decode
 loop's contract (EOS, stop strings, streaming, stats, batch > 1), and KV-cache compaction."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import DynamicCache
@@ -8,8 +11,6 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
-    Draft,
-    Drafter,
     MedusaDrafter,
     NgramDrafter,
     SpeculativeGenerator,
@@ -19,27 +20,8 @@ from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from tests.conftest import make_tiny_llama
 
-
-class OracleDrafter(Drafter):
-    """Deliberately good drafts: the base's true greedy continuation as one branch of a tree,
-    a wrong sibling before it at every level (so the verifier must pick the right branch)."""
-
-    def __init__(self, base, prompt, depth=4, max_new=64):
-        self.truth = base.generate(
-            prompt, max_new_tokens=max_new + depth + 2, do_sample=False, eos_token_id=None
-        )[0]
-        self.depth, self.max_nodes = depth, 1 + 2 * depth
-
-    def propose(self, sequence, sampling):
-        T = sequence.numel()
-        good = self.truth[T : T + self.depth].tolist()
-        tokens, parents, parent = [int(sequence[-1])], [-1], 0
-        for tok in good:
-            tokens += [(tok + 1) % 256, tok]  # a wrong sibling first, then the right token
-            parents += [parent, parent]
-            parent = len(tokens) - 1
-        tree = tree_from_parents(parents)
-        return Draft(tree, torch.tensor(tokens), torch.zeros(len(tokens), dtype=torch.bool))
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+from bench_verify import OracleDrafter  # noqa: E402  (scripts/ is not a package)
 
 
 def _drafters(base):
@@ -112,7 +94,11 @@ def test_good_tree_drafts_are_accepted_and_exact():
         torch.manual_seed(seed)
         prompt = torch.randint(3, 256, (1, 8))
         ref = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)
-        out = SpeculativeGenerator(base, OracleDrafter(base, prompt), adaptive=False).generate(
+        truth = base.generate(prompt, max_new_tokens=48, do_sample=False, eos_token_id=None)
+        # The base's greedy continuation as one branch, a wrong sibling before it at each level
+        # (so the verifier must pick the right branch).
+        oracle = OracleDrafter(truth[0].tolist(), depth=4, width=2, vocab_size=256, device="cpu")
+        out = SpeculativeGenerator(base, oracle, adaptive=False).generate(
             prompt, max_new_tokens=40, eos_token_id=[]
         )
         assert torch.equal(out.sequences, ref)
