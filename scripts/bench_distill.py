@@ -1,12 +1,16 @@
 """Distillation throughput: batched (the distill code path) against one prompt at a time.
 
 python scripts/bench_distill.py [--prompts 48] [--unbatched 8] [--max-new-tokens 64]
-                                [--batch-size 32 [64 ...]] [--max-length N] [--threads N]
-                                [--out results.json]
+                                [--batch-size 32 [64 ...]] [--processes 1 [2 ...]]
+                                [--max-length N] [--threads N] [--out results.json]
 
-Every run uses the same model, prompts (the embedded set), greedy decoding and max_new_tokens,
-in one process; each batch size given is measured on the same prompts. The batch-1 baseline is
-plain HF generate (its default dynamic cache). Tokens are counted up to and including the
+Every run uses the same model, prompts (the embedded set), greedy decoding and max_new_tokens;
+each batch size and process count given is measured on the same prompts. The batch-1 baseline
+is plain HF generate (its default dynamic cache) in this process with all its threads. With
+`--processes N` the batched run is split as `torchrun --nproc_per_node N scripts/distill.py`
+splits it: N processes with threads / N threads each, each a strided share of the
+length-sorted prompts, started together; tokens/s is all their tokens over the wall time from
+the common start to the last one's end. Tokens are counted up to and including the
 end-of-turn token; padding after it is not counted.
 """
 
@@ -14,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import multiprocessing as mp
 import os
 import sys
 import time
@@ -32,15 +37,91 @@ from train.data import resolve_chat_template  # noqa: E402
 def measure(items, generate, tokenizer, template, recipe, batch_size: int) -> dict:
     """Run `items` through distill.run_batch in length-sorted batches; tokens per second."""
     items = sorted(items, key=lambda i: -len(i.first_prompt_ids))
-    start, tokens = time.perf_counter(), 0
+    start, tokens = time.monotonic(), 0
     for b in range(0, len(items), batch_size):
         tokens += distill.run_batch(
             items[b : b + batch_size], generate, tokenizer, template, recipe
         )
-    seconds = time.perf_counter() - start
+    end = time.monotonic()
     return {
         "prompts": len(items),
         "batch_size": batch_size,
+        "tokens": tokens,
+        "seconds": round(end - start, 2),
+        "tokens_per_s": round(tokens / (end - start), 1),
+        "start": start,
+        "end": end,
+    }
+
+
+def without_clock(run: dict) -> dict:
+    """A `measure` record without its clock readings (they only join processes' timings)."""
+    return {k: v for k, v in run.items() if k not in ("start", "end")}
+
+
+def build(args: argparse.Namespace):
+    """(recipe, model, tokenizer, template, eos ids) as distill.py builds them."""
+    recipe = load_recipe(
+        None,
+        [
+            f"model.name_or_path={args.base}",
+            f"data.limit={args.prompts}",
+            f"data.max_new_tokens={args.max_new_tokens}",
+            f"data.max_length={args.max_length}",
+            "data.sources=embedded",
+        ],
+    )
+    model, tokenizer = load_base(args.base)
+    template = resolve_chat_template(tokenizer, None)
+    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
+    return recipe, model, tokenizer, template, eos_ids
+
+
+def fresh_items(recipe, tokenizer, template):
+    """The prompts' work items in file order. A run fills in its items' answers: every run
+    starts from new ones."""
+    return distill.build_items(recipe, tokenizer, template)[0]
+
+
+def worker(rank: int, world: int, threads: int, args, batch_size: int, barrier, results) -> None:
+    """One of `world` processes of a multi-process batched run (see the module docstring)."""
+    torch.set_num_threads(threads)
+    recipe, model, tokenizer, template, eos_ids = build(args)
+    generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
+    common = (tokenizer, template, recipe)
+    distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)  # warm-up
+    items = fresh_items(recipe, tokenizer, template)
+    # distill.py's split: length-sorted, then strided, so every process gets similar batches.
+    items = sorted(items, key=lambda i: -len(i.first_prompt_ids))[rank::world]
+    barrier.wait()  # every process loaded and warm: start together
+    results.put(measure(items, generate, tokenizer, template, recipe, batch_size))
+
+
+def measure_processes(args, batch_size: int, processes: int) -> dict:
+    """The batched run split over `processes` processes started together; aggregate tok/s."""
+    threads = max(1, torch.get_num_threads() // processes)
+    context = mp.get_context("spawn")
+    barrier, results = context.Barrier(processes), context.Queue()
+    workers = [
+        context.Process(
+            target=worker, args=(r, processes, threads, args, batch_size, barrier, results)
+        )
+        for r in range(processes)
+    ]
+    for w in workers:
+        w.start()
+    parts = [results.get() for _ in workers]
+    for w in workers:
+        w.join()
+        if w.exitcode != 0:
+            raise RuntimeError(f"a worker process failed (exit code {w.exitcode})")
+    tokens = sum(p["tokens"] for p in parts)
+    seconds = max(p["end"] for p in parts) - min(p["start"] for p in parts)
+    return {
+        "prompts": sum(p["prompts"] for p in parts),
+        "batch_size": batch_size,
+        "processes": processes,
+        "threads_per_process": threads,
         "tokens": tokens,
         "seconds": round(seconds, 2),
         "tokens_per_s": round(tokens / seconds, 1),
@@ -57,6 +138,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=64)
     parser.add_argument("--batch-size", type=int, nargs="+", default=[DataConfig().batch_size])
     parser.add_argument(
+        "--processes",
+        type=int,
+        nargs="+",
+        default=[1],
+        help="process counts for the batched runs (torchrun's data-parallel split)",
+    )
+    parser.add_argument(
         "--max-length",
         type=int,
         default=DataConfig().max_length,
@@ -68,38 +156,34 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
+    if min(args.processes) < 1:
+        parser.error("--processes must be >= 1")
     if args.threads:
         torch.set_num_threads(args.threads)
 
-    recipe = load_recipe(
-        None,
-        [
-            f"model.name_or_path={args.base}",
-            f"data.limit={args.prompts}",
-            f"data.max_new_tokens={args.max_new_tokens}",
-            f"data.max_length={args.max_length}",
-            "data.sources=embedded",
-        ],
-    )
-    model, tokenizer = load_base(args.base)
-    template = resolve_chat_template(tokenizer, None)
-    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
+    recipe, model, tokenizer, template, eos_ids = build(args)
     generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
-
-    def fresh_items():  # a run fills in its items' answers: every run starts from new ones
-        return distill.build_items(recipe, tokenizer, template)[0]
 
     # The baseline is plain HF generate, one prompt at a time, as a user runs it: its default
     # (dynamic) cache, not the static one of the batched path.
     plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
-    distill.run_batch(fresh_items()[:2], generate, tokenizer, template, recipe)  # warm-ups
-    distill.run_batch(fresh_items()[:1], plain, tokenizer, template, recipe)
-    unbatched = measure(fresh_items()[: args.unbatched], plain, tokenizer, template, recipe, 1)
+    common = (tokenizer, template, recipe)
+    distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)  # warm-ups
+    distill.run_batch(fresh_items(recipe, tokenizer, template)[:1], plain, *common)
+    firsts = fresh_items(recipe, tokenizer, template)[: args.unbatched]
+    unbatched = without_clock(measure(firsts, plain, *common, 1))
     print(f"unbatched: {unbatched}", flush=True)
     batched = []
     for batch_size in args.batch_size:
-        batched.append(measure(fresh_items(), generate, tokenizer, template, recipe, batch_size))
-        print(f"batched:   {batched[-1]}", flush=True)
+        for processes in args.processes:
+            if processes == 1:
+                items = fresh_items(recipe, tokenizer, template)
+                run = without_clock(measure(items, generate, *common, batch_size))
+                run.update(processes=1, threads_per_process=torch.get_num_threads())
+            else:
+                run = measure_processes(args, batch_size, processes)
+            batched.append(run)
+            print(f"batched:   {run}", flush=True)
     results = {
         "base": args.base,
         "device": str(model.device),
@@ -112,7 +196,9 @@ def main(argv: list[str] | None = None) -> int:
         "unbatched": unbatched,
         "batched": batched,
         "speedup": {
-            b["batch_size"]: round(b["tokens_per_s"] / unbatched["tokens_per_s"], 2)
+            f"batch {b['batch_size']} x {b['processes']} process(es)": round(
+                b["tokens_per_s"] / unbatched["tokens_per_s"], 2
+            )
             for b in batched
         },
     }
