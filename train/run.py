@@ -172,6 +172,12 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
         for ds in (train_ds, eval_ds):
             ds.features = FeatureCache(cache, ds.examples, base.dtype, names)
     elif recipe.training.mode == "offline":
+        if accelerator.num_processes > 1:
+            accelerator.print(
+                f"note: each of the {accelerator.num_processes} processes computes the base's "
+                "features for every example; training.feature_cache=DIR computes them once, "
+                "in shares"
+            )
         for ds in (train_ds, eval_ds):
             ds.features = precompute_features(
                 base,
