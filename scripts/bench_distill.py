@@ -20,6 +20,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import queue
 import sys
 import time
 from pathlib import Path
@@ -84,17 +85,24 @@ def fresh_items(recipe, tokenizer, template):
 
 
 def worker(rank: int, world: int, threads: int, args, batch_size: int, barrier, results) -> None:
-    """One of `world` processes of a multi-process batched run (see the module docstring)."""
-    torch.set_num_threads(threads)
-    recipe, model, tokenizer, template, eos_ids = build(args)
-    generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
-    common = (tokenizer, template, recipe)
-    distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)  # warm-up
-    items = fresh_items(recipe, tokenizer, template)
-    # distill.py's split: length-sorted, then strided, so every process gets similar batches.
-    items = sorted(items, key=lambda i: -len(i.first_prompt_ids))[rank::world]
-    barrier.wait()  # every process loaded and warm: start together
-    results.put(measure(items, generate, tokenizer, template, recipe, batch_size))
+    """One of `world` processes of a multi-process batched run (see the module docstring).
+    Puts its `measure` record on `results`, or None when it fails (after breaking the barrier,
+    so that no other process waits for it)."""
+    try:
+        torch.set_num_threads(threads)
+        recipe, model, tokenizer, template, eos_ids = build(args)
+        generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
+        common = (tokenizer, template, recipe)
+        distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)
+        items = fresh_items(recipe, tokenizer, template)
+        # distill.py's split: length-sorted, then strided.
+        items = sorted(items, key=lambda i: -len(i.first_prompt_ids))[rank::world]
+        barrier.wait()  # every process loaded and warmed up: start together
+        results.put(measure(items, generate, *common, batch_size))
+    except BaseException:
+        barrier.abort()
+        results.put(None)
+        raise
 
 
 def measure_processes(args, batch_size: int, processes: int) -> dict:
@@ -110,11 +118,21 @@ def measure_processes(args, batch_size: int, processes: int) -> dict:
     ]
     for w in workers:
         w.start()
-    parts = [results.get() for _ in workers]
+    parts = []
+    while len(parts) < processes:  # every worker puts one record, None when it fails
+        try:
+            parts.append(results.get(timeout=10))
+        except queue.Empty:
+            if any(w.exitcode not in (None, 0) for w in workers):  # killed before it could put
+                parts.append(None)
+                break
+    if None in parts:
+        for w in workers:
+            w.terminate()
     for w in workers:
         w.join()
-        if w.exitcode != 0:
-            raise RuntimeError(f"a worker process failed (exit code {w.exitcode})")
+    if None in parts or any(w.exitcode != 0 for w in workers):
+        raise RuntimeError("a worker process failed: see its output above")
     tokens = sum(p["tokens"] for p in parts)
     seconds = max(p["end"] for p in parts) - min(p["start"] for p in parts)
     return {

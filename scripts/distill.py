@@ -363,9 +363,10 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False))
 
     todo = [item for item in items if item.id not in done]
-    mine = sorted(
-        todo[state.process_index :: state.num_processes], key=lambda i: -len(i.first_prompt_ids)
-    )
+    # Longest prompts first, so that a batch pads little; sorted before the strided split, so
+    # that every process gets batches of the same lengths and they finish together.
+    todo.sort(key=lambda i: -len(i.first_prompt_ids))
+    mine = todo[state.process_index :: state.num_processes]
     if state.is_main_process:
         logger.info(
             "%d records: %d already written, %d to generate on %d process(es)",

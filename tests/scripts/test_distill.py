@@ -311,6 +311,7 @@ def test_vllm_generator_with_a_stand_in_engine(monkeypatch):
     assert seen["llm"]["model"] == "some/model" and seen["llm"]["max_model_len"] == 2048
 
 
+@pytest.mark.slow
 def test_bench_distill_splits_the_batched_run_over_processes(tiny_base, tmp_path):
     """bench_distill --processes 2: two spawned processes share the prompts the way torchrun
     splits distill.py's work, and together answer every prompt the one-process run answers."""
@@ -323,5 +324,5 @@ def test_bench_distill_splits_the_batched_run_over_processes(tiny_base, tmp_path
     one, two = json.loads(out.read_text())["batched"]
     assert (one["processes"], two["processes"]) == (1, 2) and two["threads_per_process"] >= 1
     assert one["prompts"] == two["prompts"] == 6
-    assert one["tokens"] == two["tokens"] > 0  # greedy: the same answers, however split
+    assert one["tokens"] == two["tokens"] > 0  # greedy: as many answer tokens, however split
     assert two["tokens_per_s"] > 0 and "start" not in two
