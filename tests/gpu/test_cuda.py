@@ -82,21 +82,7 @@ def test_tree_forward_matches_causal_forward_per_path_on_cuda(attn, dtype):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager"])
-@pytest.mark.parametrize(
-    "name",
-    [
-        "medusa",
-        "medusa-shared",
-        "eagle1",
-        "eagle3",
-        "eagle3-chain",
-        "draft-model",
-        "self-draft",
-        "ngram",
-        "medusa+ngram",
-        "eagle3+ngram",
-    ],
-)
+@pytest.mark.parametrize("name", test_generate.DRAFTERS)
 def test_greedy_equals_base_greedy_on_cuda(name, attn):
     base = make_tiny_llama(attn=attn)
     heads, options = test_generate._drafters(base)[name]

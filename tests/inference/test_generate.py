@@ -23,6 +23,19 @@ from tests.conftest import make_tiny_llama
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 from bench_verify import OracleDrafter  # noqa: E402  (scripts/ is not a package)
 
+DRAFTERS = [  # the keys of `_drafters`
+    "medusa",
+    "medusa-shared",
+    "eagle1",
+    "eagle3",
+    "eagle3-chain",
+    "draft-model",
+    "self-draft",
+    "ngram",
+    "medusa+ngram",
+    "eagle3+ngram",
+]
+
 
 def _drafters(base):
     eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
@@ -52,21 +65,7 @@ def _drafters(base):
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa-prepacked"])
-@pytest.mark.parametrize(
-    "name",
-    [
-        "medusa",
-        "medusa-shared",
-        "eagle1",
-        "eagle3",
-        "eagle3-chain",
-        "draft-model",
-        "self-draft",
-        "ngram",
-        "medusa+ngram",
-        "eagle3+ngram",
-    ],
-)
+@pytest.mark.parametrize("name", DRAFTERS)
 def test_greedy_equals_base_greedy(name, attn):
     base = make_tiny_llama(attn=attn.removesuffix("-prepacked"))
     heads, options = _drafters(base)[name]
