@@ -105,7 +105,7 @@ class OracleDrafter(Drafter):
 
 
 def build_base(name: str, dtype: torch.dtype, device: torch.device, attn: str):
-    """(model, vocab size): `random:SHAPE` weights, or any base `load_base` takes."""
+    """The frozen base: `random:SHAPE` weights, or any base `load_base` takes."""
     if not name.startswith("random:"):
         model, _ = load_base(name, dtype=dtype, device=device, attn_implementation=attn)
         return model
@@ -134,15 +134,18 @@ def time_tree_forwards(model, sizes: list[int], prefix_tokens: int, repeats: int
     with torch.no_grad():
         model(prefix, cache=cache, use_cache=True)
     times: dict[int, list[float]] = {n: [] for n in sizes}
-    trees = {n: tree_from_parents([-1] + [(i - 1) // 4 for i in range(1, n)]) for n in sizes}
+    trees = {
+        n: tree_from_parents([-1] + [(i - 1) // 4 for i in range(1, n)], device=device)
+        for n in sizes
+    }
     for rep in tqdm(range(repeats + 3), desc="tree cost", unit="round"):
         for n in sizes:  # interleaved, so noise hits every size alike
             tree = trees[n]
             tokens = torch.randint(3, model.config.vocab_size, (1, n), device=device)
             mask = positions = None
             if n > 1:
-                mask = tree_attention_mask(tree, prefix_tokens, dtype).to(device)
-                positions = tree_position_ids(tree, prefix_tokens).to(device)
+                mask = tree_attention_mask(tree, prefix_tokens, dtype)
+                positions = tree_position_ids(tree, prefix_tokens)
             _sync(device)
             t0 = time.perf_counter()
             with torch.no_grad():
@@ -172,6 +175,14 @@ def measure_parting(
     return gap, (top2[:, 0] - top2[:, 1]).median().item()
 
 
+def generate_with_oracle(model, ids, truth: list[int], shape, max_new_tokens: int):
+    """Our greedy generation of `ids` with an OracleDrafter of `shape` (depth, width)."""
+    oracle = OracleDrafter(truth, *shape, model.config.vocab_size, model.device)
+    return SpeculativeGenerator(model, oracle, adaptive=False).generate(
+        ids, max_new_tokens=max_new_tokens, eos_token_id=[]
+    )
+
+
 def time_decode_loop(
     model, shapes, prompts: int, prompt_tokens: int, max_new_tokens: int, seed: int
 ):
@@ -189,11 +200,8 @@ def time_decode_loop(
     ids = torch.randint(3, model.config.vocab_size, (1, prompt_tokens), device=device)
     with torch.no_grad():
         truth = model.generate(ids, max_new_tokens=16, do_sample=False)[0].tolist()
-    for depth, width in shapes:
-        oracle = OracleDrafter(truth, depth, width, model.config.vocab_size, device)
-        SpeculativeGenerator(model, oracle, adaptive=False).generate(
-            ids, max_new_tokens=16, eos_token_id=[]
-        )
+    for shape in shapes:
+        generate_with_oracle(model, ids, truth, shape, 16)
     for p in tqdm(range(prompts), desc="loop", unit="prompt"):
         ids = torch.randint(3, model.config.vocab_size, (1, prompt_tokens), generator=gen)
         ids = ids.to(device)
@@ -209,13 +217,7 @@ def time_decode_loop(
                 with torch.no_grad():
                     out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False)[0]
             else:
-                depth, width = m
-                oracle = OracleDrafter(
-                    truth.tolist(), depth, width, model.config.vocab_size, device
-                )
-                result = SpeculativeGenerator(model, oracle, adaptive=False).generate(
-                    ids, max_new_tokens=max_new_tokens, eos_token_id=[]
-                )
+                result = generate_with_oracle(model, ids, truth.tolist(), m, max_new_tokens)
                 out = result.sequences[0]
             _sync(device)
             seconds[m] = time.perf_counter() - t0

@@ -86,17 +86,9 @@ def test_tree_forward_matches_causal_forward_per_path_on_cuda(attn, dtype):
 def test_greedy_equals_base_greedy_on_cuda(name, attn):
     base = make_tiny_llama(attn=attn)
     heads, options = test_generate._drafters(base)[name]
+    assert base.device.type == "cuda"
     # eager runs the row-by-row verifier (the CPU default), sdpa the dense one (the GPU default).
-    gen = SpeculativeGenerator(base, heads, lazy_logits=attn == "eager", **options)
-    for seed in range(4):
-        torch.manual_seed(100 + seed)
-        prompt = torch.randint(3, 256, (1, 6)).repeat(1, 1 + seed)
-        ref = base.generate(prompt, max_new_tokens=32, do_sample=False)
-        out = gen.generate(prompt, max_new_tokens=32)
-        assert out.sequences.device.type == "cuda"
-        assert torch.equal(out.sequences, ref), f"{name} seed {seed}"
-        if name == "self-draft":
-            assert out.mean_accepted_length > 4.0
+    test_generate.check_greedy_equals_base(base, heads, options, name, attn == "eager")
 
 
 @pytest.mark.parametrize("kind", ["medusa-topk", "union-sampled+topk"])

@@ -74,13 +74,20 @@ def test_greedy_equals_base_greedy(name, attn):
             if isinstance(module, torch.nn.Module):
                 assert prepack_linear_weights(module) > 0 or not can_prepack()
     # sdpa runs the CPU's row-by-row verifier, eager the dense one (as on a GPU).
-    gen = SpeculativeGenerator(base, heads, lazy_logits=attn == "sdpa", **options)
+    check_greedy_equals_base(base, heads, options, name, lazy_logits=attn == "sdpa")
+
+
+def check_greedy_equals_base(base, heads, options: dict, name: str, lazy_logits: bool) -> None:
+    """Speculative greedy output == `base.generate` greedy output on 4 prompts (also the CUDA
+    tests' check); on the base's device."""
+    gen = SpeculativeGenerator(base, heads, lazy_logits=lazy_logits, **options)
     for seed in range(4):
         torch.manual_seed(100 + seed)
         # Repetitive prompts give n-gram and fresh Medusa heads real hits.
         prompt = torch.randint(3, 256, (1, 6)).repeat(1, 1 + seed)
         ref = base.generate(prompt, max_new_tokens=32, do_sample=False)
         out = gen.generate(prompt, max_new_tokens=32)
+        assert out.sequences.device == base.device
         assert torch.equal(out.sequences, ref), f"{name} seed {seed}"
         assert sum(out.accepted_lengths) + 1 == out.sequences.shape[1] - prompt.shape[1]
         if name == "self-draft":
