@@ -4,7 +4,7 @@ from inference.draft import Draft, Drafter, Sampling
 from inference.drafters.eagle import EagleDrafter
 from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.model import ModelDrafter
-from inference.drafters.ngram import NgramDrafter
+from inference.drafters.ngram import NgramDrafter, NgramTable
 from inference.drafters.union import UnionDrafter
 from inference.generate import GenerationOutput, SpeculativeGenerator, make_drafter
 from inference.tree import PRESETS, Tree, get_preset, tree_from_choices, tree_from_parents
@@ -18,6 +18,7 @@ __all__ = [
     "MedusaDrafter",
     "ModelDrafter",
     "NgramDrafter",
+    "NgramTable",
     "Sampling",
     "SpeculativeGenerator",
     "Tree",

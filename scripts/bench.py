@@ -4,13 +4,14 @@ python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [
     [--methods baseline,hf-lookup,ngram,heads,heads+ngram,draft] [--draft-model M] [--max-new-tokens N]
     [--limit K] [--per-category K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
-    [--lookup-tokens N] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
+    [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
 
 Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
 run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per
 `--heads` folder, Medusa or EAGLE), `heads+ngram` (each heads folder and the n-gram drafter
-verified together, the union of their trees; not in the default set) and `draft`
-(`--draft-model`, same tokenizer). For each
+verified together, the union of their trees; not in the default set), `ngram+corpus` and
+`heads+ngram+corpus` (the lookup also in a table of `--lookup-corpus` answers, e.g. the distill
+output) and `draft` (`--draft-model`, same tokenizer). For each
 prompt every method runs in turn, in an order rotated per prompt, so that machine noise hits
 all of them alike. Writes OUT/results.json, OUT/results.md and PNG plots (docs/bench.md).
 """
@@ -214,6 +215,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--eagle-depth", type=int, default=None)
     add("--eagle-total-tokens", type=int, default=None)
     add("--lookup-tokens", type=int, default=4, help="n-gram and HF prompt lookup draft length")
+    add(
+        "--lookup-corpus",
+        default=None,
+        metavar="PATH",
+        help="answers (JSONL file or folder, e.g. the distill output) for the *+corpus methods",
+    )
     add("--draft-tokens", type=int, default=4, help="draft-model chain length")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
@@ -232,7 +239,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     command = shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        names = bench_methods.parse_methods(args.methods, args.heads, args.draft_model)
+        names = bench_methods.parse_methods(
+            args.methods, args.heads, args.draft_model, args.lookup_corpus
+        )
         prompts = read_prompts(args.prompts, args.turns, args.limit)
         if args.per_category:
             prompts = per_category(prompts, args.per_category)

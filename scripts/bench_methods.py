@@ -17,9 +17,19 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from inference import NgramDrafter, SpeculativeGenerator, make_drafter
+from inference import NgramDrafter, NgramTable, SpeculativeGenerator, make_drafter
 
-METHODS = ("baseline", "hf-lookup", "ngram", "heads", "heads+ngram", "draft")
+METHODS = (
+    "baseline",
+    "hf-lookup",
+    "ngram",
+    "ngram+corpus",
+    "heads",
+    "heads+ngram",
+    "heads+ngram+corpus",
+    "draft",
+)
+CORPUS_METHODS = ("ngram+corpus", "heads+ngram+corpus")
 
 
 class BenchError(ValueError):
@@ -56,24 +66,41 @@ class Method:
         }
 
 
-def parse_methods(spec: str | None, heads: list[str], draft_model: str | None) -> list[str]:
-    """Method names to run, baseline first. `spec=None` means every method the options allow."""
+def parse_methods(
+    spec: str | None, heads: list[str], draft_model: str | None, corpus: str | None = None
+) -> list[str]:
+    """Method names to run, baseline first. `spec=None` means every method the options allow
+    (each heads folder alone, not with the lookup)."""
     if spec is None:
         names = [
             n
             for n in METHODS
-            if (n != "heads" or heads) and n != "heads+ngram" and (n != "draft" or draft_model)
+            if (n != "heads" or heads)
+            and n not in ("heads+ngram", "heads+ngram+corpus")
+            and (n != "draft" or draft_model)
+            and (n != "ngram+corpus" or corpus)
         ]
     else:
         names = [n.strip() for n in spec.split(",") if n.strip()]
     unknown = sorted(set(names) - set(METHODS))
     if unknown:
         raise BenchError(f"unknown methods {unknown}; valid: {', '.join(METHODS)}")
-    for name in ("heads", "heads+ngram"):
+    for name in ("heads", "heads+ngram", "heads+ngram+corpus"):
         if name in names and not heads:
             raise BenchError(f"method '{name}' needs --heads DIR [DIR ...]")
-    if heads and "heads" not in names and "heads+ngram" not in names:
-        raise BenchError("--heads given but neither 'heads' nor 'heads+ngram' is in --methods")
+    if heads and not {"heads", "heads+ngram", "heads+ngram+corpus"} & set(names):
+        raise BenchError(
+            "--heads given but no heads method ('heads', 'heads+ngram', ...) in --methods"
+        )
+    for name in CORPUS_METHODS:
+        if name in names and not corpus:
+            raise BenchError(
+                f"method '{name}' needs --lookup-corpus (e.g. the distill output folder)"
+            )
+    if corpus and not set(CORPUS_METHODS) & set(names):
+        raise BenchError(
+            f"--lookup-corpus given but none of {', '.join(CORPUS_METHODS)} is in --methods"
+        )
     if "draft" in names and not draft_model:
         raise BenchError("method 'draft' needs --draft-model")
     if draft_model and "draft" not in names:
@@ -94,21 +121,27 @@ def build_methods(names: list[str], args: argparse.Namespace):
         top_p=args.top_p,
     )
     greedy = args.temperature == 0
+    corpus = _lookup_corpus(args, tokenizer, eos) if set(CORPUS_METHODS) & set(names) else None
     methods: list[Method] = []
     for name in names:
         if name in ("baseline", "hf-lookup"):
             extra = {"prompt_lookup_num_tokens": args.lookup_tokens} if name == "hf-lookup" else {}
             run = _hf_runner(base, tokenizer.pad_token_id, settings, extra)
             methods.append(Method(name, name, run, device, greedy, extra))
-        elif name == "ngram":
-            gen = SpeculativeGenerator(base, None, num_tokens=args.lookup_tokens)
-            options = {"num_tokens": gen.drafter.num_tokens, "max_ngram": gen.drafter.max_ngram}
+        elif name in ("ngram", "ngram+corpus"):
+            with_corpus = corpus if name == "ngram+corpus" else None
+            drafter = NgramDrafter(num_tokens=args.lookup_tokens, corpus=with_corpus)
+            gen = SpeculativeGenerator(base, drafter)  # fixed --lookup-tokens, as before
+            options = {"num_tokens": drafter.num_tokens, "max_ngram": drafter.max_ngram}
+            if with_corpus is not None:
+                options |= {"corpus": args.lookup_corpus, "corpus_tokens": corpus.num_tokens}
             run = _spec_runner(gen, settings)
-            methods.append(Method(name, name, run, device, greedy, options, args.lookup_tokens))
-        elif name in ("heads", "heads+ngram"):
+            methods.append(Method(name, "ngram", run, device, greedy, options, args.lookup_tokens))
+        elif name in ("heads", "heads+ngram", "heads+ngram+corpus"):
             taken = set(METHODS) | {m.name for m in methods}
             for folder in args.heads:
-                method = _heads_method(folder, base, args, settings, greedy, name == "heads+ngram")
+                lookup = None if name == "heads" else corpus if name.endswith("corpus") else False
+                method = _heads_method(folder, base, args, settings, greedy, lookup)
                 stem, n = method.name, 1
                 while method.name in taken:
                     n += 1
@@ -129,10 +162,11 @@ def build_methods(names: list[str], args: argparse.Namespace):
 
 
 def _heads_method(
-    folder: str, base, args, settings: dict, greedy: bool, with_ngram: bool = False
+    folder: str, base, args, settings: dict, greedy: bool, lookup: NgramTable | bool | None = None
 ) -> Method:
-    """A heads folder's method; `with_ngram`: its drafter and n-gram prompt lookup together
-    (the union of their trees, `inference.UnionDrafter`)."""
+    """A heads folder's method; with `lookup` (False: prompt lookup, a table: prompt and
+    corpus lookup) its drafter and the n-gram drafter together (the union of their trees,
+    `inference.UnionDrafter`)."""
     try:
         heads = load_heads(folder, base=base)
     except (ValueError, OSError) as e:
@@ -140,8 +174,10 @@ def _heads_method(
     path = Path(folder).resolve()
     # Training writes OUTPUT/heads: name the method after the run, not "heads".
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
-    if with_ngram:
-        return _union_method(f"{name}+ngram", folder, heads, base, args, settings, greedy)
+    if lookup is not None:
+        table = lookup or None
+        name += "+ngram+corpus" if table else "+ngram"
+        return _union_method(name, folder, heads, base, args, settings, greedy, table)
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
         K = heads.config.num_heads
@@ -170,10 +206,13 @@ def _heads_method(
     )
 
 
-def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool) -> Method:
-    """Heads plus n-gram lookup (`--lookup-tokens`): adaptive over the union's arms, unless
-    `--tree` / `--eagle-*` fix the heads' settings (then both always run)."""
-    ngram = NgramDrafter(num_tokens=args.lookup_tokens)
+def _union_method(
+    name, folder, heads, base, args, settings: dict, greedy: bool, corpus: NgramTable | None
+) -> Method:
+    """Heads plus n-gram lookup (`--lookup-tokens`, with `corpus` when given): adaptive over
+    the union's arms, unless `--tree` / `--eagle-*` fix the heads' settings (then both always
+    run)."""
+    ngram = NgramDrafter(num_tokens=args.lookup_tokens, corpus=corpus)
     medusa = isinstance(heads, MedusaHeads)
     if medusa:
         kind = "medusa+ngram"
@@ -186,9 +225,19 @@ def _union_method(name, folder, heads, base, args, settings: dict, greedy: bool)
     except ValueError as e:
         raise BenchError(f"{name}: {e}") from e
     options = {"ngram_tokens": args.lookup_tokens, **fixed, "arms": gen.arms or "fixed"}
+    if corpus is not None:
+        options |= {"corpus": args.lookup_corpus, "corpus_tokens": corpus.num_tokens}
     depth = max(heads.config.num_heads if medusa else primary.depth, args.lookup_tokens)
     run = _spec_runner(gen, settings)
     return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
+
+
+def _lookup_corpus(args: argparse.Namespace, tokenizer, eos: list[int]) -> NgramTable:
+    """The n-gram table of `--lookup-corpus` (answers in JSONL: a distill output folder)."""
+    try:
+        return NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
+    except (ValueError, OSError) as e:
+        raise BenchError(f"--lookup-corpus: {e}") from e
 
 
 def _eagle_options(args: argparse.Namespace) -> dict:

@@ -13,6 +13,7 @@ from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
     MedusaDrafter,
     NgramDrafter,
+    NgramTable,
     SpeculativeGenerator,
     tree_from_parents,
 )
@@ -32,6 +33,7 @@ DRAFTERS = [  # the keys of `_drafters`
     "draft-model",
     "self-draft",
     "ngram",
+    "ngram-corpus",
     "medusa+ngram",
     "eagle3+ngram",
 ]
@@ -58,10 +60,21 @@ def _drafters(base):
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
         "ngram": (None, {"num_tokens": 4}),
+        # A corpus of the base's own greedy answers to other prompts, plus noise: right and
+        # wrong proposals where the sequence itself has no match.
+        "ngram-corpus": (NgramDrafter(num_tokens=4, corpus=_own_answers(base)), {}),
         # Unions: fixed settings (drafter objects), and adaptive over the union's arms.
         "medusa+ngram": ([MedusaDrafter(medusa, "cpu-8"), NgramDrafter(num_tokens=4)], {}),
         "eagle3+ngram": ([eagle3, None], {}),
     }
+
+
+def _own_answers(base) -> NgramTable:
+    torch.manual_seed(7)
+    prompts = torch.randint(3, 256, (8, 4))
+    answers = base.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    noise = torch.randint(3, 256, (8, 24))
+    return NgramTable([*answers[:, 4:].tolist(), *noise.tolist()], min_count=1)
 
 
 @pytest.mark.parametrize("attn", ["sdpa", "eager", "sdpa-prepacked"])

@@ -14,6 +14,7 @@ from inference import (
     MedusaDrafter,
     ModelDrafter,
     NgramDrafter,
+    NgramTable,
     SpeculativeGenerator,
     tree_from_parents,
 )
@@ -89,6 +90,13 @@ def _gen(kind):
         return base, SpeculativeGenerator(base, draft, top_k=2, depth=2, total_tokens=5)
     if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
         return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
+    if kind == "ngram-corpus":  # point-mass chains from a table of the base's greedy answers
+        prompts = torch.randint(
+            3, base.config.vocab_size, (8, 3), generator=torch.Generator().manual_seed(5)
+        )
+        answers = base.generate(prompts, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        table = NgramTable(answers[:, 3:].tolist(), min_count=1)
+        return base, SpeculativeGenerator(base, NgramDrafter(num_tokens=2, corpus=table))
     if kind == "union-sampled+topk":  # sampled and point-mass siblings under one root
         heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
         drafters = [
@@ -101,7 +109,8 @@ def _gen(kind):
 
 
 @pytest.mark.parametrize(
-    "kind", ["medusa-topk", "eagle-topk", "draft-model-sampled", "union-sampled+topk"]
+    "kind",
+    ["medusa-topk", "eagle-topk", "draft-model-sampled", "ngram-corpus", "union-sampled+topk"],
 )
 def test_speculative_sampling_matches_base_law(kind):
     base, gen = _gen(kind)

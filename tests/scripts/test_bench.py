@@ -139,6 +139,20 @@ def test_multi_turn_categories_and_runs(folders, tmp_path):
     assert "writing (4)" in (tmp_path / "out" / "results.md").read_text()
 
 
+def test_corpus_lookup_methods(folders, tmp_path):
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
+    corpus = _jsonl(tmp_path / "answers.jsonl", SHAREGPT)  # one assistant turn: "Red."
+    extra = ["--methods", "ngram+corpus,heads+ngram+corpus", "--lookup-corpus", str(corpus)]
+    results = _run(folders, tmp_path, prompts, *extra, "--heads", str(folders["medusa"]))
+    methods = {m["name"]: m for m in results["methods"]}
+    assert list(methods) == ["baseline", "ngram+corpus", "medusa+ngram+corpus"]
+    assert methods["ngram+corpus"]["kind"] == "ngram"
+    assert methods["medusa+ngram+corpus"]["kind"] == "medusa+ngram"
+    for m in list(methods.values())[1:]:
+        assert m["options"]["corpus"] == str(corpus) and m["options"]["corpus_tokens"] >= 2
+    assert len(results["records"]) == 2 * 3 and all(r["identical"] for r in results["records"])
+
+
 def test_humaneval_sampling(folders, tmp_path):
     extra = [
         "--limit",
@@ -185,6 +199,8 @@ def test_summary_counts_steps_not_prompts():
         ("unknown-method", "unknown methods ['medusa']"),
         ("draft-without-model", "needs --draft-model"),
         ("union-without-heads", "'heads+ngram' needs --heads"),
+        ("corpus-method-without-corpus", "'ngram+corpus' needs --lookup-corpus"),
+        ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
     ],
 )
 def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
@@ -198,6 +214,8 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
         "unknown-method": ["--methods", "baseline,medusa"],
         "draft-without-model": ["--methods", "draft"],
         "union-without-heads": ["--methods", "ngram,heads+ngram"],
+        "corpus-method-without-corpus": ["--methods", "ngram+corpus"],
+        "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
     }[case]
     if case == "malformed":
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')

@@ -1,0 +1,92 @@
+"""n-gram lookup: the sequence's own n-grams and a corpus table (`NgramTable`)."""
+
+import json
+
+import pytest
+import torch
+
+from inference import NgramDrafter, NgramTable, SpeculativeGenerator
+from tests.conftest import make_tiny_llama
+
+
+def test_table_keeps_the_most_frequent_follower_per_context():
+    corpus = [[1, 2, 3], [1, 2, 3], [1, 2, 4], [5, 2, 4]]
+    table = NgramTable(corpus, max_ngram=2, min_count=1, min_share=0.0)
+    assert table.next_token[2][(1, 2)] == 3  # 2 of 3 times
+    assert table.next_token[2][(5, 2)] == 4
+    assert table.next_token[1][(2,)] == 3  # 3 is seen twice, 4 twice: the first seen wins ties
+    assert table.next_token[1][(1,)] == 2
+    assert table.num_tokens == 12
+    # The defaults keep confident contexts only: seen >= 2 times, best follower >= half.
+    table = NgramTable(corpus, max_ngram=2)
+    assert table.next_token[2] == {(1, 2): 3}  # (5, 2) -> 4 was seen once
+    assert table.next_token[1] == {(1,): 2, (2,): 3}  # (2,) -> 3 is 2 of 4: kept at 0.5
+    assert NgramTable(corpus, max_ngram=2, min_share=0.6).next_token[1] == {(1,): 2}
+
+
+def test_continuation_backs_off_to_shorter_contexts():
+    table = NgramTable([[1, 2, 3, 4], [9, 3, 7]], max_ngram=3, min_count=1)
+    assert table.match([8, 1, 2]) == 2  # (1, 2) is held, (8, 1, 2) is not
+    assert table.match([8, 8]) == 0
+    # (1, 2) -> 3, then (1, 2, 3) -> 4, then (2, 3, 4): nothing follows 4 anywhere, stop.
+    assert table.continuation([8, 1, 2], num_tokens=5) == [3, 4]
+    assert table.continuation([6, 9, 3], num_tokens=1) == [7]
+    assert table.continuation([6, 6], num_tokens=3) == []
+
+
+def test_corpus_is_used_where_its_match_is_longer():
+    corpus = NgramTable([[10, 11, 12, 13, 14]], max_ngram=4, min_count=1)
+    drafter = NgramDrafter(num_tokens=3, corpus=corpus)
+    # The sequence holds no earlier 12: the corpus continues 10 11 12.
+    assert drafter.lookup(torch.tensor([5, 10, 11, 12])) == [13, 14]
+    # The sequence holds "11 12 -> 20" earlier: a 2-gram match against the corpus' 3-gram.
+    assert drafter.lookup(torch.tensor([11, 12, 20, 10, 11, 12])) == [13, 14]
+    # A tie (2-gram each): the sequence's own continuation wins.
+    assert drafter.lookup(torch.tensor([11, 12, 20, 21, 11, 12])) == [20, 21, 11]
+    assert NgramDrafter(num_tokens=3).lookup(torch.tensor([5, 10, 11, 12])) == []
+
+
+def test_corpus_of_the_base_own_answers_raises_acceptance_losslessly():
+    base = make_tiny_llama()
+    torch.manual_seed(3)
+    prompts = torch.randint(3, 256, (6, 5))
+    answers = base.generate(prompts, max_new_tokens=40, do_sample=False, eos_token_id=None)
+    corpus = NgramTable(answers[:, 5:].tolist(), min_count=1)
+    taus = {}
+    for name, table in (("plain lookup", None), ("corpus", corpus)):
+        gen = SpeculativeGenerator(base, NgramDrafter(num_tokens=4, corpus=table))
+        out = gen.generate(prompts[:1], max_new_tokens=40, eos_token_id=[])
+        assert torch.equal(out.sequences, answers[:1])  # the first answer, regenerated
+        taus[name] = out.mean_accepted_length
+    assert taus["corpus"] > 2.0 > taus["plain lookup"], taus
+
+
+def _write(path, records):
+    path.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
+
+
+def test_from_jsonl_reads_assistant_turns_of_sharegpt_and_openai(tmp_path, smollm2_tokenizer):
+    _write(
+        tmp_path / "a.jsonl",
+        [{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo yo"}]}],
+    )
+    _write(
+        tmp_path / "b.jsonl",
+        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]}],
+    )
+    table = NgramTable.from_jsonl(tmp_path, smollm2_tokenizer, eos_token_id=0, min_count=1)
+    ids = smollm2_tokenizer(["yo yo", "ok"], add_special_tokens=False)["input_ids"]
+    assert table.num_tokens == len(ids[0]) + len(ids[1]) + 2  # each answer + its end token
+    assert table.continuation(ids[0][:1], 1) == ids[0][1:2]  # user turns are not in the table
+    assert table.continuation(ids[1], 1) == [0]  # the answer's end
+
+
+def test_from_jsonl_errors_say_what_is_wrong(tmp_path, smollm2_tokenizer):
+    with pytest.raises(FileNotFoundError, match="no JSONL answers"):
+        NgramTable.from_jsonl(tmp_path / "missing.jsonl", smollm2_tokenizer)
+    _write(tmp_path / "u.jsonl", [{"conversations": [{"from": "human", "value": "hi"}]}])
+    with pytest.raises(ValueError, match="no assistant turns"):
+        NgramTable.from_jsonl(tmp_path / "u.jsonl", smollm2_tokenizer)
+    (tmp_path / "bad.jsonl").write_text('{"conversations": []}\n{oops\n', encoding="utf-8")
+    with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
+        NgramTable.from_jsonl(tmp_path / "bad.jsonl", smollm2_tokenizer)
