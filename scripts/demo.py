@@ -9,7 +9,8 @@ Stages run as subprocesses (each with its own progress bar):
 2. train/medusa.py recipes/smollm2-135m-medusa.yaml
 3. train/eagle.py recipes/smollm2-135m-eagle.yaml
 4. scripts/bench.py over the prompts (MT-bench when found, else HumanEval): HF greedy, HF prompt
-   lookup, our n-gram drafter, each heads folder alone and with n-gram lookup -> OUT/REPORT.md
+   lookup, our n-gram drafter (prompt lookup, and also in a table of the distilled answers),
+   each heads folder alone and with that lookup -> OUT/REPORT.md
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 MEDUSA = ROOT / "recipes/smollm2-135m-medusa.yaml"
 EAGLE = ROOT / "recipes/smollm2-135m-eagle.yaml"
+DISTILLED = "runs/smollm2-distill"  # both recipes' data.output_dir: the lookup's corpus
 # MT-bench's questions are public data that headstart does not ship; a copy is looked for here.
 MT_BENCH_CANDIDATES = [
     os.environ.get("HEADSTART_MT_BENCH", ""),
@@ -92,7 +94,9 @@ def main(argv: list[str] | None = None) -> int:
             "runs/smollm2-medusa/heads",
             "runs/smollm2-eagle/heads",
             "--methods",
-            "baseline,hf-lookup,ngram,heads,heads+ngram",
+            "baseline,hf-lookup,ngram,ngram+corpus,heads,heads+ngram+corpus",
+            "--lookup-corpus",
+            DISTILLED,
             "--prompts",
             prompts,
             "--per-category",
