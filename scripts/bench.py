@@ -1,7 +1,8 @@
 """Benchmark speculative decoding against the plain base model, interleaved in one run.
 
 python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [DIR ...]]
-    [--methods baseline,hf-lookup,ngram,heads,heads+ngram,draft] [--draft-model M] [--max-new-tokens N]
+    [--methods baseline,hf-lookup,ngram,ngram+corpus,heads,heads+ngram,heads+ngram+corpus,draft]
+    [--draft-model M] [--max-new-tokens N]
     [--limit K] [--per-category K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
     [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N] [--threads N] [--device D] [--out DIR]

@@ -134,14 +134,22 @@ def build_methods(names: list[str], args: argparse.Namespace):
             gen = SpeculativeGenerator(base, drafter)  # fixed --lookup-tokens, as before
             options = {"num_tokens": drafter.num_tokens, "max_ngram": drafter.max_ngram}
             if with_corpus is not None:
-                options |= {"corpus": args.lookup_corpus, "corpus_tokens": corpus.num_tokens}
+                options |= _corpus_info(args.lookup_corpus, with_corpus)
             run = _spec_runner(gen, settings)
             methods.append(Method(name, "ngram", run, device, greedy, options, args.lookup_tokens))
         elif name in ("heads", "heads+ngram", "heads+ngram+corpus"):
             taken = set(METHODS) | {m.name for m in methods}
             for folder in args.heads:
-                lookup = None if name == "heads" else corpus if name.endswith("corpus") else False
-                method = _heads_method(folder, base, args, settings, greedy, lookup)
+                with_ngram, with_corpus = name != "heads", name.endswith("corpus")
+                method = _heads_method(
+                    folder,
+                    base,
+                    args,
+                    settings,
+                    greedy,
+                    with_ngram,
+                    corpus if with_corpus else None,
+                )
                 stem, n = method.name, 1
                 while method.name in taken:
                     n += 1
@@ -162,11 +170,16 @@ def build_methods(names: list[str], args: argparse.Namespace):
 
 
 def _heads_method(
-    folder: str, base, args, settings: dict, greedy: bool, lookup: NgramTable | bool | None = None
+    folder: str,
+    base,
+    args,
+    settings: dict,
+    greedy: bool,
+    with_ngram: bool = False,
+    corpus: NgramTable | None = None,
 ) -> Method:
-    """A heads folder's method; with `lookup` (False: prompt lookup, a table: prompt and
-    corpus lookup) its drafter and the n-gram drafter together (the union of their trees,
-    `inference.UnionDrafter`)."""
+    """A heads folder's method; `with_ngram`: its drafter and the n-gram drafter (with the
+    `corpus` table when given) together, the union of their trees (`inference.UnionDrafter`)."""
     try:
         heads = load_heads(folder, base=base)
     except (ValueError, OSError) as e:
@@ -174,10 +187,9 @@ def _heads_method(
     path = Path(folder).resolve()
     # Training writes OUTPUT/heads: name the method after the run, not "heads".
     name = path.parent.name if path.name == "heads" and path.parent.name else path.name
-    if lookup is not None:
-        table = lookup or None
-        name += "+ngram+corpus" if table else "+ngram"
-        return _union_method(name, folder, heads, base, args, settings, greedy, table)
+    if with_ngram:
+        name += "+ngram" if corpus is None else "+ngram+corpus"
+        return _union_method(name, folder, heads, base, args, settings, greedy, corpus)
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
         K = heads.config.num_heads
@@ -226,7 +238,7 @@ def _union_method(
         raise BenchError(f"{name}: {e}") from e
     options = {"ngram_tokens": args.lookup_tokens, **fixed, "arms": gen.arms or "fixed"}
     if corpus is not None:
-        options |= {"corpus": args.lookup_corpus, "corpus_tokens": corpus.num_tokens}
+        options |= _corpus_info(args.lookup_corpus, corpus)
     depth = max(heads.config.num_heads if medusa else primary.depth, args.lookup_tokens)
     run = _spec_runner(gen, settings)
     return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
@@ -235,9 +247,27 @@ def _union_method(
 def _lookup_corpus(args: argparse.Namespace, tokenizer, eos: list[int]) -> NgramTable:
     """The n-gram table of `--lookup-corpus` (answers in JSONL: a distill output folder)."""
     try:
-        return NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
+        table = NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
     except (ValueError, OSError) as e:
         raise BenchError(f"--lookup-corpus: {e}") from e
+    if table.num_contexts == 0:
+        raise BenchError(
+            f"--lookup-corpus: {args.lookup_corpus} holds {table.num_tokens} answer tokens but no "
+            f"context seen {table.min_count}+ times: give it more answers (e.g. a larger "
+            "data.limit in scripts/distill.py)"
+        )
+    return table
+
+
+def _corpus_info(path: str, table: NgramTable) -> dict:
+    """What results.json records about a lookup corpus."""
+    return {
+        "corpus": path,
+        "corpus_tokens": table.num_tokens,
+        "corpus_contexts": table.num_contexts,
+        "corpus_min_count": table.min_count,
+        "corpus_min_share": table.min_share,
+    }
 
 
 def _eagle_options(args: argparse.Namespace) -> dict:

@@ -16,6 +16,7 @@ from collections.abc import Iterable
 from pathlib import Path
 
 import torch
+from transformers import PreTrainedTokenizerBase
 
 from inference.draft import Draft, Drafter, Sampling
 
@@ -24,12 +25,14 @@ class NgramTable:
     """The most frequent next token after every context of 1..max_ngram tokens in a corpus.
 
     A backoff n-gram model of the corpus, greedy only: `continuation` extends a sequence token
-    by token from its longest context that the table holds. Only confident contexts are kept:
+    by token from its longest context that the table holds. Only confident contexts are held:
     seen before their best follower at least `min_count` times, which is at least `min_share`
-    of what followed them (a guess that is right less often than that costs a CPU more in
-    verification than it gains; lower both on a GPU, where tree nodes are nearly free). Build
-    it from token ids (`NgramTable(sequences)`) or from answers on disk (`from_jsonl`). Memory:
-    at most one dict entry per distinct context (17 MB for 110k tokens, built in 2 s).
+    of what followed them (on a CPU an unconfident guess costs more in verification than it
+    gains; on a GPU, where tree nodes are nearly free, lower both). Where a long context was
+    dropped, a shorter one that was kept still answers: replayed on MT-bench that drafted
+    better than stopping there (docs/bench.md). Build it from token ids
+    (`NgramTable(sequences)`) or from answers on disk (`from_jsonl`). Memory: at most one dict
+    entry per distinct context (17 MB for 110k tokens, built in 2 s).
     """
 
     def __init__(
@@ -40,12 +43,15 @@ class NgramTable:
         min_share: float = 0.5,
     ) -> None:
         if max_ngram < 1 or min_count < 1 or not 0.0 <= min_share <= 1.0:
-            raise ValueError("need max_ngram >= 1, min_count >= 1 and 0 <= min_share <= 1")
-        self.max_ngram = max_ngram
+            raise ValueError(
+                "need max_ngram >= 1, min_count >= 1 and 0 <= min_share <= 1; got "
+                f"max_ngram={max_ngram}, min_count={min_count}, min_share={min_share}"
+            )
+        self.max_ngram, self.min_count, self.min_share = max_ngram, min_count, min_share
         counts = [Counter() for _ in range(max_ngram + 1)]  # counts[n][(context..., next)]
         self.num_tokens = 0
         for seq in sequences:
-            seq = list(seq)
+            seq = [int(t) for t in seq]  # tensor elements would hash by identity
             self.num_tokens += len(seq)
             for n in range(1, max_ngram + 1):
                 counts[n].update(tuple(seq[i : i + n + 1]) for i in range(len(seq) - n))
@@ -65,22 +71,31 @@ class NgramTable:
                 if count >= min_count and count >= min_share * total[context]
             }
 
+    @property
+    def num_contexts(self) -> int:
+        return sum(len(table) for table in self.next_token)
+
     @classmethod
     def from_jsonl(
-        cls, path: str | Path, tokenizer, eos_token_id: int | None = None, **options
+        cls,
+        path: str | Path,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_id: int | None = None,
+        **options,
     ) -> NgramTable:
         """The assistant turns of JSONL conversations: a file, or a folder of `*.jsonl` (the
         output folder of `scripts/distill.py`). Records hold ShareGPT `conversations`
         (`from`: gpt / assistant) or OpenAI `messages` (`role`: assistant). Each answer is
-        tokenized on its own and ends with `eos_token_id` (the end-of-turn token), so that the
-        table also learns where answers end. `options` go to the constructor."""
+        tokenized on its own and, unless its record says `"finished": false` (distill's mark
+        for an answer cut at max_new_tokens), ends with `eos_token_id` (the end-of-turn token),
+        so that the table also learns where answers end. `options` go to the constructor."""
         path = Path(path)
         files = sorted(path.glob("*.jsonl")) if path.is_dir() else [path]
         if not files or not files[0].exists():
             raise FileNotFoundError(
                 f"no JSONL answers at {path} (a .jsonl file or a folder of them)"
             )
-        answers = []
+        answers: list[tuple[str, bool]] = []  # (text, whether it ended by itself)
         for file in files:
             with open(file, encoding="utf-8") as f:
                 for line_no, line in enumerate(f, 1):
@@ -90,18 +105,24 @@ class NgramTable:
                         record = json.loads(line)
                     except json.JSONDecodeError as e:
                         raise ValueError(f"{file}:{line_no}: not JSON ({e.msg})") from None
-                    answers += _assistant_texts(record)
+                    if not isinstance(record, dict):
+                        raise ValueError(f"{file}:{line_no}: a record must be a JSON object")
+                    texts = _assistant_texts(record)
+                    ended = [True] * len(texts)
+                    if texts and record.get("finished") is False:
+                        ended[-1] = False  # distill cut the last answer at max_new_tokens
+                    answers += zip(texts, ended)
         if not answers:
             raise ValueError(
                 f"no assistant turns in {path}: expected ShareGPT 'conversations' (from: gpt) or "
                 "OpenAI 'messages' (role: assistant), e.g. the output folder of scripts/distill.py"
             )
         end = [] if eos_token_id is None else [eos_token_id]
-        ids = tokenizer(answers, add_special_tokens=False)["input_ids"]
-        return cls((a + end for a in ids), **options)
+        ids = tokenizer([text for text, _ in answers], add_special_tokens=False)["input_ids"]
+        return cls((a + end if ended else a for a, (_, ended) in zip(ids, answers)), **options)
 
     def match(self, sequence: list[int]) -> int:
-        """Length of the longest suffix of `sequence` that the table holds as a context (0: none)."""
+        """Length of the longest suffix of `sequence` held as a context (0: none)."""
         for n in range(min(self.max_ngram, len(sequence)), 0, -1):
             if tuple(sequence[-n:]) in self.next_token[n]:
                 return n
@@ -127,7 +148,7 @@ def _assistant_texts(record: dict) -> list[str]:
     for turn in turns:
         if not isinstance(turn, dict):
             continue
-        who = turn.get("from", turn.get("role"))
+        who = str(turn.get("from", turn.get("role", ""))).lower()
         text = turn.get("value", turn.get("content"))
         if who in ("gpt", "assistant") and isinstance(text, str) and text:
             texts.append(text)
@@ -140,10 +161,10 @@ class NgramDrafter(Drafter):
     Args:
         num_tokens: chain length.
         max_ngram, min_ngram: suffix lengths looked up in the sequence, longest first.
-        corpus: an `NgramTable`; where its longest matching context is longer than the
-            sequence's own match (or the sequence has none), its continuation is proposed
-            instead. The sequence wins ties: text the prompt or answer already holds is the
-            better guess.
+        corpus: an `NgramTable`; where its longest matching context (up to the table's own
+            max_ngram, at least min_ngram) is longer than the sequence's own match (or the
+            sequence has none), its continuation is proposed instead. The sequence wins ties:
+            text the prompt or answer already holds is the better guess.
     """
 
     def __init__(
@@ -174,7 +195,7 @@ class NgramDrafter(Drafter):
         continuation where its match is longer; [] when nothing matches."""
         seq = sequence.tolist()
         follow, n = self._lookup_sequence(seq)
-        if self.corpus is not None and self.corpus.match(seq) > n:
+        if self.corpus is not None and self.corpus.match(seq) > max(n, self.min_ngram - 1):
             return self.corpus.continuation(seq, self.num_tokens)
         return follow
 

@@ -85,7 +85,7 @@ def test_tree_forward_matches_causal_forward_per_path_on_cuda(attn, dtype):
 @pytest.mark.parametrize("name", test_generate.DRAFTERS)
 def test_greedy_equals_base_greedy_on_cuda(name, attn):
     base = make_tiny_llama(attn=attn)
-    heads, options = test_generate._drafters(base)[name]
+    heads, options = test_generate._drafter(base, name)
     assert base.device.type == "cuda"
     # eager runs the row-by-row verifier (the CPU default), sdpa the dense one (the GPU default).
     test_generate.check_greedy_equals_base(base, heads, options, name, attn == "eager")
@@ -105,7 +105,7 @@ def test_bf16_greedy_differs_only_at_near_ties(name):
     must never part anywhere else."""
     base = make_tiny_llama(attn="sdpa")
     base.lm_head.weight.mul_(8)  # peaked distributions: most steps are far from a tie
-    heads, options = test_generate._drafters(base)[name]
+    heads, options = test_generate._drafter(base, name)
     base.to(torch.bfloat16)
     if isinstance(heads, torch.nn.Module):
         heads.to(torch.bfloat16)

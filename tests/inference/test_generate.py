@@ -24,7 +24,7 @@ from tests.conftest import make_tiny_llama
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 from bench_verify import OracleDrafter  # noqa: E402  (scripts/ is not a package)
 
-DRAFTERS = [  # the keys of `_drafters`
+DRAFTERS = [  # the names `_drafter` knows
     "medusa",
     "medusa-shared",
     "eagle1",
@@ -60,20 +60,25 @@ def _drafters(base):
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
         "ngram": (None, {"num_tokens": 4}),
-        # A corpus of the base's own greedy answers to other prompts, plus noise: right and
-        # wrong proposals where the sequence itself has no match.
-        "ngram-corpus": (NgramDrafter(num_tokens=4, corpus=_own_answers(base)), {}),
         # Unions: fixed settings (drafter objects), and adaptive over the union's arms.
         "medusa+ngram": ([MedusaDrafter(medusa, "cpu-8"), NgramDrafter(num_tokens=4)], {}),
         "eagle3+ngram": ([eagle3, None], {}),
     }
 
 
+def _drafter(base, name: str):
+    """(heads or drafter, generator options) of one of DRAFTERS."""
+    if name == "ngram-corpus":  # built only when asked for: it runs the base
+        return None, {"num_tokens": 4, "corpus": _own_answers(base)}
+    return _drafters(base)[name]
+
+
 def _own_answers(base) -> NgramTable:
-    torch.manual_seed(7)
-    prompts = torch.randint(3, 256, (8, 4))
+    """The base's greedy answers to other prompts, plus noise: right and wrong proposals."""
+    rng = torch.Generator().manual_seed(7)
+    prompts = torch.randint(3, 256, (8, 4), generator=rng).to(base.device)
     answers = base.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    noise = torch.randint(3, 256, (8, 24))
+    noise = torch.randint(3, 256, (8, 24), generator=rng)
     return NgramTable([*answers[:, 4:].tolist(), *noise.tolist()], min_count=1)
 
 
@@ -81,7 +86,7 @@ def _own_answers(base) -> NgramTable:
 @pytest.mark.parametrize("name", DRAFTERS)
 def test_greedy_equals_base_greedy(name, attn):
     base = make_tiny_llama(attn=attn.removesuffix("-prepacked"))
-    heads, options = _drafters(base)[name]
+    heads, options = _drafter(base, name)
     if attn.endswith("-prepacked"):  # oneDNN's packed weights, as load_base does on CPU
         for module in (base, heads):
             if isinstance(module, torch.nn.Module):

@@ -22,6 +22,9 @@ def test_table_keeps_the_most_frequent_follower_per_context():
     assert table.next_token[2] == {(1, 2): 3}  # (5, 2) -> 4 was seen once
     assert table.next_token[1] == {(1,): 2, (2,): 3}  # (2,) -> 3 is 2 of 4: kept at 0.5
     assert NgramTable(corpus, max_ngram=2, min_share=0.6).next_token[1] == {(1,): 2}
+    # Tensor rows count by value, as lists do.
+    assert NgramTable(torch.tensor(corpus), max_ngram=2).next_token == table.next_token
+    assert table.num_contexts == 3
 
 
 def test_continuation_backs_off_to_shorter_contexts():
@@ -44,6 +47,10 @@ def test_corpus_is_used_where_its_match_is_longer():
     # A tie (2-gram each): the sequence's own continuation wins.
     assert drafter.lookup(torch.tensor([11, 12, 20, 21, 11, 12])) == [20, 21, 11]
     assert NgramDrafter(num_tokens=3).lookup(torch.tensor([5, 10, 11, 12])) == []
+    # min_ngram holds for the corpus too: a 1-token context is not enough at min_ngram=2.
+    strict = NgramDrafter(num_tokens=3, min_ngram=2, corpus=corpus)
+    assert strict.lookup(torch.tensor([5, 13])) == []
+    assert drafter.lookup(torch.tensor([5, 13])) == [14]
 
 
 def test_corpus_of_the_base_own_answers_raises_acceptance_losslessly():
@@ -72,13 +79,23 @@ def test_from_jsonl_reads_assistant_turns_of_sharegpt_and_openai(tmp_path, smoll
     )
     _write(
         tmp_path / "b.jsonl",
-        [{"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": "ok"}]}],
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "q"},
+                    {"role": "Assistant", "content": "ok"},
+                ]
+            },
+            # distill's mark for an answer cut at max_new_tokens: no end token after it
+            {"conversations": [{"from": "gpt", "value": "cut"}], "finished": False},
+        ],
     )
     table = NgramTable.from_jsonl(tmp_path, smollm2_tokenizer, eos_token_id=0, min_count=1)
-    ids = smollm2_tokenizer(["yo yo", "ok"], add_special_tokens=False)["input_ids"]
-    assert table.num_tokens == len(ids[0]) + len(ids[1]) + 2  # each answer + its end token
+    ids = smollm2_tokenizer(["yo yo", "ok", "cut"], add_special_tokens=False)["input_ids"]
+    assert table.num_tokens == sum(map(len, ids)) + 2  # the two finished answers end with 0
     assert table.continuation(ids[0][:1], 1) == ids[0][1:2]  # user turns are not in the table
     assert table.continuation(ids[1], 1) == [0]  # the answer's end
+    assert table.continuation(ids[2], 1) == []
 
 
 def test_from_jsonl_errors_say_what_is_wrong(tmp_path, smollm2_tokenizer):
@@ -90,3 +107,8 @@ def test_from_jsonl_errors_say_what_is_wrong(tmp_path, smollm2_tokenizer):
     (tmp_path / "bad.jsonl").write_text('{"conversations": []}\n{oops\n', encoding="utf-8")
     with pytest.raises(ValueError, match=r"bad.jsonl:2: not JSON"):
         NgramTable.from_jsonl(tmp_path / "bad.jsonl", smollm2_tokenizer)
+    (tmp_path / "list.jsonl").write_text("[1, 2]\n", encoding="utf-8")
+    with pytest.raises(ValueError, match=r"list.jsonl:1: a record must be a JSON object"):
+        NgramTable.from_jsonl(tmp_path / "list.jsonl", smollm2_tokenizer)
+    with pytest.raises(ValueError, match="min_count=0"):
+        NgramTable([[1, 2]], min_count=0)

@@ -141,7 +141,7 @@ def test_multi_turn_categories_and_runs(folders, tmp_path):
 
 def test_corpus_lookup_methods(folders, tmp_path):
     prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
-    corpus = _jsonl(tmp_path / "answers.jsonl", SHAREGPT)  # one assistant turn: "Red."
+    corpus = _jsonl(tmp_path / "answers.jsonl", SHAREGPT[:1] * 2)  # "Red." twice
     extra = ["--methods", "ngram+corpus,heads+ngram+corpus", "--lookup-corpus", str(corpus)]
     results = _run(folders, tmp_path, prompts, *extra, "--heads", str(folders["medusa"]))
     methods = {m["name"]: m for m in results["methods"]}
@@ -149,7 +149,9 @@ def test_corpus_lookup_methods(folders, tmp_path):
     assert methods["ngram+corpus"]["kind"] == "ngram"
     assert methods["medusa+ngram+corpus"]["kind"] == "medusa+ngram"
     for m in list(methods.values())[1:]:
-        assert m["options"]["corpus"] == str(corpus) and m["options"]["corpus_tokens"] >= 2
+        options = m["options"]
+        assert options["corpus"] == str(corpus) and options["corpus_min_count"] == 2
+        assert options["corpus_contexts"] >= 1  # "Red." then the end of the answer
     assert len(results["records"]) == 2 * 3 and all(r["identical"] for r in results["records"])
 
 
@@ -201,10 +203,13 @@ def test_summary_counts_steps_not_prompts():
         ("union-without-heads", "'heads+ngram' needs --heads"),
         ("corpus-method-without-corpus", "'ngram+corpus' needs --lookup-corpus"),
         ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
+        ("corpus-too-small", "no context seen 2+ times: give it more answers"),
+        ("corpus-without-method", "--lookup-corpus given but none of"),
     ],
 )
 def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
     prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
+    one_answer = _jsonl(tmp_path / "answer.jsonl", SHAREGPT[:1])
     extra = {
         "missing": ["--prompts", str(tmp_path / "nope.jsonl")],
         "empty": ["--prompts", str(_jsonl(tmp_path / "empty.jsonl", []))],
@@ -216,6 +221,8 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
         "union-without-heads": ["--methods", "ngram,heads+ngram"],
         "corpus-method-without-corpus": ["--methods", "ngram+corpus"],
         "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
+        "corpus-too-small": ["--methods", "ngram+corpus", "--lookup-corpus", str(one_answer)],
+        "corpus-without-method": ["--methods", "ngram", "--lookup-corpus", str(one_answer)],
     }[case]
     if case == "malformed":
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')
