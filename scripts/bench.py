@@ -95,6 +95,12 @@ def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> l
     return out
 
 
+def prompt_ids(messages: list[Message], tokenizer) -> torch.Tensor:
+    """(1, T) ids of `messages` in the chat template, ready for the assistant's turn."""
+    text = render_conversation(messages, tokenizer, add_generation_prompt=True)
+    return tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+
+
 def per_category(prompts: list[BenchPrompt], k: int) -> list[BenchPrompt]:
     """The first `k` prompts of each category, in file order (a balanced sample)."""
     seen: dict[str, int] = {}
@@ -130,8 +136,7 @@ def run_bench(
             inputs = {}
             for m in methods:
                 history[m.name].append({"role": "user", "content": user})
-                text = render_conversation(history[m.name], tokenizer, add_generation_prompt=True)
-                ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+                ids = prompt_ids(history[m.name], tokenizer)
                 inputs[m.name] = ids.to(device)  # (1, T)
             done: dict[str, list[tuple[float, Run]]] = {m.name: [] for m in methods}
             for _ in range(runs):
@@ -286,8 +291,7 @@ def main(argv: list[str] | None = None) -> int:
 def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -> None:
     """One untimed short generation per method (first-call allocations, lazy inits)."""
     messages = [*prompt.system, {"role": "user", "content": prompt.users[0]}]
-    text = render_conversation(messages, tokenizer, add_generation_prompt=True)
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+    ids = prompt_ids(messages, tokenizer)
     for m in methods:
         m.generate(ids.to(m.device), seed, max_new_tokens=16)
 

@@ -140,15 +140,9 @@ def build_methods(names: list[str], args: argparse.Namespace):
         elif name in ("heads", "heads+ngram", "heads+ngram+corpus"):
             taken = set(METHODS) | {m.name for m in methods}
             for folder in args.heads:
-                with_ngram, with_corpus = name != "heads", name.endswith("corpus")
+                lookup_corpus = corpus if name == "heads+ngram+corpus" else None
                 method = _heads_method(
-                    folder,
-                    base,
-                    args,
-                    settings,
-                    greedy,
-                    with_ngram,
-                    corpus if with_corpus else None,
+                    folder, base, args, settings, greedy, name != "heads", lookup_corpus
                 )
                 stem, n = method.name, 1
                 while method.name in taken:
@@ -261,13 +255,7 @@ def _lookup_corpus(args: argparse.Namespace, tokenizer, eos: list[int]) -> Ngram
 
 def _corpus_info(path: str, table: NgramTable) -> dict:
     """What results.json records about a lookup corpus."""
-    return {
-        "corpus": path,
-        "corpus_tokens": table.num_tokens,
-        "corpus_contexts": table.num_contexts,
-        "corpus_min_count": table.min_count,
-        "corpus_min_share": table.min_share,
-    }
+    return {"corpus": path, **{f"corpus_{k}": v for k, v in table.info().items()}}
 
 
 def _eagle_options(args: argparse.Namespace) -> dict:

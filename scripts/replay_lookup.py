@@ -23,11 +23,10 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import per_category, read_prompts  # noqa: E402  (scripts/ is not a package)
+from bench import per_category, prompt_ids, read_prompts  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
 from inference import NgramDrafter, NgramTable  # noqa: E402
-from train.data import render_conversation  # noqa: E402
 
 
 def replay_tau(answers: list[tuple[list[int], list[int]]], drafter: NgramDrafter) -> float:
@@ -93,9 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         )
     by_category: dict[str, list[tuple[list[int], list[int]]]] = {}
     for p in tqdm(prompts, desc="greedy answers", unit="prompt"):
-        messages = [*p.system, {"role": "user", "content": p.users[0]}]
-        text = render_conversation(messages, tokenizer, add_generation_prompt=True)
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids
+        ids = prompt_ids([*p.system, {"role": "user", "content": p.users[0]}], tokenizer)
         with torch.no_grad():
             out = base.generate(ids, max_new_tokens=args.max_new_tokens, do_sample=False)
         answer = out[0, ids.shape[1] :].tolist()
@@ -104,19 +101,12 @@ def main(argv: list[str] | None = None) -> int:
 
     results = {"prompts": args.prompts, "count": len(everything), "rows": []}
     if table is not None:
-        results["corpus"] = {
-            "path": args.corpus,
-            "tokens": table.num_tokens,
-            "contexts": table.num_contexts,
-            "min_count": table.min_count,
-            "min_share": table.min_share,
-        }
+        results["corpus"] = {"path": args.corpus, **table.info()}
     print("| lookup | tokens | tau (all) | " + " | ".join(by_category) + " |")
     print("|---|---:|---:|" + "---:|" * len(by_category))
+    lookups = [("prompt", None)] + ([("prompt+corpus", table)] if table is not None else [])
     for k in chain_lengths:
-        for name, corpus in (("prompt", None), ("prompt+corpus", table)):
-            if name == "prompt+corpus" and table is None:
-                continue
+        for name, corpus in lookups:
             drafter = NgramDrafter(num_tokens=k, corpus=corpus)
             row = {"lookup": name, "num_tokens": k, "tau": replay_tau(everything, drafter)}
             row["by_category"] = {c: replay_tau(a, drafter) for c, a in by_category.items()}

@@ -75,6 +75,16 @@ class NgramTable:
     def num_contexts(self) -> int:
         return sum(len(table) for table in self.next_token)
 
+    def info(self) -> dict:
+        """Size and settings, for reports (bench results, replays)."""
+        return {
+            "tokens": self.num_tokens,
+            "contexts": self.num_contexts,
+            "max_ngram": self.max_ngram,
+            "min_count": self.min_count,
+            "min_share": self.min_share,
+        }
+
     @classmethod
     def from_jsonl(
         cls,

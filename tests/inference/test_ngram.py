@@ -25,6 +25,13 @@ def test_table_keeps_the_most_frequent_follower_per_context():
     # Tensor rows count by value, as lists do.
     assert NgramTable(torch.tensor(corpus), max_ngram=2).next_token == table.next_token
     assert table.num_contexts == 3
+    assert table.info() == {
+        "tokens": 12,
+        "contexts": 3,
+        "max_ngram": 2,
+        "min_count": 2,
+        "min_share": 0.5,
+    }
 
 
 def test_continuation_backs_off_to_shorter_contexts():
