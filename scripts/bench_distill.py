@@ -2,6 +2,7 @@
 
 python scripts/bench_distill.py [--prompts 48] [--unbatched 8] [--max-new-tokens 64]
                                 [--batch-size 32 [64 ...]] [--processes 1 [2 ...]]
+                                [--chunk-tokens 16 [0 ...]]
                                 [--max-length N] [--threads N] [--out results.json]
 
 Every run uses the same model, prompts (the embedded set), greedy decoding and max_new_tokens;
@@ -10,13 +11,16 @@ is plain HF generate (its default dynamic cache) in this process with all its th
 `--processes N` the batched run is split as `torchrun --nproc_per_node N scripts/distill.py`
 splits it: N processes with threads / N threads each, each a strided share of the
 length-sorted prompts, started together; tokens/s is all their tokens over the wall time from
-the common start to the last one's end. Tokens are counted up to and including the
+the common start to the last one's end. `--chunk-tokens` gives the new tokens per generate call
+of the batched path, after which rows that ended leave the batch (0: one call per batch, every
+row running until the longest answer ends). Tokens are counted up to and including the
 end-of-turn token; padding after it is not counted.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import os
@@ -84,14 +88,23 @@ def fresh_items(recipe, tokenizer, template):
     return distill.build_items(recipe, tokenizer, template)[0]
 
 
-def worker(rank: int, world: int, threads: int, args, batch_size: int, barrier, results) -> None:
+def chunked_generator(model, tokenizer, recipe, eos_ids, chunk_tokens: int):
+    """The distill path's batched generate, `chunk_tokens` new tokens per call (0: one call)."""
+    return distill.transformers_generator(
+        model, tokenizer, recipe, eos_ids, chunk_tokens=chunk_tokens or None
+    )
+
+
+def worker(
+    rank: int, world: int, threads: int, args, batch_size: int, chunk: int, barrier, results
+) -> None:
     """One of `world` processes of a multi-process batched run (see the module docstring).
     Puts its `measure` record on `results`, or None when it fails (after breaking the barrier,
     so that no other process waits for it)."""
     try:
         torch.set_num_threads(threads)
         recipe, model, tokenizer, template, eos_ids = build(args)
-        generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
+        generate = chunked_generator(model, tokenizer, recipe, eos_ids, chunk)
         common = (tokenizer, template, recipe)
         distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)
         items = fresh_items(recipe, tokenizer, template)
@@ -105,14 +118,15 @@ def worker(rank: int, world: int, threads: int, args, batch_size: int, barrier, 
         raise
 
 
-def measure_processes(args, batch_size: int, processes: int) -> dict:
+def measure_processes(args, batch_size: int, processes: int, chunk: int) -> dict:
     """The batched run split over `processes` processes started together; aggregate tok/s."""
     threads = max(1, torch.get_num_threads() // processes)
     context = mp.get_context("spawn")
     barrier, results = context.Barrier(processes), context.Queue()
     workers = [
         context.Process(
-            target=worker, args=(r, processes, threads, args, batch_size, barrier, results)
+            target=worker,
+            args=(r, processes, threads, args, batch_size, chunk, barrier, results),
         )
         for r in range(processes)
     ]
@@ -138,6 +152,7 @@ def measure_processes(args, batch_size: int, processes: int) -> dict:
     return {
         "prompts": sum(p["prompts"] for p in parts),
         "batch_size": batch_size,
+        "chunk_tokens": chunk,
         "processes": processes,
         "threads_per_process": threads,
         "tokens": tokens,
@@ -163,6 +178,13 @@ def main(argv: list[str] | None = None) -> int:
         help="process counts for the batched runs (torchrun's data-parallel split)",
     )
     parser.add_argument(
+        "--chunk-tokens",
+        type=int,
+        nargs="+",
+        default=[distill.CHUNK_TOKENS],
+        help="new tokens per generate call of the batched runs; 0: one call per batch",
+    )
+    parser.add_argument(
         "--max-length",
         type=int,
         default=DataConfig().max_length,
@@ -176,32 +198,35 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if min(args.processes) < 1:
         parser.error("--processes must be >= 1")
+    if min(args.chunk_tokens) < 0:
+        parser.error("--chunk-tokens must be >= 0")
     if args.threads:
         torch.set_num_threads(args.threads)
 
     recipe, model, tokenizer, template, eos_ids = build(args)
-    generate = distill.transformers_generator(model, tokenizer, recipe, eos_ids)
-
     # The baseline is plain HF generate, one prompt at a time, as a user runs it: its default
     # (dynamic) cache, not the static one of the batched path.
     plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
     common = (tokenizer, template, recipe)
-    distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)  # warm-ups
+    warm = chunked_generator(model, tokenizer, recipe, eos_ids, args.chunk_tokens[0])
+    distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], warm, *common)  # warm-ups
     distill.run_batch(fresh_items(recipe, tokenizer, template)[:1], plain, *common)
     firsts = fresh_items(recipe, tokenizer, template)[: args.unbatched]
     unbatched = without_clock(measure(firsts, plain, *common, 1))
     print(f"unbatched: {unbatched}", flush=True)
     batched = []
-    for batch_size in args.batch_size:
-        for processes in args.processes:
-            if processes == 1:
-                items = fresh_items(recipe, tokenizer, template)
-                run = without_clock(measure(items, generate, *common, batch_size))
-                run.update(processes=1, threads_per_process=torch.get_num_threads())
-            else:
-                run = measure_processes(args, batch_size, processes)
-            batched.append(run)
-            print(f"batched:   {run}", flush=True)
+    for batch_size, chunk, processes in itertools.product(
+        args.batch_size, args.chunk_tokens, args.processes
+    ):
+        if processes == 1:
+            items = fresh_items(recipe, tokenizer, template)
+            generate = chunked_generator(model, tokenizer, recipe, eos_ids, chunk)
+            run = without_clock(measure(items, generate, *common, batch_size))
+            run.update(chunk_tokens=chunk, processes=1, threads_per_process=torch.get_num_threads())
+        else:
+            run = measure_processes(args, batch_size, processes, chunk)
+        batched.append(run)
+        print(f"batched:   {run}", flush=True)
     results = {
         "base": args.base,
         "device": str(model.device),
@@ -214,7 +239,7 @@ def main(argv: list[str] | None = None) -> int:
         "unbatched": unbatched,
         "batched": batched,
         "speedup": {
-            f"batch {b['batch_size']} x {b['processes']} process(es)": round(
+            f"batch {b['batch_size']}, chunk {b['chunk_tokens']}, {b['processes']} process(es)": round(
                 b["tokens_per_s"] / unbatched["tokens_per_s"], 2
             )
             for b in batched

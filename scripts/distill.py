@@ -36,6 +36,7 @@ from typing import Any
 import torch
 from accelerate import PartialState
 from tqdm import tqdm
+from transformers import StaticCache
 
 from heads.base import load_base, resolve_base_path
 from train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
@@ -64,6 +65,9 @@ _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 
 # One answer per prompt row: (new token ids without the end-of-turn token, finished).
 Generate = Callable[[list[list[int]]], list[tuple[list[int], bool]]]
+# New tokens per generate call of the batched transformers backend: rows whose answer ended leave
+# the batch between calls (on 2 CPU cores, 16 gave +6-13% tokens/s over one call; 8 less).
+CHUNK_TOKENS = 16
 
 
 @dataclass
@@ -181,15 +185,36 @@ def split_answer(new_tokens: list[int], eos_ids: list[int]) -> tuple[list[int], 
 
 
 def transformers_generator(
-    model, tokenizer, recipe: Recipe, eos_ids: list[int], static_cache: bool = True
+    model,
+    tokenizer,
+    recipe: Recipe,
+    eos_ids: list[int],
+    static_cache: bool = True,
+    chunk_tokens: int | None = CHUNK_TOKENS,
 ) -> Generate:
     """Batched HF generate: left padding, KV cache, sampling when temperature > 0.
 
-    static_cache=False gives HF's default (dynamic) cache, as plain `generate` uses."""
+    With the static cache, generation runs `chunk_tokens` new tokens at a time and the rows whose
+    answer has ended leave the batch, and the cache, between chunks: otherwise every row runs
+    until the batch's longest answer ends. `chunk_tokens=None` generates in one call.
+    static_cache=False gives HF's default (dynamic) cache in one call, as plain `generate` uses."""
     data = recipe.data
     sample = data.temperature > 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     device = next(model.parameters()).device
+    # Explicit sampling values, so that a checkpoint's generation_config.json cannot change the
+    # distribution the heads are trained on.
+    sampling = dict(temperature=data.temperature, top_p=data.top_p, top_k=0) if sample else {}
+    settings = dict(
+        do_sample=sample,
+        **sampling,
+        repetition_penalty=1.0,
+        eos_token_id=eos_ids,
+        pad_token_id=pad_id,
+        use_cache=True,
+    )
+    chunk = chunk_tokens if static_cache and chunk_tokens else data.max_new_tokens
+    eos = torch.tensor(eos_ids, device=device)
 
     @torch.no_grad()
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -199,23 +224,35 @@ def transformers_generator(
         for i, p in enumerate(prompts):
             input_ids[i, T - len(p) :] = torch.tensor(p)
             attention_mask[i, T - len(p) :] = 1
-        # Explicit sampling values, so that a checkpoint's generation_config.json cannot change
-        # the distribution the heads are trained on.
-        sampling = dict(temperature=data.temperature, top_p=data.top_p, top_k=0) if sample else {}
-        out = model.generate(
-            input_ids=input_ids.to(device),
-            attention_mask=attention_mask.to(device),
-            max_new_tokens=data.max_new_tokens,
-            do_sample=sample,
-            **sampling,
-            repetition_penalty=1.0,
-            eos_token_id=eos_ids,
-            pad_token_id=pad_id,
-            use_cache=True,
-            # A growing cache re-copies itself every step: costly for a batch.
-            cache_implementation="static" if static_cache else None,
-        )
-        return [split_answer(row.tolist(), eos_ids) for row in out[:, T:].cpu()]  # (B, new)
+        input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
+        # A growing cache re-copies itself every step: costly for a batch.
+        cache = StaticCache(model.config, T + data.max_new_tokens) if static_cache else None
+        rows = list(range(B))  # the prompt of each batch row
+        answers: list[tuple[list[int], bool]] = [([], False)] * B
+        produced = 0
+        while rows:
+            n = min(chunk, data.max_new_tokens - produced)
+            out = model.generate(
+                input_ids=input_ids,
+                attention_mask=attention_mask,
+                cache=cache,
+                max_new_tokens=n,
+                **settings,
+            )  # (b, length + <= n): stops early when every row has ended
+            new = out[:, input_ids.shape[1] :]
+            produced += new.shape[1]
+            ended = torch.isin(new, eos).any(dim=1)
+            if produced >= data.max_new_tokens:
+                ended[:] = True
+            for i in ended.nonzero()[:, 0].tolist():
+                answers[rows[i]] = split_answer(out[i, T:].tolist(), eos_ids)
+            keep = (~ended).nonzero()[:, 0]  # (b',) rows still answering
+            if keep.numel() < len(rows) and keep.numel():
+                cache.reorder_cache(keep)
+            rows = [rows[i] for i in keep.tolist()]
+            input_ids = out[keep]
+            attention_mask = torch.cat([attention_mask, torch.ones_like(new)], dim=1)[keep]
+        return answers
 
     return generate
 

@@ -120,6 +120,36 @@ def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_ba
     assert batched == [dynamic([p])[0] for p in prompts]
 
 
+def test_rows_that_end_leave_the_batch_between_chunks(tmp_path, tiny_base):
+    """Chunked generation (ended rows dropped from the batch and the static cache every 2
+    tokens) answers as one call over the whole batch, and as each prompt alone."""
+    recipe = load_recipe(
+        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=9)
+    )
+    model, tok = load_base(str(tiny_base))
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(6)]
+    free = distill.transformers_generator(model, tok, recipe, [], chunk_tokens=None)(prompts)
+    # A random model rarely ends by itself: end-of-turn ids taken from its answers, so that one
+    # row ends at its first token change and another before its first token.
+    r, j = next(
+        (r, j)
+        for r, (ids, _) in enumerate(free)
+        for j in range(1, len(ids))
+        if ids[j] != ids[j - 1]
+    )
+    other = next(q for q, (ids, _) in enumerate(free) if q != r and ids[0] not in free[r][0])
+    eos = [free[r][0][j], free[other][0][0]]
+    one_call = distill.transformers_generator(model, tok, recipe, eos, chunk_tokens=None)
+    chunked = distill.transformers_generator(model, tok, recipe, eos, chunk_tokens=2)
+    alone = distill.transformers_generator(model, tok, recipe, eos, static_cache=False)
+    answers = chunked(prompts)
+    assert (len(answers[r][0]), len(answers[other][0])) == (j, 0)
+    assert answers[r][1] and answers[other][1]
+    assert any(not finished for _, finished in answers)  # a row ran to max_new_tokens
+    assert answers == one_call(prompts) == [alone([p])[0] for p in prompts]
+
+
 def test_distill_end_to_end(tmp_path, tiny_base, capsys):
     out = tmp_path / "out"
     recipe = recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out)
@@ -320,9 +350,11 @@ def test_bench_distill_splits_the_batched_run_over_processes(tiny_base, tmp_path
     out = tmp_path / "bench.json"
     argv = ["--base", str(tiny_base), "--prompts", "6", "--unbatched", "1"]
     argv += ["--max-new-tokens", "4", "--batch-size", "2", "--processes", "1", "2"]
+    argv += ["--chunk-tokens", "0", "2"]
     assert bench_distill.main([*argv, "--out", str(out)]) == 0
-    one, two = json.loads(out.read_text())["batched"]
-    assert (one["processes"], two["processes"]) == (1, 2) and two["threads_per_process"] >= 1
-    assert one["prompts"] == two["prompts"] == 6
-    assert one["tokens"] == two["tokens"] > 0  # greedy: as many answer tokens, however split
-    assert two["tokens_per_s"] > 0 and "start" not in two
+    runs = json.loads(out.read_text())["batched"]
+    assert [(r["chunk_tokens"], r["processes"]) for r in runs] == [(0, 1), (0, 2), (2, 1), (2, 2)]
+    assert all(r["threads_per_process"] >= 1 and r["prompts"] == 6 for r in runs)
+    # Greedy: as many answer tokens, however split over processes and calls.
+    assert len({r["tokens"] for r in runs}) == 1 and runs[0]["tokens"] > 0
+    assert all(r["tokens_per_s"] > 0 and "start" not in r for r in runs)
