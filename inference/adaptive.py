@@ -5,10 +5,14 @@ Speculation pays only when tau * cost(1 token) > cost(tree forward + drafting). 
 on the hardware (a CPU's forward cost grows with the tree, a GPU's hardly does) and on how good
 the drafter is on this text, so the generator measures them as it goes (EAGLE-2's
 `total_token=-1` idea, applied to every drafter): each "arm" is a drafter setting, or plain
-decoding; its rate is an exponential moving average of tokens gained over seconds spent per step.
-After trying every arm, the best arm is used, and the others are re-tried now and then, since
-acceptance changes with the text. Every arm is lossless, so choosing among them never changes
-the output distribution (greedy output stays identical to the base's).
+decoding; its rate is its tokens gained per step over its seconds per step, each the mean of its
+first steps and then an exponential moving average. After trying every arm, the best arm is
+used, and each other arm is re-tried when its exploration interval has passed, since acceptance
+changes with the text. An arm re-tried without becoming the best waits twice as long before its
+next try (up to `max_explore_every` steps), so a drafter that does not pay here costs almost
+nothing; one that becomes the best is re-tried at the base interval again once it stops being
+the best. Every arm is lossless, so choosing among them never changes the output distribution
+(greedy output stays identical to the base's).
 """
 
 from __future__ import annotations
@@ -21,10 +25,11 @@ class Arm:
     """A drafter setting (`options` passed to `drafter.configure`), or plain decoding (None)."""
 
     options: dict | None
-    tokens: float = 0.0  # EMA of tokens gained per step
-    seconds: float = 0.0  # EMA of seconds per step
+    tokens: float = 0.0  # mean, then EMA, of tokens gained per step
+    seconds: float = 0.0  # mean, then EMA, of seconds per step
     tries: int = 0
     last_step: int = -1
+    interval: int = 0  # steps from its last try to its next exploratory one
 
     @property
     def rate(self) -> float:
@@ -38,37 +43,60 @@ class AdaptivePolicy:
     Args:
         arms: drafter settings to choose among; None is plain decoding (one token per step).
         warmup: steps each arm is tried before the policy starts exploiting.
-        explore_every: after warmup, every this many steps the least recently used arm is tried.
-        smoothing: EMA weight of the newest measurement.
+        explore_every: after warmup, an arm that is not the best is re-tried this many steps
+            after its last try; each re-try that leaves it behind doubles its wait.
+        max_explore_every: the longest wait between re-tries of an arm.
+        smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
+            an arm, which are averaged).
     """
 
     arms: list[Arm]
     warmup: int = 1
     explore_every: int = 32
+    max_explore_every: int = 512
     smoothing: float = 0.2
     step: int = field(default=0, init=False)
+
+    def __post_init__(self) -> None:
+        for arm in self.arms:
+            arm.interval = arm.interval or self.explore_every
 
     @classmethod
     def from_options(cls, options: list[dict | None], **kwargs) -> AdaptivePolicy:
         return cls([Arm(o) for o in options], **kwargs)
+
+    def best(self) -> int:
+        """Index of the arm with the highest measured rate."""
+        return max(range(len(self.arms)), key=lambda i: self.arms[i].rate)
 
     def choose(self) -> int:
         """Index of the arm to use for the next step."""
         for i, arm in enumerate(self.arms):
             if arm.tries < self.warmup:
                 return i
-        if self.step % self.explore_every == self.explore_every - 1:
-            return min(range(len(self.arms)), key=lambda i: self.arms[i].last_step)
-        return max(range(len(self.arms)), key=lambda i: self.arms[i].rate)
+        best = self.best()
+        due = [
+            i
+            for i, arm in enumerate(self.arms)
+            if i != best and self.step - arm.last_step >= arm.interval
+        ]
+        if due:  # the longest overdue first
+            return min(due, key=lambda i: self.arms[i].last_step + self.arms[i].interval)
+        return best
 
     def update(self, index: int, tokens: int, seconds: float) -> None:
         arm = self.arms[index]
-        a = 1.0 if arm.tries == 0 else self.smoothing
+        exploring = arm.tries >= self.warmup and index != self.best()
+        arm.tries += 1
+        a = max(self.smoothing, 1.0 / arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
-        arm.tries += 1
         arm.last_step = self.step
         self.step += 1
+        if self.best() == index:
+            arm.interval = self.explore_every
+        elif exploring:
+            arm.interval = min(2 * arm.interval, self.max_explore_every)
 
     def summary(self) -> list[dict]:
         return [

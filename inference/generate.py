@@ -109,8 +109,9 @@ class SpeculativeGenerator:
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
             list gives the arms; the default is on unless `drafter_options` fix the settings.
-            Every arm is lossless; with sampling, the same seed reproduces the same text only
-            with fixed settings (arm choices follow timings).
+            The measurements carry over from one generate call to the next (`.policy`; set it
+            to None to start afresh). Every arm is lossless; with sampling, the same seed
+            reproduces the same text only with fixed settings (arm choices follow timings).
         **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
             (EAGLE), `num_tokens=4` (draft model, n-gram).
     """
@@ -144,7 +145,8 @@ class SpeculativeGenerator:
         self.arms = None
         if adaptive:
             self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)
-        self.policy: AdaptivePolicy | None = None  # the last generation's (see `.summary()`)
+        # Built at the first generation and kept: later calls start from what it measured.
+        self.policy: AdaptivePolicy | None = None
         self._root_only = tree_from_parents([-1], device=device)
 
     # -- one forward of the base --------------------------------------------------------------
@@ -298,7 +300,9 @@ class SpeculativeGenerator:
         first, done = finish([root])
         generated.extend(first)
         yield first
-        policy = self.policy = AdaptivePolicy.from_options(self.arms) if self.arms else None
+        if self.arms and self.policy is None:
+            self.policy = AdaptivePolicy.from_options(self.arms)
+        policy = self.policy if self.arms else None
         current_arm = -1
         while not done:
             prefix = cache.get_seq_length()

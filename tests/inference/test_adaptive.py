@@ -35,6 +35,45 @@ def test_policy_follows_a_change_in_acceptance():
     assert policy.choose() == 0 or policy.arms[0].rate > policy.arms[1].rate
 
 
+def test_an_arm_that_does_not_pay_is_tried_ever_more_rarely():
+    """Re-tries that leave an arm behind double its wait (32, 64, ... 512 steps): over 3,000
+    steps a drafter slower than plain decoding gets 9 steps, not one in every 32 (~94)."""
+    policy = AdaptivePolicy.from_options([None, {"tree": 8}])
+    chosen = []
+    for _ in range(3000):
+        arm = policy.choose()
+        chosen.append(arm)
+        policy.update(arm, *((1, 1.0) if arm == 0 else (1, 1.5)))
+    tries = [i for i, arm in enumerate(chosen) if arm == 1]
+    assert len(tries) == 9
+    gaps = [b - a for a, b in zip(tries, tries[1:])]
+    assert gaps == [32, 64, 128, 256, 512, 512, 512, 512]
+
+
+def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
+    """After many steps where the drafter did not pay, it pays again (copy-heavy text): the next
+    re-try finds it, it becomes the best arm, and plain decoding is then re-tried at the base
+    interval, not the backed-off one."""
+    policy = AdaptivePolicy.from_options([None, {"tree": 8}], smoothing=0.5)
+    pays = False
+    for step in range(2000):
+        pays = step >= 1000
+        arm = policy.choose()
+        tokens = (4 if pays else 1) if arm == 1 else 1
+        policy.update(arm, tokens, 1.5 if arm == 1 else 1.0)
+        if pays and policy.best() == 1:
+            break
+    assert pays and step < 1000 + policy.max_explore_every + 1
+    steps_to_find = step - 1000
+    assert steps_to_find > 0
+    chosen = []
+    for _ in range(100):
+        arm = policy.choose()
+        chosen.append(arm)
+        policy.update(arm, 4 if arm == 1 else 1, 1.5 if arm == 1 else 1.0)
+    assert chosen.count(1) >= 95 and chosen.count(0) >= 2  # exploits it; re-tries plain per 32
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle3", "ngram", "draft-model"])
 def test_adaptive_generation_is_still_exact(kind):
     base = make_tiny_llama()
@@ -48,13 +87,16 @@ def test_adaptive_generation_is_still_exact(kind):
     }[kind]
     gen = SpeculativeGenerator(base, heads)  # no options: adaptive by default
     assert gen.arms and None in gen.arms
+    steps = 0
     for seed in range(3):
         torch.manual_seed(seed)
         prompt = torch.randint(3, 256, (1, 5)).repeat(1, 2)
         ref = base.generate(prompt, max_new_tokens=48, do_sample=False)
         out = gen.generate(prompt, max_new_tokens=48)
         assert torch.equal(out.sequences, ref)
-        assert sum(a["steps"] for a in gen.policy.summary()) == out.num_steps
+        steps += out.num_steps
+        # The policy's measurements carry over from one call to the next.
+        assert sum(a["steps"] for a in gen.policy.summary()) == steps
 
 
 def test_fixed_options_turn_adaptation_off():
