@@ -10,8 +10,7 @@ first steps and then an exponential moving average. After trying every arm, the 
 used, and each other arm is re-tried when its exploration interval has passed, since acceptance
 changes with the text. An arm re-tried without becoming the best waits twice as long before its
 next try (up to `max_explore_every` steps), so a drafter that does not pay here costs almost
-nothing; one that becomes the best is re-tried at the base interval again once it stops being
-the best. Every arm is lossless, so choosing among them never changes the output distribution
+nothing; an arm whose own step makes it the best gets the base interval back. Every arm is lossless, so choosing among them never changes the output distribution
 (greedy output stays identical to the base's).
 """
 

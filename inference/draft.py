@@ -83,6 +83,11 @@ class Drafter:
         """Propose a tree rooted at `sequence[-1]` (sequence: (T,), prompt + generated)."""
         raise NotImplementedError
 
+    def catch_up(self, sequence: torch.Tensor) -> None:
+        """Bring a drafter that keeps its own cache up to `sequence` before `propose` (which
+        would do it too). The generator calls it, outside the adaptive policy's timing, for the
+        first speculative step after plain ones, whose catch-up grows with the plain steps."""
+
     def configure(self, **options) -> None:
         """Change the tree shape between steps (the adaptive policy's arms)."""
         raise NotImplementedError(f"{type(self).__name__} has no tree settings to adapt")

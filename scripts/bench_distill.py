@@ -88,13 +88,6 @@ def fresh_items(recipe, tokenizer, template):
     return distill.build_items(recipe, tokenizer, template)[0]
 
 
-def chunked_generator(model, tokenizer, recipe, eos_ids, chunk_tokens: int):
-    """The distill path's batched generate, `chunk_tokens` new tokens per call (0: one call)."""
-    return distill.transformers_generator(
-        model, tokenizer, recipe, eos_ids, chunk_tokens=chunk_tokens or None
-    )
-
-
 def worker(
     rank: int, world: int, threads: int, args, batch_size: int, chunk: int, barrier, results
 ) -> None:
@@ -104,7 +97,9 @@ def worker(
     try:
         torch.set_num_threads(threads)
         recipe, model, tokenizer, template, eos_ids = build(args)
-        generate = chunked_generator(model, tokenizer, recipe, eos_ids, chunk)
+        generate = distill.transformers_generator(
+            model, tokenizer, recipe, eos_ids, chunk_tokens=chunk
+        )
         common = (tokenizer, template, recipe)
         distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)
         items = fresh_items(recipe, tokenizer, template)
@@ -161,6 +156,10 @@ def measure_processes(args, batch_size: int, processes: int, chunk: int) -> dict
     }
 
 
+def run_name(run: dict) -> str:
+    return f"batch {run['batch_size']}, chunk {run['chunk_tokens']}, {run['processes']} process(es)"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -208,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     # (dynamic) cache, not the static one of the batched path.
     plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
     common = (tokenizer, template, recipe)
-    warm = chunked_generator(model, tokenizer, recipe, eos_ids, args.chunk_tokens[0])
+    warm = distill.transformers_generator(
+        model, tokenizer, recipe, eos_ids, chunk_tokens=args.chunk_tokens[0]
+    )
     distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], warm, *common)  # warm-ups
     distill.run_batch(fresh_items(recipe, tokenizer, template)[:1], plain, *common)
     firsts = fresh_items(recipe, tokenizer, template)[: args.unbatched]
@@ -220,7 +221,9 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if processes == 1:
             items = fresh_items(recipe, tokenizer, template)
-            generate = chunked_generator(model, tokenizer, recipe, eos_ids, chunk)
+            generate = distill.transformers_generator(
+                model, tokenizer, recipe, eos_ids, chunk_tokens=chunk
+            )
             run = without_clock(measure(items, generate, *common, batch_size))
             run.update(chunk_tokens=chunk, processes=1, threads_per_process=torch.get_num_threads())
         else:
@@ -239,10 +242,7 @@ def main(argv: list[str] | None = None) -> int:
         "unbatched": unbatched,
         "batched": batched,
         "speedup": {
-            f"batch {b['batch_size']}, chunk {b['chunk_tokens']}, {b['processes']} process(es)": round(
-                b["tokens_per_s"] / unbatched["tokens_per_s"], 2
-            )
-            for b in batched
+            run_name(b): round(b["tokens_per_s"] / unbatched["tokens_per_s"], 2) for b in batched
         },
     }
     print(json.dumps(results, indent=2))

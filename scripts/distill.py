@@ -65,8 +65,9 @@ _SHAREGPT_FROM = {"system": "system", "user": "human", "assistant": "gpt"}
 
 # One answer per prompt row: (new token ids without the end-of-turn token, finished).
 Generate = Callable[[list[list[int]]], list[tuple[list[int], bool]]]
-# New tokens per generate call of the batched transformers backend: rows whose answer ended leave
-# the batch between calls (on 2 CPU cores, 16 gave +6-13% tokens/s over one call; 8 less).
+# New tokens per generate call of the batched transformers backend on a CPU: rows whose answer
+# ended leave the batch between calls (2 cores, one process: +7-10% tokens/s over one call per
+# batch; chunks of 8 gained less). docs/distill.md has the figures.
 CHUNK_TOKENS = 16
 
 
@@ -190,14 +191,16 @@ def transformers_generator(
     recipe: Recipe,
     eos_ids: list[int],
     static_cache: bool = True,
-    chunk_tokens: int | None = CHUNK_TOKENS,
+    chunk_tokens: int = CHUNK_TOKENS,
 ) -> Generate:
     """Batched HF generate: left padding, KV cache, sampling when temperature > 0.
 
-    With the static cache, generation runs `chunk_tokens` new tokens at a time and the rows whose
-    answer has ended leave the batch, and the cache, between chunks: otherwise every row runs
-    until the batch's longest answer ends. `chunk_tokens=None` generates in one call.
-    static_cache=False gives HF's default (dynamic) cache in one call, as plain `generate` uses."""
+    With the static cache on a CPU, generation runs `chunk_tokens` new tokens at a time and the
+    rows whose answer has ended leave the batch, and the cache, between chunks: otherwise every
+    row runs until the batch's longest answer ends. `chunk_tokens=0` generates in one call, as
+    does a GPU (where transformers compiles the static-cache step, and a batch that shrinks
+    would recompile it). static_cache=False gives HF's default (dynamic) cache in one call, as
+    plain `generate` uses."""
     data = recipe.data
     sample = data.temperature > 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
@@ -212,9 +215,13 @@ def transformers_generator(
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
         use_cache=True,
+        # The cache is passed in; a per-answer minimum would apply to every chunk.
+        cache_implementation=None,
+        min_new_tokens=0,
     )
-    chunk = chunk_tokens if static_cache and chunk_tokens else data.max_new_tokens
-    eos = torch.tensor(eos_ids, device=device)
+    chunked = static_cache and chunk_tokens > 0 and device.type == "cpu"
+    chunk = chunk_tokens if chunked else data.max_new_tokens
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
 
     @torch.no_grad()
     def generate(prompts: list[list[int]]) -> list[tuple[list[int], bool]]:
@@ -247,7 +254,7 @@ def transformers_generator(
             for i in ended.nonzero()[:, 0].tolist():
                 answers[rows[i]] = split_answer(out[i, T:].tolist(), eos_ids)
             keep = (~ended).nonzero()[:, 0]  # (b',) rows still answering
-            if keep.numel() < len(rows) and keep.numel():
+            if cache is not None and 0 < keep.numel() < len(rows):
                 cache.reorder_cache(keep)
             rows = [rows[i] for i in keep.tolist()]
             input_ids = out[keep]

@@ -84,6 +84,10 @@ class EagleDrafter(Drafter):
             (tokens, aux if self.draft.config.version == 3 else hidden, next_token)
         )
 
+    def catch_up(self, sequence: torch.Tensor) -> None:
+        if self._pending:
+            self._feed_pending()
+
     @torch.no_grad()
     def _feed_pending(self) -> None:
         """Pair at position t: (embed(x_{t+1}), feature_t). The accepted tokens' successors are

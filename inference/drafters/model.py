@@ -45,18 +45,31 @@ class ModelDrafter(Drafter):
         self._fed.extend(tokens)
         return logits.float()
 
-    @torch.no_grad()
-    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
-        seq = sequence.tolist()
+    def _sync(self, seq: list[int]) -> int:
+        """Crop the cache to its common prefix with `seq`, short of the root (whose logits
+        `propose` needs from a forward); returns the prefix length."""
         common = 0
         for a, b in zip(self._fed, seq):
             if a != b:
                 break
             common += 1
-        common = min(common, len(seq) - 1)  # always feed at least the root to get its logits
+        common = min(common, len(seq) - 1)
         if common < len(self._fed):
             self.cache.crop(common - len(self._fed))
             del self._fed[common:]
+        return common
+
+    @torch.no_grad()
+    def catch_up(self, sequence: torch.Tensor) -> None:
+        seq = sequence.tolist()
+        common = self._sync(seq)
+        if common < len(seq) - 1:
+            self._feed(seq[common:-1], sequence.device)
+
+    @torch.no_grad()
+    def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
+        seq = sequence.tolist()
+        common = self._sync(seq)
         logits = self._feed(seq[common:], sequence.device)
         chain, rows = [], []
         for i in range(self.num_tokens):

@@ -76,6 +76,11 @@ class UnionDrafter(Drafter):
         for drafter in self.drafters:
             drafter.observe(tokens, hidden, aux, next_token)
 
+    def catch_up(self, sequence: torch.Tensor) -> None:
+        for drafter, on in zip(self.drafters, self.enabled):
+            if on:
+                drafter.catch_up(sequence)
+
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         drafts = [d.propose(sequence, sampling) for d, on in zip(self.drafters, self.enabled) if on]
         if len(drafts) == 1:

@@ -129,7 +129,7 @@ def test_rows_that_end_leave_the_batch_between_chunks(tmp_path, tiny_base):
     model, tok = load_base(str(tiny_base))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(6)]
-    free = distill.transformers_generator(model, tok, recipe, [], chunk_tokens=None)(prompts)
+    free = distill.transformers_generator(model, tok, recipe, [], chunk_tokens=0)(prompts)
     # A random model rarely ends by itself: end-of-turn ids taken from its answers, so that one
     # row ends at its first token change and another before its first token.
     r, j = next(
@@ -140,10 +140,22 @@ def test_rows_that_end_leave_the_batch_between_chunks(tmp_path, tiny_base):
     )
     other = next(q for q, (ids, _) in enumerate(free) if q != r and ids[0] not in free[r][0])
     eos = [free[r][0][j], free[other][0][0]]
-    one_call = distill.transformers_generator(model, tok, recipe, eos, chunk_tokens=None)
+    one_call = distill.transformers_generator(model, tok, recipe, eos, chunk_tokens=0)
     chunked = distill.transformers_generator(model, tok, recipe, eos, chunk_tokens=2)
     alone = distill.transformers_generator(model, tok, recipe, eos, static_cache=False)
+    calls = []  # (batch rows, max_new_tokens) of every generate call
+    generate = model.generate
+
+    def recording(**kwargs):
+        calls.append((kwargs["input_ids"].shape[0], kwargs["max_new_tokens"]))
+        return generate(**kwargs)
+
+    model.generate = recording
     answers = chunked(prompts)
+    model.generate = generate
+    assert [n for _, n in calls] == [2, 2, 2, 2, 1]  # 9 new tokens, 2 per call
+    rows = [b for b, _ in calls]
+    assert rows[0] == 6 and rows[1] < 6 and rows == sorted(rows, reverse=True)
     assert (len(answers[r][0]), len(answers[other][0])) == (j, 0)
     assert answers[r][1] and answers[other][1]
     assert any(not finished for _, finished in answers)  # a row ran to max_new_tokens
