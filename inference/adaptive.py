@@ -8,9 +8,11 @@ the drafter is on this text, so the generator measures them as it goes (EAGLE-2'
 decoding; its rate is its tokens gained per step over its seconds per step, each the mean of its
 first steps and then an exponential moving average. After trying every arm, the best arm is
 used, and each other arm is re-tried when its exploration interval has passed, since acceptance
-changes with the text. An arm re-tried without becoming the best waits twice as long before its
-next try (up to `max_explore_every` steps), so a drafter that does not pay here costs almost
-nothing; an arm whose own step makes it the best gets the base interval back. Every arm is lossless, so choosing among them never changes the output distribution
+changes with the text. An arm re-tried and found clearly slower than the best (under
+`backoff_below` of its rate) waits twice as long before its next try (up to `max_explore_every`
+steps), so a drafter that does not pay here costs almost nothing; an arm found close to the best
+(a lookup that found nothing this time costs what a plain step does, and pays in bursts) keeps
+the base interval. Every arm is lossless, so choosing among them never changes the output distribution
 (greedy output stays identical to the base's).
 """
 
@@ -45,6 +47,8 @@ class AdaptivePolicy:
         explore_every: after warmup, an arm that is not the best is re-tried this many steps
             after its last try; each re-try that leaves it behind doubles its wait.
         max_explore_every: the longest wait between re-tries of an arm.
+        backoff_below: a re-tried arm whose rate is under this fraction of the best arm's
+            waits twice as long for its next try; otherwise it waits `explore_every`.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged).
     """
@@ -53,6 +57,7 @@ class AdaptivePolicy:
     warmup: int = 1
     explore_every: int = 32
     max_explore_every: int = 512
+    backoff_below: float = 0.9
     smoothing: float = 0.2
     step: int = field(default=0, init=False)
 
@@ -92,7 +97,7 @@ class AdaptivePolicy:
         arm.seconds += a * (seconds - arm.seconds)
         arm.last_step = self.step
         self.step += 1
-        if self.best() == index:
+        if arm.rate >= self.backoff_below * self.arms[self.best()].rate:
             arm.interval = self.explore_every
         elif exploring:
             arm.interval = min(2 * arm.interval, self.max_explore_every)

@@ -75,6 +75,18 @@ def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
     assert chosen.count(1) >= 95 and chosen.count(0) >= 2  # exploits it; re-tries plain per 32
 
 
+def test_an_arm_close_to_the_best_keeps_the_base_interval():
+    """A lookup that found nothing costs what a plain step does: no back-off for it."""
+    policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
+    chosen = []
+    for _ in range(1000):
+        arm = policy.choose()
+        chosen.append(arm)
+        policy.update(arm, 1, 1.0 if arm == 0 else 1.05)  # rate 0.95 of the best
+    tries = [i for i, arm in enumerate(chosen) if arm == 1]
+    assert {b - a for a, b in zip(tries, tries[1:])} == {32}
+
+
 def test_an_arm_averages_its_first_steps_then_smooths():
     policy = AdaptivePolicy.from_options([None], smoothing=0.25)
     for tokens in (1, 3, 2, 2):  # the first 1/smoothing = 4 steps: their mean
