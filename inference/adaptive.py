@@ -12,8 +12,8 @@ changes with the text. An arm re-tried and found clearly slower than the best (u
 `backoff_below` of its rate) waits twice as long before its next try (up to `max_explore_every`
 steps), so a drafter that does not pay here costs almost nothing; an arm found close to the best
 (a lookup that found nothing this time costs what a plain step does, and pays in bursts) keeps
-the base interval. Every arm is lossless, so choosing among them never changes the output distribution
-(greedy output stays identical to the base's).
+the base interval. Every arm is lossless, so choosing among them never changes the output
+distribution (greedy output stays identical to the base's).
 """
 
 from __future__ import annotations

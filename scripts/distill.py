@@ -248,9 +248,7 @@ def transformers_generator(
             )  # (b, length + <= n): stops early when every row has ended
             new = out[:, input_ids.shape[1] :]
             produced += new.shape[1]
-            ended = torch.isin(new, eos).any(dim=1)
-            if produced >= data.max_new_tokens:
-                ended[:] = True
+            ended = torch.isin(new, eos).any(dim=1) | (produced >= data.max_new_tokens)
             for i in ended.nonzero()[:, 0].tolist():
                 answers[rows[i]] = split_answer(out[i, T:].tolist(), eos_ids)
             keep = (~ended).nonzero()[:, 0]  # (b',) rows still answering
