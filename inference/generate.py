@@ -110,7 +110,7 @@ class SpeculativeGenerator:
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
             list gives the arms; the default is on unless `drafter_options` fix the settings.
             The measurements carry over from one generate call to the next (`.policy`; set it
-            to None to start afresh). Every arm is lossless; with sampling, the same seed
+            to None to start afresh; assigning other `.arms` starts afresh too). Every arm is lossless; with sampling, the same seed
             reproduces the same text only with fixed settings (arm choices follow timings).
         **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
             (EAGLE), `num_tokens=4` (draft model, n-gram).
@@ -300,7 +300,9 @@ class SpeculativeGenerator:
         first, done = finish([root])
         generated.extend(first)
         yield first
-        if self.arms and self.policy is None:
+        if self.arms and (
+            self.policy is None or [a.options for a in self.policy.arms] != list(self.arms)
+        ):  # first call, or the caller changed `.arms`: measure afresh
             self.policy = AdaptivePolicy.from_options(self.arms)
         policy = self.policy if self.arms else None
         current_arm = -1

@@ -134,6 +134,10 @@ def test_adaptive_generation_is_still_exact(kind):
     gen.policy = None  # starts afresh
     out = gen.generate(prompt, max_new_tokens=8)
     assert sum(a["steps"] for a in gen.policy.summary()) == out.num_steps
+    gen.arms = gen.arms[:2]  # other arms: a policy for them, measured afresh
+    out = gen.generate(prompt, max_new_tokens=8)
+    assert len(gen.policy.arms) == 2
+    assert sum(a["steps"] for a in gen.policy.summary()) == out.num_steps
 
 
 def test_fixed_options_turn_adaptation_off():
