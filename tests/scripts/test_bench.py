@@ -15,6 +15,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 
+from train.prompts import conversation_id  # noqa: E402
+
 MT_BENCH = [
     {"question_id": 81, "category": "writing", "turns": ["Write a haiku.", "Now a limerick."]},
     {"question_id": 82, "category": "coding", "turns": ["Reverse a list in Python.", "In C?"]},
@@ -238,3 +240,24 @@ def test_per_category_takes_the_first_k_of_each(tmp_path):
     picked = bench.per_category(prompts, 2)
     assert [p.id for p in picked] == [0, 1, 2, 3]
     assert [p.category for p in picked] == ["a", "b", "a", "b"]
+
+
+def test_exclude_keeps_the_prompts_distill_did_not_answer(tmp_path):
+    records = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"Q{i}?"]} for i in range(5)]
+    path = str(_jsonl(tmp_path / "q.jsonl", records))
+    shard = tmp_path / "distill" / "shard-r000-00000.jsonl"
+    shard.parent.mkdir()
+    # Records as scripts/distill.py writes them: id = conversation_id(asked turns)-sample.
+    answered = [
+        {"id": f"{conversation_id([{'role': 'user', 'content': f'Q{i}?'}])}-0"} for i in (1, 2)
+    ]
+    shard.write_text("".join(json.dumps(r) + "\n" for r in answered))
+    held_out = bench.read_prompts(path, exclude=bench.distilled_prompt_ids(str(shard.parent)))
+    assert [p.id for p in held_out] == [0, 3, 4]
+    with pytest.raises(bench.BenchError, match="no held-out prompt left"):
+        bench.read_prompts(
+            str(_jsonl(tmp_path / "two.jsonl", records[1:3])),
+            exclude=bench.distilled_prompt_ids(str(shard.parent)),
+        )
+    with pytest.raises(bench.BenchError, match="no distilled records"):
+        bench.distilled_prompt_ids(str(tmp_path))

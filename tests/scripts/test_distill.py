@@ -370,3 +370,29 @@ def test_bench_distill_splits_the_batched_run_over_processes(tiny_base, tmp_path
     # Greedy: as many answer tokens, however split over processes and calls.
     assert len({r["tokens"] for r in runs}) == 1 and runs[0]["tokens"] > 0
     assert all(r["tokens_per_s"] > 0 and "start" not in r for r in runs)
+
+
+def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(tmp_path, tiny_base, capsys):
+    import bench
+
+    lines = prompts_file(tmp_path).read_text().splitlines()
+    clean = tmp_path / "clean.jsonl"  # the well-formed prompts: multi-turn and system included
+    clean.write_text(
+        "\n".join(line for line in lines if "{this" not in line and "word " not in line)
+    )
+    every = bench.read_prompts(str(clean))
+    assert len(every) == 8
+    all_out, some_out = tmp_path / "all", tmp_path / "some"
+    assert distill.main([str(recipe_file(tmp_path, tiny_base, clean, all_out))]) == 0
+    with pytest.raises(bench.BenchError, match="no held-out prompt left"):
+        bench.read_prompts(str(clean), exclude=bench.distilled_prompt_ids(str(all_out)))
+    assert (
+        distill.main([str(recipe_file(tmp_path, tiny_base, clean, some_out)), "data.limit=3"]) == 0
+    )
+    asked = {
+        next(t["value"] for t in r["conversations"] if t["from"] == "human")
+        for r in read_records(some_out)
+    }
+    held_out = bench.read_prompts(str(clean), exclude=bench.distilled_prompt_ids(str(some_out)))
+    assert len(asked) == 3 and len(held_out) == 5
+    assert {p.users[0] for p in held_out} == {p.users[0] for p in every} - asked
