@@ -18,6 +18,7 @@ distribution (greedy output stays identical to the base's).
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass, field
 
 
@@ -67,7 +68,8 @@ class AdaptivePolicy:
 
     @classmethod
     def from_options(cls, options: list[dict | None], **kwargs) -> AdaptivePolicy:
-        return cls([Arm(o) for o in options], **kwargs)
+        # Copies: a caller's dict changed in place later is a new arm, not this one.
+        return cls([Arm(copy.deepcopy(o)) for o in options], **kwargs)
 
     def best(self) -> int:
         """Index of the arm with the highest measured rate."""

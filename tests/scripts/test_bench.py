@@ -245,19 +245,21 @@ def test_per_category_takes_the_first_k_of_each(tmp_path):
 def test_exclude_keeps_the_prompts_distill_did_not_answer(tmp_path):
     records = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"Q{i}?"]} for i in range(5)]
     path = str(_jsonl(tmp_path / "q.jsonl", records))
-    shard = tmp_path / "distill" / "shard-r000-00000.jsonl"
-    shard.parent.mkdir()
+    out = tmp_path / "distill"
+    out.mkdir()
+    (out / "manifest.json").write_text(json.dumps({"settings": {"system_prompt": None}}))
     # Records as scripts/distill.py writes them: id = conversation_id(asked turns)-sample.
     answered = [
         {"id": f"{conversation_id([{'role': 'user', 'content': f'Q{i}?'}])}-0"} for i in (1, 2)
     ]
-    shard.write_text("".join(json.dumps(r) + "\n" for r in answered))
-    held_out = bench.read_prompts(path, exclude=bench.distilled_prompt_ids(str(shard.parent)))
-    assert [p.id for p in held_out] == [0, 3, 4]
-    with pytest.raises(bench.BenchError, match="no held-out prompt left"):
-        bench.read_prompts(
-            str(_jsonl(tmp_path / "two.jsonl", records[1:3])),
-            exclude=bench.distilled_prompt_ids(str(shard.parent)),
-        )
-    with pytest.raises(bench.BenchError, match="no distilled records"):
-        bench.distilled_prompt_ids(str(tmp_path))
+    (out / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in answered))
+    distilled = bench.read_distilled(str(out))
+    assert [p.id for p in bench.read_prompts(path, exclude=distilled)] == [0, 3, 4]
+    with pytest.raises(bench.BenchError, match="every prompt"):
+        bench.read_prompts(str(_jsonl(tmp_path / "two.jsonl", records[1:3])), exclude=distilled)
+    with pytest.raises(bench.BenchError, match="was that run distilled from this source"):
+        bench.read_prompts(str(_jsonl(tmp_path / "other.jsonl", records[3:])), exclude=distilled)
+    with pytest.raises(bench.BenchError, match="not a distill output"):
+        bench.read_distilled(str(tmp_path))
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--prompts", "humaneval", "--exclude", str(out)])

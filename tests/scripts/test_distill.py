@@ -18,7 +18,8 @@ from train.config import load_recipe
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "distill.py"
 sys.path.insert(0, str(SCRIPT.parent))
-import distill  # noqa: E402  (scripts/ is not a package)
+import bench  # noqa: E402  (scripts/ is not a package)
+import distill  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -372,9 +373,10 @@ def test_bench_distill_splits_the_batched_run_over_processes(tiny_base, tmp_path
     assert all(r["tokens_per_s"] > 0 and "start" not in r for r in runs)
 
 
-def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(tmp_path, tiny_base, capsys):
-    import bench
-
+@pytest.mark.parametrize("system_prompt", [None, "Be brief."])
+def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(
+    tmp_path, tiny_base, system_prompt
+):
     lines = prompts_file(tmp_path).read_text().splitlines()
     clean = tmp_path / "clean.jsonl"  # the well-formed prompts: multi-turn and system included
     clean.write_text(
@@ -383,16 +385,16 @@ def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(tmp_path, tiny_
     every = bench.read_prompts(str(clean))
     assert len(every) == 8
     all_out, some_out = tmp_path / "all", tmp_path / "some"
-    assert distill.main([str(recipe_file(tmp_path, tiny_base, clean, all_out))]) == 0
-    with pytest.raises(bench.BenchError, match="no held-out prompt left"):
-        bench.read_prompts(str(clean), exclude=bench.distilled_prompt_ids(str(all_out)))
-    assert (
-        distill.main([str(recipe_file(tmp_path, tiny_base, clean, some_out)), "data.limit=3"]) == 0
-    )
+    recipe = recipe_file(tmp_path, tiny_base, clean, all_out, system_prompt=system_prompt)
+    assert distill.main([str(recipe)]) == 0
+    with pytest.raises(bench.BenchError, match="every prompt"):
+        bench.read_prompts(str(clean), exclude=bench.read_distilled(str(all_out)))
+    recipe = recipe_file(tmp_path, tiny_base, clean, some_out, system_prompt=system_prompt)
+    assert distill.main([str(recipe), "data.limit=3"]) == 0
     asked = {
         next(t["value"] for t in r["conversations"] if t["from"] == "human")
         for r in read_records(some_out)
     }
-    held_out = bench.read_prompts(str(clean), exclude=bench.distilled_prompt_ids(str(some_out)))
+    held_out = bench.read_prompts(str(clean), exclude=bench.read_distilled(str(some_out)))
     assert len(asked) == 3 and len(held_out) == 5
     assert {p.users[0] for p in held_out} == {p.users[0] for p in every} - asked
