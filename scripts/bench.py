@@ -41,9 +41,9 @@ import bench_methods  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
-from train.data import ChatTemplateError, render_conversation, with_system_prompt  # noqa: E402
-from train.distilled import DistillError, read_done_ids  # noqa: E402
-from train.prompts import Message, PromptSourceError, conversation_id, read_source  # noqa: E402
+from train.data import ChatTemplateError, render_conversation  # noqa: E402
+from train.distilled import DistillError, prompt_id, read_done_ids  # noqa: E402
+from train.prompts import Message, PromptSourceError, read_source  # noqa: E402
 
 FORMAT = "headstart-bench-1"
 HUMANEVAL_INSTRUCTION = (
@@ -66,16 +66,15 @@ class BenchPrompt:
 
 @dataclass(frozen=True)
 class Distilled:
-    """The prompts a distill run answered: the ids it gave them and the system prompt it added
-    (record id = conversation_id of the system and user turns it asked, then -SAMPLE)."""
+    """The prompts a distill run answered: their ids (`train.distilled.prompt_id`) and the
+    system prompt its recipe added."""
 
     path: str
     ids: frozenset[str]
     system_prompt: str | None
 
     def answered(self, messages: list[Message]) -> bool:
-        asked = [m for m in messages if m["role"] != "assistant"]
-        return conversation_id(with_system_prompt(asked, self.system_prompt)) in self.ids
+        return prompt_id(messages, self.system_prompt) in self.ids
 
 
 def read_distilled(path: str) -> Distilled:

@@ -44,13 +44,13 @@ from train.data import (
     ChatTemplateError,
     render_conversation,
     resolve_chat_template,
-    with_system_prompt,
 )
 from train.distilled import (
     FORMAT,
     MANIFEST,
     DistillError,
     ShardWriter,
+    asked_turns,
     check_manifest,
     read_done_ids,
     write_atomic,
@@ -140,13 +140,11 @@ def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem
     seen: set[str] = set()
     too_long = 0
     for prompt in prompts:
-        # The base regenerates every answer: keep system and user turns only.
-        asked = [m for m in prompt.messages if m["role"] != "assistant"]
-        asked = with_system_prompt(asked, data.system_prompt)
-        prompt_id = conversation_id(asked)
-        if prompt_id in seen:
+        asked = asked_turns(prompt.messages, data.system_prompt)
+        pid = conversation_id(asked)  # = prompt_id(prompt.messages, data.system_prompt)
+        if pid in seen:
             continue
-        seen.add(prompt_id)
+        seen.add(pid)
         system = [m for m in asked if m["role"] == "system"]
         users = [m["content"] for m in asked if m["role"] == "user"]
         first = render_conversation(
@@ -160,7 +158,7 @@ def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem
             too_long += 1
             continue
         for k in range(data.num_samples):
-            items.append(WorkItem(f"{prompt_id}-{k}", prompt.source, system, users, ids))
+            items.append(WorkItem(f"{pid}-{k}", prompt.source, system, users, ids))
     counts = {
         "prompts": len(prompts),
         "malformed_skipped": len(malformed),

@@ -8,12 +8,26 @@ import os
 from pathlib import Path
 from typing import Any
 
+from train.data import with_system_prompt
+from train.prompts import Message, conversation_id
+
 MANIFEST = "manifest.json"
 FORMAT = "headstart-distill-1"
 
 
 class DistillError(RuntimeError):
     """A run that cannot start or continue (changed recipe, unreadable shard, ...)."""
+
+
+def asked_turns(messages: list[Message], system_prompt: str | None) -> list[Message]:
+    """The turns distill asks the base: system and user ones, with the recipe's system prompt
+    (the base writes every answer anew)."""
+    return with_system_prompt([m for m in messages if m["role"] != "assistant"], system_prompt)
+
+
+def prompt_id(messages: list[Message], system_prompt: str | None) -> str:
+    """The id distill gives a prompt; its records are PROMPT_ID-SAMPLE."""
+    return conversation_id(asked_turns(messages, system_prompt))
 
 
 def read_done_ids(out_dir: Path) -> set[str]:
