@@ -42,7 +42,7 @@ import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
-from train.distilled import DistillError, prompt_id, read_done_ids  # noqa: E402
+from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
 from train.prompts import Message, PromptSourceError, read_source  # noqa: E402
 
 FORMAT = "headstart-bench-1"
@@ -79,20 +79,14 @@ class Distilled:
 
 def read_distilled(path: str) -> Distilled:
     """A distill output folder (`--exclude`), checked to be one."""
-    folder = Path(path)
     hint = "pass a distill run's data.output_dir, e.g. --exclude runs/smollm2-distill"
-    if not (folder / "manifest.json").is_file():
-        raise BenchError(f"--exclude: {path} is not a distill output (no manifest.json): {hint}")
     try:
-        settings = json.loads((folder / "manifest.json").read_text(encoding="utf-8"))["settings"]
-        ids = read_done_ids(folder)
-    except (ValueError, KeyError, TypeError, DistillError) as e:
-        raise BenchError(f"--exclude: {path}: unreadable distill output ({e})") from e
+        ids, system_prompt = answered_prompts(Path(path))
+    except DistillError as e:
+        raise BenchError(f"--exclude: {e}: {hint}") from e
     if not ids:
         raise BenchError(f"--exclude: no distilled records (shard-*.jsonl) in {path}: {hint}")
-    return Distilled(
-        path, frozenset(i.rpartition("-")[0] for i in ids), settings.get("system_prompt")
-    )
+    return Distilled(path, frozenset(ids), system_prompt)
 
 
 def read_prompts(

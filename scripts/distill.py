@@ -53,6 +53,7 @@ from train.distilled import (
     asked_turns,
     check_manifest,
     read_done_ids,
+    record_id,
     write_atomic,
 )
 from train.prompts import Message, PromptSourceError, conversation_id, load_prompts
@@ -141,7 +142,7 @@ def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem
     too_long = 0
     for prompt in prompts:
         asked = asked_turns(prompt.messages, data.system_prompt)
-        pid = conversation_id(asked)  # = prompt_id(prompt.messages, data.system_prompt)
+        pid = conversation_id(asked)  # prompt_id(prompt.messages, data.system_prompt)
         if pid in seen:
             continue
         seen.add(pid)
@@ -158,7 +159,7 @@ def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem
             too_long += 1
             continue
         for k in range(data.num_samples):
-            items.append(WorkItem(f"{pid}-{k}", prompt.source, system, users, ids))
+            items.append(WorkItem(record_id(pid, k), prompt.source, system, users, ids))
     counts = {
         "prompts": len(prompts),
         "malformed_skipped": len(malformed),

@@ -26,8 +26,27 @@ def asked_turns(messages: list[Message], system_prompt: str | None) -> list[Mess
 
 
 def prompt_id(messages: list[Message], system_prompt: str | None) -> str:
-    """The id distill gives a prompt; its records are PROMPT_ID-SAMPLE."""
+    """The id distill gives a prompt (see `record_id`)."""
     return conversation_id(asked_turns(messages, system_prompt))
+
+
+def record_id(prompt: str, sample: int) -> str:
+    """The id of a prompt's `sample`-th record: PROMPT_ID-SAMPLE."""
+    return f"{prompt}-{sample}"
+
+
+def answered_prompts(out_dir: Path) -> tuple[set[str], str | None]:
+    """The prompt ids a distill output holds records of, and the system prompt its recipe added
+    (what `prompt_id` needs to recognise them in a prompt source)."""
+    path = out_dir / MANIFEST
+    if not path.is_file():
+        raise DistillError(f"{out_dir} is not a distill output (no {MANIFEST})")
+    try:
+        settings = json.loads(path.read_text(encoding="utf-8"))["settings"]
+    except (ValueError, KeyError, TypeError) as e:
+        raise DistillError(f"{path}: unreadable manifest ({e})") from e
+    ids = {i.rpartition("-")[0] for i in read_done_ids(out_dir)}
+    return ids, settings.get("system_prompt")
 
 
 def read_done_ids(out_dir: Path) -> set[str]:
