@@ -128,6 +128,10 @@ class EagleTrainee(Trainee):
         B, T, _ = aux.shape
         draft = self.heads
         draft_ids = torch.nonzero(draft.t2d).flatten()  # base ids of the draft vocabulary
+        # Once per batch, not per step: the base's distribution restricted to the draft
+        # vocabulary and renormalised is the softmax of its logits there.
+        targets = base_logits[:, draft_ids].float().softmax(-1)  # (p, V_draft)
+        base_top = base_logits.argmax(-1)  # (p,) the base's greedy token, full vocabulary
         hidden = draft.fuse(aux)
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)
@@ -144,12 +148,10 @@ class EagleTrainee(Trainee):
                 shift_left(embeds, j), hidden, pos + j, attention_mask=mask, cache=cache
             )  # (B,T,H)
             logits = draft.compute_logits(out[valid]).float()  # (n_j, V_draft)
-            p = base_logits[shift_left(row_of, j + 1, -1)[valid]].float().softmax(-1)
-            target = p[:, draft_ids]
-            target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
-            loss = loss + self.decay**j * -(target * logits.log_softmax(-1)).sum(-1).mean()
+            rows = shift_left(row_of, j + 1, -1)[valid]
+            loss = loss + self.decay**j * -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
-            ok[valid] = draft.to_base_ids(logits.argmax(-1)) == p.argmax(-1)
+            ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok[next_is_target])
             metrics[f"step{j}/top1"] = float(ok[valid].float().mean())
             hidden = out

@@ -79,6 +79,14 @@ class MedusaTrainee(Trainee):
         with torch.no_grad():  # the original base's distribution: the heads' soft labels
             base_logits = lm_head(original[next_is_target].to(lm_head.weight.dtype))  # (n, V)
         base_top = base_logits.argmax(-1)
+        targets = None
+        if self.soft:  # once per batch: the base's distribution over the draft vocabulary
+            kept = (
+                base_logits
+                if self.heads.token_map is None
+                else base_logits[:, self.heads.token_map]
+            )
+            targets = kept.float().softmax(-1)  # (n, V_draft): restricted and renormalised
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
         chain = []
@@ -95,12 +103,8 @@ class MedusaTrainee(Trainee):
             head_lm = self.heads.head_lm(k)
             logits = head_lm(x.to(head_lm.weight.dtype)).float()  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
-            if self.soft:
-                target = base_logits[rows].float().softmax(-1)  # (n_k, V)
-                if self.heads.token_map is not None:  # the draft vocabulary's share, renormalised
-                    target = target[:, self.heads.token_map]
-                    target = target / target.sum(-1, keepdim=True).clamp(min=1e-12)
-                loss_k = -(target * logits.log_softmax(-1)).sum(-1).mean()
+            if targets is not None:
+                loss_k = -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]
                 loss_k = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")[

@@ -140,6 +140,81 @@ def test_medusa_recipe_loss_equals_medusa_loss(tiny_llama, soft):
         assert metrics[f"head{k}/top5"] == pytest.approx(float(top5.float().mean()))
 
 
+def _restricted(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The base's distribution over a draft vocabulary `ids`, renormalised (the soft label)."""
+    kept = probs[..., ids]
+    return kept / kept.sum(-1, keepdim=True)
+
+
+def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
+    """With a draft vocabulary the soft label is the base's distribution restricted to it and
+    renormalised; the recipe's loss must equal that dense reference."""
+    from heads import MedusaConfig, MedusaHeads
+    from train.config import load_recipe
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(1)
+    token_map = torch.randperm(256)[:40].sort().values
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=40)
+    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+    trainee = MedusaTrainee(tiny_llama, heads, load_recipe(None, ["heads.num_heads=2"]))
+    ids = torch.randint(3, 256, (2, 9))
+    attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    with torch.no_grad():
+        loss, _ = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
+        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        probs = _restricted(tiny_llama.lm_head(hidden).softmax(-1), token_map)  # (B,T,40)
+        logits = heads(hidden)  # (K,B,T,40)
+    expected = sum(
+        0.8**k * soft_cross_entropy(logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2))
+        for k in range(2)
+    )
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
+    """TTT step 0 of the EAGLE-3 recipe: soft CE of the draft's logits at t against the base's
+    distribution at t+1 over the draft vocabulary, renormalised, on positions whose target
+    x_{t+2} is an assistant token; and its top-1 compares with the base's greedy token."""
+    from heads import EagleConfig, EagleDraft
+    from train.config import load_recipe
+    from train.eagle import EagleTrainee
+    from train.features import base_features
+
+    torch.manual_seed(2)
+    aux_ids = [0, 1, 1]
+    config = EagleConfig.from_base(
+        tiny_llama.config, version=3, draft_vocab_size=48, aux_layer_ids=aux_ids
+    )
+    draft = EagleDraft(config)
+    vocab = torch.randperm(256)[:48].sort().values
+    draft.set_vocab_map(vocab)
+    recipe = load_recipe(None, ["heads.type=eagle", "heads.ttt_steps=1"])
+    trainee = EagleTrainee(tiny_llama, draft, recipe)
+    ids = torch.randint(3, 256, (2, 8))
+    attention = torch.ones(2, 8, dtype=torch.long)
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 1, 1]])
+    with torch.no_grad():
+        loss, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
+        feats = base_features(tiny_llama, ids, attention, tuple(aux_ids))
+        base_logits = tiny_llama.lm_head(feats["hidden"])  # (B,T,V): predicts x_{t+1}
+        embeds = tiny_llama.get_input_embeddings()(shift_left(ids, 1))
+        pos = torch.arange(8).expand(2, 8)
+        out = draft(embeds, draft.fuse(feats["aux"]), pos)  # plain causal: step 0
+        logits = draft.compute_logits(out)  # (B,T,48)
+    target = _restricted(shift_left(base_logits, 1).softmax(-1), vocab)  # p_{t+1}
+    valid = shift_left(mask, 2).bool()
+    expected = -(target[valid] * logits[valid].log_softmax(-1)).sum(-1).mean()
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    right = draft.to_base_ids(logits[valid].argmax(-1)) == shift_left(base_logits, 1)[valid].argmax(
+        -1
+    )
+    assert metrics["step0/top1"] == pytest.approx(float(right.float().mean()))
+
+
 def test_ttt_mask_step_2_with_padding():
     # B=2, T=3; the second example's last position is padding.
     key_pad = torch.tensor([[False, False, False], [False, False, True]])
