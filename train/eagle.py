@@ -26,7 +26,7 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft
 from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import Recipe
-from train.features import base_features, collate, draft_vocabulary
+from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left
 from train.run import (
     MetricsLog,
@@ -79,17 +79,24 @@ class EagleTrainee(Trainee):
             next_is_target = shift_left(batch["loss_mask"].bool(), 1, False)
             row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
             row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
-            lm_head = self.base.get_output_embeddings()
-            base_logits = lm_head(
-                feats["hidden"][next_is_target].to(lm_head.weight.dtype)
-            )  # p rows
+        # The base's logits at the target rows, once per batch: EAGLE-1 reads the whole
+        # vocabulary (it shares the base's lm_head), EAGLE-3 its draft vocabulary.
+        v3 = self.heads.config.version == 3
+        base_logits, base_top, _ = base_targets(
+            self.base,
+            feats["hidden"][next_is_target],
+            torch.nonzero(self.heads.t2d).flatten() if v3 else None,
+            batch["top"][next_is_target] if "top" in batch else None,
+        )  # (p, V or V_draft) fp32, (p,)
         # The draft trains in fp32 whatever the base's dtype.
         dtype = self.heads.fc.weight.dtype
         feats = {k: v.to(dtype) for k, v in feats.items()}
         embeds = embeds.to(dtype)
-        if self.heads.config.version == 1:
+        if not v3:
             return self._eagle1(feats["hidden"], embeds, next_is_target, row_of, base_logits, step)
-        return self._eagle3(feats["aux"], embeds, attn, next_is_target, row_of, base_logits)
+        return self._eagle3(
+            feats["aux"], embeds, attn, next_is_target, row_of, base_logits, base_top
+        )
 
     def _eagle1(self, hidden, embeds, next_is_target, row_of, base_logits, step):
         B, T, H = hidden.shape
@@ -124,14 +131,14 @@ class EagleTrainee(Trainee):
             "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
         }
 
-    def _eagle3(self, aux, embeds, attn, next_is_target, row_of, base_logits):
+    def _eagle3(self, aux, embeds, attn, next_is_target, row_of, draft_logits, base_top):
+        """draft_logits (p, V_draft): the base's logits on the draft vocabulary at the target
+        rows; base_top (p,) its greedy tokens there."""
         B, T, _ = aux.shape
         draft = self.heads
-        draft_ids = torch.nonzero(draft.t2d).flatten()  # base ids of the draft vocabulary
-        # Once per batch, not per step: the base's distribution restricted to the draft
-        # vocabulary and renormalised is the softmax of its logits there.
-        targets = base_logits[:, draft_ids].float().softmax(-1)  # (p, V_draft)
-        base_top = base_logits.argmax(-1)  # (p,) the base's greedy token, full vocabulary
+        # The base's distribution restricted to the draft vocabulary and renormalised is the
+        # softmax of its logits there.
+        targets = draft_logits.softmax(-1)  # (p, V_draft)
         hidden = draft.fuse(aux)
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)

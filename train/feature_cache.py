@@ -1,14 +1,16 @@
 """The base's features on disk for offline training (`training.feature_cache: DIR`).
 
 One teacher-forced forward of the frozen base per example gives "hidden" (the final-norm output
-the lm_head reads) and, for EAGLE-3, "aux" (the states entering the aux layers). They are stored
-once as bf16 safetensors shards and read back lazily (memory-mapped slices), so a resumed run,
+the lm_head reads), "top" (the base's greedy token at each position) and, for EAGLE-3, "aux" (the
+states entering the aux layers). They are stored once as safetensors shards (features in bf16,
+tokens in int32) and read back lazily (memory-mapped slices), so a resumed run,
 a longer second run, or the other recipe on the same data never runs the base again, and a
 large set needs disk rather than memory. Layout of DIR (a folder every process can read):
 
 - `features.json`: what the features are of (base model and dtype, hidden size, aux layers).
-- `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H) and "aux" (tokens, 3H)
-  of many examples end to end; the metadata entry "index" lists [key, first row, rows] per
+- `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H), "top" (tokens,) and
+  "aux" (tokens, 3H) of many examples end to end (caches made before "top" existed lack it, and
+  training then computes it in each step); the metadata entry "index" lists [key, first row, rows] per
   example, where the key hashes the example's token ids. RUN is new for every fill, so two runs
   filling one folder never write the same file. Shards are fsynced under a temporary name and
   renamed, so a killed run loses only the shard it was filling and a rerun computes the rest.
@@ -47,14 +49,15 @@ def example_key(input_ids: Sequence[int]) -> str:
 
 class FeatureCache(Sequence):
     """The cached features of `examples`, in their order: cache[i] -> {"hidden": (T_i, H), ...}
-    in `dtype`, read from the shards on demand (only `names`, those the recipe uses)."""
+    in `dtype` ("top" (T_i,) as token ids), read from the shards on demand (only `names`, those
+    the recipe uses)."""
 
     def __init__(
         self,
         cache_dir: str | Path,
         examples: Sequence[dict],
         dtype: torch.dtype,
-        names: Sequence[str] = ("hidden", "aux"),
+        names: Sequence[str] = ("hidden", "aux", "top"),
     ):
         self.cache_dir, self.dtype, self.names = Path(cache_dir), dtype, names
         self.keys = [example_key(e["input_ids"]) for e in examples]
@@ -74,9 +77,11 @@ class FeatureCache(Sequence):
         f = self._files.get(shard)
         if f is None:
             f = self._files[shard] = safe_open(self.cache_dir / shard, framework="pt")
-        stored = f.keys()  # "hidden", and "aux" for EAGLE-3
+        stored = f.keys()  # "hidden", "top", and "aux" for EAGLE-3
         return {
-            name: f.get_slice(name)[start : start + rows].to(self.dtype)
+            name: f.get_slice(name)[start : start + rows].to(
+                torch.long if name == "top" else self.dtype
+            )
             for name in self.names
             if name in stored
         }
@@ -120,7 +125,7 @@ def ensure_identity(cache_dir: Path, identity: dict) -> None:
 
 
 def bytes_per_token(hidden_size: int, with_aux: bool) -> int:
-    return 2 * hidden_size * (4 if with_aux else 1)  # bf16: H for "hidden", 3H for "aux"
+    return 2 * hidden_size * (4 if with_aux else 1) + 4  # bf16 H ("hidden"), 3H ("aux"); int32
 
 
 @torch.no_grad()
@@ -234,12 +239,12 @@ class _ShardBuffer:
         self.count = self.bytes = 0
 
     def add(self, key: str, feats: dict[str, torch.Tensor]) -> None:
-        """One example's features, {name: (T, D)}."""
+        """One example's features, {name: (T, D) or (T,)}."""
         n = next(iter(feats.values())).shape[0]
         for name, value in feats.items():
-            value = value.to("cpu", torch.bfloat16)
+            value = value.to("cpu", torch.int32 if name == "top" else torch.bfloat16)
             self.rows.setdefault(name, []).append(value)
-            self.bytes += value.numel() * 2
+            self.bytes += value.numel() * value.element_size()
         self.index.append((key, self.count, n))
         self.count += n
         if self.bytes >= self.limit:

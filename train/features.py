@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -101,9 +102,9 @@ def collate(
     if dataset.features is not None:
         T = batch["input_ids"].shape[1]
         feats = [dataset.features[i] for i in indices]  # read once each (a cache reads disk)
-        for key in feats[0]:
-            rows = [f[key] for f in feats]  # (T_i, D) each
-            padded = rows[0].new_zeros(len(rows), T, rows[0].shape[-1])
+        for key in set(feats[0]).intersection(*feats[1:]):  # a cache filled in two setups
+            rows = [f[key] for f in feats]  # (T_i, D) each, or (T_i,) for "top"
+            padded = rows[0].new_zeros((len(rows), T, *rows[0].shape[1:]))
             for b, r in enumerate(rows):
                 padded[b, : r.shape[0]] = r
             batch[key] = padded
@@ -146,12 +147,18 @@ def frequent_tokens(examples: Sequence[Example], size: int, vocab_size: int) -> 
 
 @torch.no_grad()
 def base_features(
-    base, input_ids: torch.Tensor, attention_mask: torch.Tensor, aux_layer_ids: Sequence[int] = ()
+    base,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    aux_layer_ids: Sequence[int] = (),
+    greedy: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """One forward of the frozen base: {"hidden": last hidden (B,T,H), "aux": (B,T,3H)}.
+    """One forward of the frozen base: {"hidden": last hidden (B,T,H), "aux": (B,T,3H),
+    "top": (B,T)}.
 
     "hidden" is the final-norm output the lm_head reads (EAGLE's feature); "aux" concatenates the
-    hidden states entering `aux_layer_ids` (EAGLE-3), present only when asked for.
+    hidden states entering `aux_layer_ids` (EAGLE-3), present only when asked for; "top", with
+    `greedy`, is the base's greedy next token at each position (`greedy_tokens`).
     """
     inner = base.get_base_model().model if hasattr(base, "get_base_model") else base.model
     out = inner(
@@ -160,7 +167,51 @@ def base_features(
     feats = {"hidden": out.last_hidden_state}
     if aux_layer_ids:
         feats["aux"] = torch.cat([out.hidden_states[i] for i in aux_layer_ids], dim=-1)
+    if greedy:
+        feats["top"] = greedy_tokens(base, out.last_hidden_state)
     return feats
+
+
+@torch.no_grad()
+def greedy_tokens(base, hidden: torch.Tensor, rows: int = 1024) -> torch.Tensor:
+    """The base's greedy token (argmax of its full lm_head) for hidden states (..., H).
+
+    Offline training computes it once with the features: a step then needs the base's logits on
+    the draft vocabulary only, not the full lm_head, which on a CPU cost more than the heads'
+    whole forward (SmolLM2: 49k rows against the heads' 8k)."""
+    lm_head = base.get_output_embeddings()
+    flat = hidden.reshape(-1, hidden.shape[-1]).to(lm_head.weight.dtype)
+    top = [lm_head(flat[i : i + rows]).argmax(-1) for i in range(0, flat.shape[0], rows)]
+    return (
+        torch.cat(top).view(hidden.shape[:-1])
+        if top
+        else flat.new_zeros(hidden.shape[:-1], dtype=torch.long)
+    )
+
+
+@torch.no_grad()
+def base_targets(
+    base,
+    hidden: torch.Tensor,
+    draft_ids: torch.Tensor | None,
+    top: torch.Tensor | None = None,
+    full: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The base's logits on the draft vocabulary (n, V_draft) in fp32, its greedy tokens (n,),
+    and, with `full`, its logits on the whole vocabulary (else None), for hidden rows (n, H).
+
+    `draft_ids` are the base ids of a reduced draft vocabulary (None: the whole vocabulary). When
+    the greedy tokens are given (`top`, from the features) and `full` is not asked, only the
+    draft vocabulary's rows of the lm_head are computed."""
+    lm_head = base.get_output_embeddings()
+    h = hidden.to(lm_head.weight.dtype)
+    if top is not None and draft_ids is not None and not full:
+        bias = None if lm_head.bias is None else lm_head.bias[draft_ids]
+        return F.linear(h, lm_head.weight[draft_ids], bias).float(), top, None
+    logits = lm_head(h)  # (n, V)
+    top = logits.argmax(-1) if top is None else top
+    kept = logits if draft_ids is None else logits[:, draft_ids]
+    return kept.float(), top, logits if full else None
 
 
 @torch.no_grad()
@@ -173,8 +224,8 @@ def feature_batches(
     desc: str = "base features",
     disable_progress: bool = False,
 ):
-    """Yield (example indices, their features {"hidden": (B,T,H), "aux": (B,T,3H)}) for every
-    example, shortest first (little padding), with a progress bar in tokens."""
+    """Yield (example indices, their features {"hidden": (B,T,H), "aux": (B,T,3H), "top": (B,T)})
+    for every example, shortest first (little padding), with a progress bar in tokens."""
     device = next(base.parameters()).device
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     tokens = sum(len(e["input_ids"]) for e in examples)
@@ -189,6 +240,7 @@ def feature_batches(
                     batch["input_ids"].to(device),
                     batch["attention_mask"].to(device),
                     aux_layer_ids,
+                    greedy=True,
                 ),
             )
             bar.update(sum(len(examples[i]["input_ids"]) for i in idx))
@@ -203,7 +255,8 @@ def precompute_features(
     disable_progress: bool = False,
 ):
     """Offline mode: the base's features for every example, computed once (kept on the CPU in
-    the base's dtype; ~2.3 KB per token for H=576 in fp32, x4 with EAGLE-3's aux layers)."""
+    the base's dtype; ~2.3 KB per token for H=576 in fp32, x4 with EAGLE-3's aux layers; and
+    the base's greedy token at each position)."""
     features: list[dict[str, torch.Tensor] | None] = [None] * len(examples)
     batches = feature_batches(
         base,

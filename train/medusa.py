@@ -21,7 +21,7 @@ from tqdm.auto import tqdm
 from heads import MedusaConfig, MedusaHeads
 from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import Recipe
-from train.features import base_features, collate, draft_vocabulary
+from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left
 from train.run import (
     MetricsLog,
@@ -76,17 +76,16 @@ class MedusaTrainee(Trainee):
         next_is_target = shift_left(mask, 1, False)  # (B,T)
         row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
         row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
-        with torch.no_grad():  # the original base's distribution: the heads' soft labels
-            base_logits = lm_head(original[next_is_target].to(lm_head.weight.dtype))  # (n, V)
-        base_top = base_logits.argmax(-1)
-        targets = None
-        if self.soft:  # once per batch: the base's distribution over the draft vocabulary
-            kept = (
-                base_logits
-                if self.heads.token_map is None
-                else base_logits[:, self.heads.token_map]
-            )
-            targets = kept.float().softmax(-1)  # (n, V_draft): restricted and renormalised
+        # The original base's distribution: the heads' soft labels, once per batch, on the
+        # draft vocabulary (restricted and renormalised = the softmax of its logits there).
+        draft_logits, base_top, base_logits = base_targets(
+            self.base,
+            original[next_is_target],
+            self.heads.token_map,
+            batch["top"][next_is_target] if "top" in batch else None,
+            full=self.lora,  # Medusa-2's KL term reads the whole distribution
+        )  # (n, V_draft), (n,), (n, V) or None
+        targets = draft_logits.softmax(-1) if self.soft else None
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
         chain = []

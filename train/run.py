@@ -168,7 +168,7 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
         except FeatureCacheError as e:
             print(f"error: {e}", file=sys.stderr)
             raise SystemExit(2) from None
-        names = ("hidden", "aux") if aux_layer_ids else ("hidden",)
+        names = ("hidden", "aux", "top") if aux_layer_ids else ("hidden", "top")
         for ds in (train_ds, eval_ds):
             ds.features = FeatureCache(cache, ds.examples, base.dtype, names)
     elif recipe.training.mode == "offline":

@@ -62,8 +62,12 @@ def test_cached_features_are_the_bases_in_bf16(base, tmp_path):
     assert len(cache) == len(exs)
     for i in (0, 3, len(exs) - 1):
         got, want = cache[i], expected(base, exs[i])
-        assert sorted(got) == ["aux", "hidden"]
+        assert sorted(got) == ["aux", "hidden", "top"]
         assert got["hidden"].dtype == torch.float32
+        # The base's greedy token at each position, kept exactly (int32 on disk).
+        ids = torch.tensor([exs[i]["input_ids"]])
+        greedy = base(input_ids=ids).logits[0].argmax(-1)
+        assert got["top"].dtype == torch.long and torch.equal(got["top"], greedy)
         assert got["hidden"].shape == (len(exs[i]["input_ids"]), 64)
         assert got["aux"].shape == (len(exs[i]["input_ids"]), 3 * 64)
         # Padding in a batch leaves a row's features as they are alone (up to fp32 noise
@@ -89,7 +93,7 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     calls = []
     real = features.base_features
     monkeypatch.setattr(
-        features, "base_features", lambda *a: calls.append(a[1].shape[0]) or real(*a)
+        features, "base_features", lambda *a, **kw: calls.append(a[1].shape[0]) or real(*a, **kw)
     )
     fill(base, exs, tmp_path, shard_bytes=4096)
     assert sum(calls) == len(lost)  # the rows of the lost shard, nothing else
@@ -147,6 +151,7 @@ def test_a_cache_of_another_setup_is_refused(base, tmp_path):
     assert list(fc.FeatureCache(tmp_path, examples(2, seed=1), torch.float32)[1]) == [
         "hidden",
         "aux",
+        "top",
     ]
     with pytest.raises(fc.FeatureCacheError, match="no features"):
         fc.FeatureCache(tmp_path, examples(2, seed=2), torch.float32)
@@ -166,5 +171,6 @@ def test_disk_estimate_is_printed_first(base, tmp_path, capsys):
     fill(base, exs, tmp_path / "plain", aux=[])
     out = capsys.readouterr().out
     assert "0 examples cached, 4 to compute" in out
-    assert f"{tokens * 2 * 64 / 2**30:.2f} GiB more at 0.1 KiB per token" in out
-    assert fc.bytes_per_token(4096, with_aux=True) == 32 * 1024  # ~32 KB per token at H=4096
+    assert f"{tokens * (2 * 64 + 4) / 2**30:.2f} GiB more at 0.1 KiB per token" in out
+    # ~32 KB per token at H=4096: bf16 features, and the greedy token in int32
+    assert fc.bytes_per_token(4096, with_aux=True) == 32 * 1024 + 4

@@ -151,6 +151,7 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     renormalised; the recipe's loss must equal that dense reference."""
     from heads import MedusaConfig, MedusaHeads
     from train.config import load_recipe
+    from train.features import greedy_tokens
     from train.medusa import MedusaTrainee
 
     torch.manual_seed(1)
@@ -163,16 +164,22 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     ids = torch.randint(3, 256, (2, 9))
     attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
     mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
     with torch.no_grad():
-        loss, _ = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
+        loss, metrics = trainee(batch)
         hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
         probs = _restricted(tiny_llama.lm_head(hidden).softmax(-1), token_map)  # (B,T,40)
         logits = heads(hidden)  # (K,B,T,40)
+        # Offline: features with the greedy tokens; the step then computes the draft rows only.
+        offline = dict(batch, hidden=hidden, top=greedy_tokens(tiny_llama, hidden))
+        loss_offline, metrics_offline = trainee(offline)
     expected = sum(
         0.8**k * soft_cross_entropy(logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2))
         for k in range(2)
     )
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+    assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
+    assert metrics_offline == pytest.approx(metrics)
 
 
 def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
@@ -197,9 +204,12 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
     ids = torch.randint(3, 256, (2, 8))
     attention = torch.ones(2, 8, dtype=torch.long)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 1, 1]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
     with torch.no_grad():
-        loss, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
-        feats = base_features(tiny_llama, ids, attention, tuple(aux_ids))
+        loss, metrics = trainee(batch)
+        feats = base_features(tiny_llama, ids, attention, tuple(aux_ids), greedy=True)
+        # Offline: the features and greedy tokens given; the step computes the draft rows only.
+        loss_offline, metrics_offline = trainee(dict(batch, **feats))
         base_logits = tiny_llama.lm_head(feats["hidden"])  # (B,T,V): predicts x_{t+1}
         embeds = tiny_llama.get_input_embeddings()(shift_left(ids, 1))
         pos = torch.arange(8).expand(2, 8)
@@ -213,6 +223,9 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
         -1
     )
     assert metrics["step0/top1"] == pytest.approx(float(right.float().mean()))
+    assert torch.equal(feats["top"], base_logits.argmax(-1))
+    assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
+    assert metrics_offline == pytest.approx(metrics)
 
 
 def test_ttt_mask_step_2_with_padding():
