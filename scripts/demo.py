@@ -6,8 +6,9 @@ model, and write a report. Re-running reuses every finished stage.
 
 Stages run as subprocesses (each with its own progress bar):
 1. scripts/distill.py recipes/smollm2-135m-medusa.yaml (the EAGLE recipe shares its data)
-2. train/medusa.py recipes/smollm2-135m-medusa.yaml
-3. train/eagle.py recipes/smollm2-135m-eagle.yaml
+2. train/eagle.py recipes/smollm2-135m-eagle.yaml, its base features kept in a cache
+3. train/medusa.py recipes/smollm2-135m-medusa.yaml on that cache (the base does not run again:
+   a cache with EAGLE-3's aux layers serves Medusa, not the other way round)
 4. scripts/bench.py over the prompts (MT-bench when found, else HumanEval): HF greedy, HF prompt
    lookup, our n-gram drafter (prompt lookup, and also in a table of the distilled answers),
    each heads folder alone and with that lookup -> OUT/REPORT.md
@@ -27,6 +28,7 @@ ROOT = Path(__file__).resolve().parents[1]
 MEDUSA = ROOT / "recipes/smollm2-135m-medusa.yaml"
 EAGLE = ROOT / "recipes/smollm2-135m-eagle.yaml"
 DISTILLED = "runs/smollm2-distill"  # both recipes' data.output_dir: the lookup's corpus
+FEATURES = "runs/smollm2-features"  # the base's features of that data, for both trainings
 # MT-bench's questions are public data that headstart does not ship; a copy is looked for here.
 MT_BENCH_CANDIDATES = [
     os.environ.get("HEADSTART_MT_BENCH", ""),
@@ -74,13 +76,13 @@ def main(argv: list[str] | None = None) -> int:
 
     run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings)
     for name, script, recipe, heads in (
-        ("train medusa", "train/medusa.py", MEDUSA, "runs/smollm2-medusa/heads"),
         ("train eagle-3", "train/eagle.py", EAGLE, "runs/smollm2-eagle/heads"),
+        ("train medusa", "train/medusa.py", MEDUSA, "runs/smollm2-medusa/heads"),
     ):
         if (ROOT / heads / "config.json").is_file():
             print(f"\n=== {name}: {heads} exists, reused (delete it to retrain)")
             continue
-        run_stage(name, [script, str(recipe)], timings)
+        run_stage(name, [script, str(recipe), f"training.feature_cache={FEATURES}"], timings)
 
     prompts = args.prompts or default_prompts()
     bench_out = out / "bench"
