@@ -82,7 +82,11 @@ def main(argv: list[str] | None = None) -> int:
         if (ROOT / heads / "config.json").is_file():
             print(f"\n=== {name}: {heads} exists, reused (delete it to retrain)")
             continue
-        run_stage(name, [script, str(recipe), f"training.feature_cache={FEATURES}"], timings)
+        # Medusa on a cache only when it has EAGLE-3's aux layers (made by the stage above), so
+        # that a later EAGLE-3 run is never refused a cache of "hidden" only.
+        with_cache = recipe == EAGLE or (ROOT / FEATURES / "features.json").is_file()
+        cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
+        run_stage(name, [script, str(recipe), *cache], timings)
 
     prompts = args.prompts or default_prompts()
     bench_out = out / "bench"

@@ -87,7 +87,7 @@ class EagleTrainee(Trainee):
             feats["hidden"][next_is_target],
             torch.nonzero(self.heads.t2d).flatten() if v3 else None,
             batch["top"][next_is_target] if "top" in batch else None,
-        )  # (p, V or V_draft) fp32, (p,)
+        )  # (p, V or V_draft), (p,)
         # The draft trains in fp32 whatever the base's dtype.
         dtype = self.heads.fc.weight.dtype
         feats = {k: v.to(dtype) for k, v in feats.items()}
@@ -138,7 +138,7 @@ class EagleTrainee(Trainee):
         draft = self.heads
         # The base's distribution restricted to the draft vocabulary and renormalised is the
         # softmax of its logits there.
-        targets = draft_logits.softmax(-1)  # (p, V_draft)
+        targets = draft_logits.float().softmax(-1)  # (p, V_draft)
         hidden = draft.fuse(aux)
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)

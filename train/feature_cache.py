@@ -9,7 +9,7 @@ large set needs disk rather than memory. Layout of DIR (a folder every process c
 
 - `features.json`: what the features are of (base model and dtype, hidden size, aux layers).
 - `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H), "top" (tokens,) and
-  "aux" (tokens, 3H) of many examples end to end (caches made before "top" existed lack it, and
+  "aux" (tokens, 3H) of many examples end to end (shards made before "top" existed lack it:
   training then computes it in each step); the metadata entry "index" lists [key, first row, rows] per
   example, where the key hashes the example's token ids. RUN is new for every fill, so two runs
   filling one folder never write the same file. Shards are fsynced under a temporary name and
@@ -68,6 +68,16 @@ class FeatureCache(Sequence):
                 f"{len(missing)} examples have no features in {cache_dir}: run fill_cache first"
             )
         self._files: dict[str, object] = {}
+
+    def lacks_greedy_tokens(self) -> int:
+        """How many of the examples have no "top" (shards written before it existed)."""
+        shards = {self.where[k][0] for k in self.keys}
+        old = set()
+        for shard in shards:
+            with safe_open(self.cache_dir / shard, framework="pt") as f:
+                if "top" not in f.keys():  # noqa: SIM118 (not a dict)
+                    old.add(shard)
+        return sum(self.where[k][0] in old for k in self.keys)
 
     def __len__(self) -> int:
         return len(self.keys)

@@ -102,7 +102,8 @@ def collate(
     if dataset.features is not None:
         T = batch["input_ids"].shape[1]
         feats = [dataset.features[i] for i in indices]  # read once each (a cache reads disk)
-        for key in set(feats[0]).intersection(*feats[1:]):  # a cache filled in two setups
+        # Only what every example has: a cache filled before "top" existed and extended since
+        for key in [k for k in feats[0] if all(k in f for f in feats[1:])]:
             rows = [f[key] for f in feats]  # (T_i, D) each, or (T_i,) for "top"
             padded = rows[0].new_zeros((len(rows), T, *rows[0].shape[1:]))
             for b, r in enumerate(rows):
@@ -195,23 +196,31 @@ def base_targets(
     hidden: torch.Tensor,
     draft_ids: torch.Tensor | None,
     top: torch.Tensor | None = None,
+    *,
+    logits: bool = True,
     full: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The base's logits on the draft vocabulary (n, V_draft) in fp32, its greedy tokens (n,),
-    and, with `full`, its logits on the whole vocabulary (else None), for hidden rows (n, H).
+) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
+    """For hidden rows (n, H): the base's logits on the draft vocabulary (n, V_draft) (None
+    without `logits`), its greedy tokens (n,), and its logits on the whole vocabulary with `full`
+    (else None); logits in the lm_head's dtype.
 
     `draft_ids` are the base ids of a reduced draft vocabulary (None: the whole vocabulary). When
     the greedy tokens are given (`top`, from the features) and `full` is not asked, only the
-    draft vocabulary's rows of the lm_head are computed."""
+    draft vocabulary's rows of the lm_head are computed, or none without `logits`. That slices
+    the lm_head's weight directly: fine because "top" exists only in offline mode, which
+    prepare_data refuses under DeepSpeed ZeRO-3 (a partitioned weight would need gathering).
+    """
     lm_head = base.get_output_embeddings()
     h = hidden.to(lm_head.weight.dtype)
+    if top is not None and not full and not logits:
+        return None, top, None
     if top is not None and draft_ids is not None and not full:
         bias = None if lm_head.bias is None else lm_head.bias[draft_ids]
-        return F.linear(h, lm_head.weight[draft_ids], bias).float(), top, None
-    logits = lm_head(h)  # (n, V)
-    top = logits.argmax(-1) if top is None else top
-    kept = logits if draft_ids is None else logits[:, draft_ids]
-    return kept.float(), top, logits if full else None
+        return F.linear(h, lm_head.weight[draft_ids], bias), top, None
+    whole = lm_head(h)  # (n, V)
+    top = whole.argmax(-1) if top is None else top
+    kept = None if not logits else whole if draft_ids is None else whole[:, draft_ids]
+    return kept, top, whole if full else None
 
 
 @torch.no_grad()

@@ -83,9 +83,11 @@ class MedusaTrainee(Trainee):
             original[next_is_target],
             self.heads.token_map,
             batch["top"][next_is_target] if "top" in batch else None,
+            logits=self.soft,
             full=self.lora,  # Medusa-2's KL term reads the whole distribution
-        )  # (n, V_draft), (n,), (n, V) or None
-        targets = draft_logits.softmax(-1) if self.soft else None
+        )  # (n, V_draft) or None, (n,), (n, V) or None
+        targets = draft_logits.float().softmax(-1) if self.soft else None  # (n, V_draft)
+        del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
         chain = []

@@ -171,6 +171,13 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
         names = ("hidden", "aux", "top") if aux_layer_ids else ("hidden", "top")
         for ds in (train_ds, eval_ds):
             ds.features = FeatureCache(cache, ds.examples, base.dtype, names)
+        old = train_ds.features.lacks_greedy_tokens()
+        if old:
+            accelerator.print(
+                f"note: {old} examples in {cache} were cached without the base's greedy tokens "
+                "(an older cache): each step computes the base's whole lm_head for them; delete "
+                "the folder to cache them again, with the tokens"
+            )
     elif recipe.training.mode == "offline":
         if accelerator.num_processes > 1:
             accelerator.print(

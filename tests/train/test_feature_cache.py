@@ -10,6 +10,8 @@ from collections import namedtuple
 import pytest
 import torch
 from accelerate import PartialState
+from safetensors import safe_open
+from safetensors.torch import save_file
 
 import train.feature_cache as fc
 import train.features as features
@@ -172,5 +174,29 @@ def test_disk_estimate_is_printed_first(base, tmp_path, capsys):
     out = capsys.readouterr().out
     assert "0 examples cached, 4 to compute" in out
     assert f"{tokens * (2 * 64 + 4) / 2**30:.2f} GiB more at 0.1 KiB per token" in out
-    # ~32 KB per token at H=4096: bf16 features, and the greedy token in int32
+    # bf16 features and the greedy token in int32: ~32 KB per token at H=4096
+    assert fc.bytes_per_token(64, with_aux=False) == 2 * 64 + 4
     assert fc.bytes_per_token(4096, with_aux=True) == 32 * 1024 + 4
+
+
+def test_a_cache_filled_before_greedy_tokens_existed_still_serves(base, tmp_path):
+    """Shards without "top" (older caches) next to new ones: a batch mixing them holds only
+    what all its examples have, and training computes the greedy token itself."""
+    old, new = examples(3), examples(2, seed=1)
+    fill(base, old, tmp_path)
+    for shard in tmp_path.glob("features-r000-*.safetensors"):  # as written before "top"
+        with safe_open(shard, framework="pt") as f:
+            names = [k for k in f.keys() if k != "top"]  # noqa: SIM118 (not a dict)
+            tensors = {k: f.get_tensor(k) for k in names}
+            metadata = f.metadata()
+        save_file(tensors, shard, metadata=metadata)
+    fill(base, old + new, tmp_path)  # computes the 2 new examples only, with "top"
+    cache = fc.FeatureCache(tmp_path, old + new, torch.float32)
+    assert "top" not in cache[0] and "top" in cache[3]
+    assert cache.lacks_greedy_tokens() == 3  # what training's note counts
+    ds = features.ExampleDataset(old + new, cache)
+    mixed = features.collate(ds, [0, 3], pad_token_id=0, device="cpu")
+    assert sorted(mixed) == ["attention_mask", "aux", "hidden", "input_ids", "labels", "loss_mask"]
+    fresh = features.collate(ds, [3, 4], pad_token_id=0, device="cpu")
+    assert fresh["top"].shape == fresh["input_ids"].shape and fresh["top"].dtype == torch.long
+    assert torch.equal(fresh["top"][0, : len(new[0]["input_ids"])], cache[3]["top"])

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import pytest
@@ -140,6 +141,20 @@ def test_medusa_recipe_loss_equals_medusa_loss(tiny_llama, soft):
         assert metrics[f"head{k}/top5"] == pytest.approx(float(top5.float().mean()))
 
 
+@contextlib.contextmanager
+def _no_full_lm_head(model):
+    """Fail if the base's whole lm_head runs (the greedy token was given with the features)."""
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the full lm_head ran although the greedy tokens were given")
+
+    model.lm_head.forward = refuse
+    try:
+        yield
+    finally:
+        del model.lm_head.forward
+
+
 def _restricted(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """The base's distribution over a draft vocabulary `ids`, renormalised (the soft label)."""
     kept = probs[..., ids]
@@ -172,7 +187,8 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
         logits = heads(hidden)  # (K,B,T,40)
         # Offline: features with the greedy tokens; the step then computes the draft rows only.
         offline = dict(batch, hidden=hidden, top=greedy_tokens(tiny_llama, hidden))
-        loss_offline, metrics_offline = trainee(offline)
+        with _no_full_lm_head(tiny_llama):  # the draft vocabulary's rows only
+            loss_offline, metrics_offline = trainee(offline)
     expected = sum(
         0.8**k * soft_cross_entropy(logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2))
         for k in range(2)
@@ -209,7 +225,8 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
         loss, metrics = trainee(batch)
         feats = base_features(tiny_llama, ids, attention, tuple(aux_ids), greedy=True)
         # Offline: the features and greedy tokens given; the step computes the draft rows only.
-        loss_offline, metrics_offline = trainee(dict(batch, **feats))
+        with _no_full_lm_head(tiny_llama):  # the draft vocabulary's rows only
+            loss_offline, metrics_offline = trainee(dict(batch, **feats))
         base_logits = tiny_llama.lm_head(feats["hidden"])  # (B,T,V): predicts x_{t+1}
         embeds = tiny_llama.get_input_embeddings()(shift_left(ids, 1))
         pos = torch.arange(8).expand(2, 8)

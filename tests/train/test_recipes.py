@@ -379,7 +379,7 @@ def test_a_feature_cache_is_filled_once_and_shared_by_both_recipes(
     run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "b", *offline, "training.max_steps=2")
     assert "8 examples cached, 0 to compute" in capsys.readouterr().out
     assert read_metrics(tmp_path / "b")[0][2]["loss"] == first[2]["loss"]
-    # Medusa reads "hidden" only, from the same cache.
+    # Medusa reads "hidden" and "top" only, from the same cache.
     run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "c", *offline[-2:], "training.max_steps=2")
     assert "8 examples cached, 0 to compute" in capsys.readouterr().out
     assert sorted(read_metrics(tmp_path / "c")[0]) == [1, 2]
