@@ -3,17 +3,18 @@
 One teacher-forced forward of the frozen base per example gives "hidden" (the final-norm output
 the lm_head reads), "top" (the base's greedy token at each position) and, for EAGLE-3, "aux" (the
 states entering the aux layers). They are stored once as safetensors shards (features in bf16,
-tokens in int32) and read back lazily (memory-mapped slices), so a resumed run,
-a longer second run, or the other recipe on the same data never runs the base again, and a
-large set needs disk rather than memory. Layout of DIR (a folder every process can read):
+tokens in int32) and read back lazily (memory-mapped slices), so a resumed run, a longer second
+run, or the other recipe on the same data never runs the base again, and a large set needs disk
+rather than memory. Layout of DIR (a folder every process can read):
 
 - `features.json`: what the features are of (base model and dtype, hidden size, aux layers).
 - `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H), "top" (tokens,) and
   "aux" (tokens, 3H) of many examples end to end (shards made before "top" existed lack it:
-  training then computes it in each step); the metadata entry "index" lists [key, first row, rows] per
-  example, where the key hashes the example's token ids. RUN is new for every fill, so two runs
-  filling one folder never write the same file. Shards are fsynced under a temporary name and
-  renamed, so a killed run loses only the shard it was filling and a rerun computes the rest.
+  training then computes it in each step); the metadata entry "index" lists [key, first row,
+  rows] per example, where the key hashes the example's token ids. RUN is new for every fill,
+  so two runs filling one folder never write the same file. Shards are fsynced under a
+  temporary name and renamed, so a killed run loses only the shard it was filling and a rerun
+  computes the rest.
 """
 
 from __future__ import annotations
