@@ -70,24 +70,25 @@ class FeatureCache(Sequence):
             )
         self._files: dict[str, object] = {}
 
+    def _open(self, shard: str):
+        """A shard's file, opened once (memory-mapped)."""
+        f = self._files.get(shard)
+        if f is None:
+            f = self._files[shard] = safe_open(self.cache_dir / shard, framework="pt")
+        return f
+
     def lacks_greedy_tokens(self) -> int:
         """How many of the examples have no "top" (shards written before it existed)."""
-        shards = {self.where[k][0] for k in self.keys}
-        old = set()
-        for shard in shards:
-            with safe_open(self.cache_dir / shard, framework="pt") as f:
-                if "top" not in f.keys():  # noqa: SIM118 (not a dict)
-                    old.add(shard)
-        return sum(self.where[k][0] in old for k in self.keys)
+        shards = [self.where[k][0] for k in self.keys]
+        old = {s for s in set(shards) if "top" not in self._open(s).keys()}  # noqa: SIM118
+        return sum(s in old for s in shards)
 
     def __len__(self) -> int:
         return len(self.keys)
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         shard, start, rows = self.where[self.keys[i]]
-        f = self._files.get(shard)
-        if f is None:
-            f = self._files[shard] = safe_open(self.cache_dir / shard, framework="pt")
+        f = self._open(shard)
         stored = f.keys()  # "hidden", "top", and "aux" for EAGLE-3
         return {
             name: f.get_slice(name)[start : start + rows].to(
