@@ -157,9 +157,23 @@ class MedusaHeads(PretrainedHeads):
     def head_lm(self, k: int) -> nn.Linear:
         return self.lm_head if self.config.original_lm_head else self.lm_heads[k]
 
+    def head_logits(self, k: int, hidden: torch.Tensor) -> torch.Tensor:
+        """Head k's logits (..., V_draft) of the base's hidden states (..., H), in whatever dtypes
+        the base, the blocks and the lm_head are (heads loaded in bf16 on an fp32 base, a shared
+        lm_head that stays the base's)."""
+        lm_head = self.head_lm(k)
+        x = self.blocks[k](hidden.to(self.lm_heads_dtype(k)))
+        return lm_head(x.to(lm_head.weight.dtype))
+
+    def lm_heads_dtype(self, k: int) -> torch.dtype:
+        """The dtype of head k's own weights (its block's, else its lm_head's)."""
+        for p in self.blocks[k].parameters():
+            return p.dtype
+        return self.head_lm(k).weight.dtype
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B,T,H) -> logits (K,B,T,V_draft)."""
-        return torch.stack([self.head_lm(k)(block(hidden)) for k, block in enumerate(self.blocks)])
+        return torch.stack([self.head_logits(k, hidden) for k in range(len(self.blocks))])
 
     def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         """Map draft-vocabulary indices to base token ids (identity for the full vocabulary)."""

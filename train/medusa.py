@@ -91,18 +91,12 @@ class MedusaTrainee(Trainee):
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
         chain = []
-        for k, block in enumerate(self.heads.blocks):
+        for k in range(len(self.heads.blocks)):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
             if not valid.any():
                 break
             # Heads train in fp32 whatever the base's dtype (a shared lm_head keeps the base's).
-            x = block(
-                hidden[valid].to(block.layers[0].weight.dtype)
-                if block.layers
-                else hidden[valid].float()
-            )
-            head_lm = self.heads.head_lm(k)
-            logits = head_lm(x.to(head_lm.weight.dtype)).float()  # (n_k, V_draft)
+            logits = self.heads.head_logits(k, hidden[valid]).float()  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
                 loss_k = -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()

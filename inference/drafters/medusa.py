@@ -75,7 +75,7 @@ class MedusaDrafter(Drafter):
             return Draft(self.tree, root, torch.zeros(1, dtype=torch.bool, device=root.device))
         h = self._hidden[None, None]  # (1,1,H)
         logits = torch.stack(
-            [self.heads.head_lm(k)(self.heads.blocks[k](h))[0, 0] for k in range(self._heads_used)]
+            [self.heads.head_logits(k, h)[0, 0].float() for k in range(self._heads_used)]
         )
         top = logits.topk(self._top, dim=-1).indices  # (K_used, top)
         drafted = self.heads.to_base_ids(top[self._head_of, self._rank_of])  # (N-1,)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
     MedusaDrafter,
@@ -93,6 +93,18 @@ def test_greedy_equals_base_greedy(name, attn):
                 assert prepack_linear_weights(module) > 0 or not can_prepack()
     # sdpa runs the CPU's row-by-row verifier, eager the dense one (as on a GPU).
     check_greedy_equals_base(base, heads, options, name, lazy_logits=attn == "sdpa")
+
+
+@pytest.mark.parametrize("name", ["medusa", "medusa-shared", "eagle1", "eagle3"])
+def test_heads_loaded_in_bf16_on_an_fp32_base(name, tmp_path):
+    """`load_heads(..., dtype=torch.bfloat16)` on an fp32 base: the drafters cast the base's
+    states to the heads' dtype and back, and the output stays the base's."""
+    base = make_tiny_llama()
+    heads, options = _drafters(base)[name]
+    heads.save_pretrained(tmp_path)
+    loaded = load_heads(tmp_path, base, dtype=torch.bfloat16)
+    assert any(p.dtype == torch.bfloat16 for p in loaded.parameters())
+    check_greedy_equals_base(base, loaded, options, name, lazy_logits=True)
 
 
 def check_greedy_equals_base(base, heads, options: dict, name: str, lazy_logits: bool) -> None:
