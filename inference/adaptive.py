@@ -8,12 +8,14 @@ the drafter is on this text, so the generator measures them as it goes (EAGLE-2'
 decoding; its rate is its tokens gained per step over its seconds per step, each the mean of its
 first steps and then an exponential moving average. After trying every arm, the best arm is
 used, and each other arm is re-tried when its exploration interval has passed, since acceptance
-changes with the text. An arm re-tried and found clearly slower than the best (under
-`backoff_below` of its rate) waits twice as long before its next try (up to `max_explore_every`
-steps), so a drafter that does not pay here costs almost nothing; an arm found close to the best
-(a lookup that found nothing this time costs what a plain step does, and pays in bursts) keeps
-the base interval. Every arm is lossless, so choosing among them never changes the output
-distribution (greedy output stays identical to the base's).
+changes with the text. A re-try runs `explore_steps` steps in a row: the tokens a step gains vary
+a lot (a weak drafter gains nothing on most steps and several tokens on some), and a one-step
+re-try judged a good arm by one unlucky step. An arm re-tried and found clearly slower than the
+best (under `backoff_below` of its rate) waits twice as long before its next try (up to
+`max_explore_every` steps), so a drafter that does not pay here costs almost nothing; an arm
+found close to the best (a lookup that found nothing this time costs what a plain step does, and
+pays in bursts) keeps the base interval. Every arm is lossless, so choosing among them never
+changes the output distribution (greedy output stays identical to the base's).
 """
 
 from __future__ import annotations
@@ -47,6 +49,7 @@ class AdaptivePolicy:
         warmup: steps each arm is tried before the policy starts exploiting.
         explore_every: after warmup, an arm that is not the best is re-tried this many steps
             after its last try; each re-try that leaves it behind doubles its wait.
+        explore_steps: consecutive steps of each re-try (judged at its end).
         max_explore_every: the longest wait between re-tries of an arm.
         backoff_below: a re-tried arm whose rate is under this fraction of the best arm's
             waits twice as long for its next try; otherwise it waits `explore_every`.
@@ -55,12 +58,16 @@ class AdaptivePolicy:
     """
 
     arms: list[Arm]
-    warmup: int = 1
+    warmup: int = 4
     explore_every: int = 32
+    explore_steps: int = 4
     max_explore_every: int = 512
     backoff_below: float = 0.9
-    smoothing: float = 0.2
+    smoothing: float = 0.05
     step: int = field(default=0, init=False)
+    # The arm of the re-try in progress and its steps left.
+    _retry: int | None = field(default=None, init=False, repr=False)
+    _retry_left: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         for arm in self.arms:
@@ -77,6 +84,8 @@ class AdaptivePolicy:
 
     def choose(self) -> int:
         """Index of the arm to use for the next step."""
+        if self._retry is not None:
+            return self._retry
         for i, arm in enumerate(self.arms):
             if arm.tries < self.warmup:
                 return i
@@ -87,21 +96,28 @@ class AdaptivePolicy:
             if i != best and self.step - arm.last_step >= arm.interval
         ]
         if due:  # the longest overdue first
-            return min(due, key=lambda i: self.arms[i].last_step + self.arms[i].interval)
+            self._retry = min(due, key=lambda i: self.arms[i].last_step + self.arms[i].interval)
+            self._retry_left = self.explore_steps
+            return self._retry
         return best
 
     def update(self, index: int, tokens: int, seconds: float) -> None:
         arm = self.arms[index]
-        exploring = arm.tries >= self.warmup and index != self.best()
         arm.tries += 1
         a = max(self.smoothing, 1.0 / arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         arm.last_step = self.step
         self.step += 1
+        retried = index == self._retry
+        if retried:
+            self._retry_left -= 1
+            if self._retry_left > 0:
+                return  # judged when its re-try ends
+            self._retry = None
         if arm.rate >= self.backoff_below * self.arms[self.best()].rate:
             arm.interval = self.explore_every
-        elif exploring:
+        elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)
 
     def summary(self) -> list[dict]:

@@ -58,11 +58,12 @@ class EagleDrafter(Drafter):
         self.max_nodes = self.total_tokens
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
-        if (
-            device.type == "cpu"
-        ):  # a CPU forward's cost grows with its tokens: a chain, a small tree
+        if device.type == "cpu":
+            # A CPU forward's cost grows with its tokens, and each draft step is a forward of
+            # the draft layer: chains, a small tree. A weak draft pays only as a short chain.
             return [
                 None,
+                {"top_k": 1, "depth": 2, "total_tokens": 3},
                 {"top_k": 1, "depth": 4, "total_tokens": 5},
                 {"top_k": 3, "depth": 4, "total_tokens": 10},
             ]

@@ -1,3 +1,5 @@
+import random
+
 import pytest
 import torch
 
@@ -10,7 +12,9 @@ from tests.conftest import make_tiny_llama
 
 
 def test_policy_tries_every_arm_then_exploits_and_explores():
-    policy = AdaptivePolicy.from_options([None, {"a": 1}, {"a": 2}], warmup=2, explore_every=5)
+    policy = AdaptivePolicy.from_options(
+        [None, {"a": 1}, {"a": 2}], warmup=2, explore_every=5, explore_steps=1
+    )
     rates = {0: (1, 1.0), 1: (3, 1.0), 2: (2, 1.0)}  # arm 1 gives the most tokens per second
     chosen = []
     for _ in range(30):
@@ -44,19 +48,63 @@ def test_policy_follows_a_change_in_acceptance():
     assert policy.choose() == 0 or policy.arms[0].rate > policy.arms[1].rate
 
 
+def retries(chosen: list[int], arm: int) -> list[tuple[int, int]]:
+    """(first step, length) of each run of consecutive steps on `arm`."""
+    runs: list[tuple[int, int]] = []
+    for i, a in enumerate(chosen):
+        if a == arm:
+            if runs and runs[-1][0] + runs[-1][1] == i:
+                runs[-1] = (runs[-1][0], runs[-1][1] + 1)
+            else:
+                runs.append((i, 1))
+    return runs
+
+
 def test_an_arm_that_does_not_pay_is_tried_ever_more_rarely():
-    """Re-tries that leave an arm behind double its wait (32, 64, ... 512 steps): over 3,000
-    steps a drafter slower than plain decoding gets 9 steps, not one in every 32 (~94)."""
+    """Re-tries (4 steps each) that leave an arm behind double its wait (32, 64, ... 512 steps
+    after the try's last step): over 3,000 steps a drafter slower than plain decoding gets its
+    warmup and 8 re-tries, not one every 32 steps (~80)."""
     policy = AdaptivePolicy.from_options([None, {"tree": 8}])
     chosen = []
     for _ in range(3000):
         arm = policy.choose()
         chosen.append(arm)
         policy.update(arm, *((1, 1.0) if arm == 0 else (1, 1.5)))
-    tries = [i for i, arm in enumerate(chosen) if arm == 1]
-    assert len(tries) == 9
-    gaps = [b - a for a, b in zip(tries, tries[1:])]
-    assert gaps == [32, 64, 128, 256, 512, 512, 512, 512]
+    tries = retries(chosen, 1)
+    assert [length for _, length in tries] == [4] * 9  # warmup, then 8 re-tries of 4 steps
+    waits = [b - (a + 4) + 1 for (a, _), (b, _) in zip(tries, tries[1:])]
+    assert waits == [32, 64, 128, 256, 512, 512, 512, 512]
+
+
+def test_a_weak_drafter_that_pays_is_kept_despite_noisy_steps():
+    """A drafter that gains 1, 2 or 3 tokens a step (p 0.6 / 0.25 / 0.15: 1.55 on average) at
+    1.2x a plain step's cost is 1.29x faster than plain decoding. Judged by one step at a time
+    and a short average (the policy before re-tries of 4 steps and smoothing 0.05), an unlucky
+    step made it look slower and backed it off: it ran on ~20% of the steps. The defaults keep
+    it on almost all of them (20 seeded runs of 1,500 steps)."""
+
+    def share_on_drafter(policy: AdaptivePolicy, seed: int) -> float:
+        rng = random.Random(seed)
+        chosen = []
+        for _ in range(1500):
+            arm = policy.choose()
+            chosen.append(arm)
+            if arm == 1:
+                policy.update(arm, rng.choices([1, 2, 3], [0.6, 0.25, 0.15])[0], 1.2)
+            else:
+                policy.update(arm, 1, 1.0)
+        return chosen.count(1) / len(chosen)
+
+    arms = [None, {"chain": 2}]
+    old = [
+        share_on_drafter(
+            AdaptivePolicy.from_options(arms, warmup=1, explore_steps=1, smoothing=0.2), seed
+        )
+        for seed in range(20)
+    ]
+    new = [share_on_drafter(AdaptivePolicy.from_options(arms), seed) for seed in range(20)]
+    assert sum(old) / 20 < 0.4
+    assert sum(new) / 20 > 0.9 and min(new) > 0.7
 
 
 def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
@@ -72,14 +120,15 @@ def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
         policy.update(arm, tokens, 1.5 if arm == 1 else 1.0)
         if pays and policy.best() == 1:
             break
-    # Its tries so far: 1, then after waits of 32, 64, ... 512 steps: 33, ..., 993, then 1505.
-    assert step == 1505
+    # Found at its next re-try: within the longest wait (512) and one re-try (4 steps).
+    assert 1000 <= step <= 1000 + 512 + 4
     chosen = []
     for _ in range(100):
         arm = policy.choose()
         chosen.append(arm)
         policy.update(arm, 4 if arm == 1 else 1, 1.5 if arm == 1 else 1.0)
-    assert chosen.count(1) >= 95 and chosen.count(0) >= 2  # exploits it; re-tries plain per 32
+    # Exploits it; re-tries plain decoding after 32 steps (4 steps), not the backed-off 512.
+    assert chosen.count(1) >= 90 and chosen.count(0) >= 4
 
 
 def test_an_arm_close_to_the_best_keeps_the_base_interval():
@@ -90,8 +139,8 @@ def test_an_arm_close_to_the_best_keeps_the_base_interval():
         arm = policy.choose()
         chosen.append(arm)
         policy.update(arm, 1, 1.0 if arm == 0 else 1.05)  # rate 0.95 of the best
-    tries = [i for i, arm in enumerate(chosen) if arm == 1]
-    assert {b - a for a, b in zip(tries, tries[1:])} == {32}
+    tries = retries(chosen, 1)
+    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
 
 
 def test_an_arm_averages_its_first_steps_then_smooths():
