@@ -162,14 +162,11 @@ class MedusaHeads(PretrainedHeads):
         the base, the blocks and the lm_head are (heads loaded in bf16 on an fp32 base, a shared
         lm_head that stays the base's)."""
         lm_head = self.head_lm(k)
-        x = self.blocks[k](hidden.to(self.lm_heads_dtype(k)))
+        block_weight = next(self.blocks[k].parameters(), None)  # None: a block of 0 layers
+        x = self.blocks[k](
+            hidden.to((block_weight if block_weight is not None else lm_head.weight).dtype)
+        )
         return lm_head(x.to(lm_head.weight.dtype))
-
-    def lm_heads_dtype(self, k: int) -> torch.dtype:
-        """The dtype of head k's own weights (its block's, else its lm_head's)."""
-        for p in self.blocks[k].parameters():
-            return p.dtype
-        return self.head_lm(k).weight.dtype
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B,T,H) -> logits (K,B,T,V_draft)."""

@@ -49,7 +49,8 @@ class AdaptivePolicy:
         warmup: steps each arm is tried before the policy starts exploiting.
         explore_every: after warmup, an arm that is not the best is re-tried this many steps
             after its last try; each re-try that leaves it behind doubles its wait.
-        explore_steps: consecutive steps of each re-try (judged at its end).
+        explore_steps: consecutive steps of each re-try (judged at its end; a re-try left
+            unfinished when a generation ends goes on in the next one).
         max_explore_every: the longest wait between re-tries of an arm.
         backoff_below: a re-tried arm whose rate is under this fraction of the best arm's
             waits twice as long for its next try; otherwise it waits `explore_every`.
@@ -67,9 +68,11 @@ class AdaptivePolicy:
     step: int = field(default=0, init=False)
     # The arm of the re-try in progress and its steps left.
     _retry: int | None = field(default=None, init=False, repr=False)
-    _retry_left: int = field(default=0, init=False, repr=False)
+    _retry_steps_left: int = field(default=0, init=False, repr=False)
 
     def __post_init__(self) -> None:
+        if self.warmup < 1 or self.explore_steps < 1:
+            raise ValueError("need warmup >= 1 and explore_steps >= 1 (steps per arm per try)")
         for arm in self.arms:
             arm.interval = arm.interval or self.explore_every
 
@@ -97,7 +100,7 @@ class AdaptivePolicy:
         ]
         if due:  # the longest overdue first
             self._retry = min(due, key=lambda i: self.arms[i].last_step + self.arms[i].interval)
-            self._retry_left = self.explore_steps
+            self._retry_steps_left = self.explore_steps
             return self._retry
         return best
 
@@ -111,8 +114,8 @@ class AdaptivePolicy:
         self.step += 1
         retried = index == self._retry
         if retried:
-            self._retry_left -= 1
-            if self._retry_left > 0:
+            self._retry_steps_left -= 1
+            if self._retry_steps_left > 0:
                 return  # judged when its re-try ends
             self._retry = None
         if arm.rate >= self.backoff_below * self.arms[self.best()].rate:
