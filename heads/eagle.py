@@ -316,8 +316,12 @@ class EagleDraft(PretrainedHeads):
     ) -> torch.Tensor:
         """inputs_embeds (B,T,H), hidden (B,T,H), position_ids (B,T) -> draft hidden (B,T,H).
 
-        `attention_mask` is a 4D additive float mask (B,1,T,past+T); None means causal.
+        `attention_mask` is a 4D additive float mask (B,1,T,past+T); None means causal. The
+        inputs may come in the base's dtype: they are cast to the draft's (e.g. bf16 heads on an
+        fp32 base).
         """
+        dtype = self.fc.weight.dtype
+        inputs_embeds, hidden = inputs_embeds.to(dtype), hidden.to(dtype)
         B, T, _ = inputs_embeds.shape
         past = cache.get_seq_length() if cache is not None else 0
         if attention_mask is None:

@@ -108,7 +108,7 @@ class EagleDrafter(Drafter):
         )
         pos = torch.arange(start, start + tokens.numel(), device=dev)[None]
         nxt = torch.tensor(successors, device=dev)
-        out = self.draft(self.embed(nxt)[None].to(self._dtype), feat[None], pos, cache=self.cache)
+        out = self.draft(self.embed(nxt)[None], feat[None], pos, cache=self.cache)
         self._root_hidden = out[0, -1]
 
     @property
@@ -161,7 +161,7 @@ class EagleDrafter(Drafter):
                     p = int(all_parents[p]) - 1
             pos = torch.full((1, F), prefix - 1 + d, device=dev)
             out = self.draft(
-                self.embed(all_tokens[frontier])[None].to(self._dtype),
+                self.embed(all_tokens[frontier])[None],
                 frontier_hidden[None],
                 pos,
                 attention_mask=mask[None, None],

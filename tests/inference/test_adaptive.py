@@ -11,16 +11,23 @@ from inference.drafters.model import ModelDrafter
 from tests.conftest import make_tiny_llama
 
 
+def drive(policy: AdaptivePolicy, steps: int, outcome) -> list[int]:
+    """`steps` rounds of choose and update, `outcome(step, arm)` giving (tokens, seconds); the
+    arms chosen."""
+    chosen = []
+    for step in range(steps):
+        arm = policy.choose()
+        chosen.append(arm)
+        policy.update(arm, *outcome(step, arm))
+    return chosen
+
+
 def test_policy_tries_every_arm_then_exploits_and_explores():
     policy = AdaptivePolicy.from_options(
         [None, {"a": 1}, {"a": 2}], warmup=2, explore_every=5, explore_steps=1
     )
     rates = {0: (1, 1.0), 1: (3, 1.0), 2: (2, 1.0)}  # arm 1 gives the most tokens per second
-    chosen = []
-    for _ in range(30):
-        arm = policy.choose()
-        chosen.append(arm)
-        policy.update(arm, *rates[arm])
+    chosen = drive(policy, 30, lambda step, arm: rates[arm])
     assert chosen[:6] == [0, 0, 1, 1, 2, 2]  # warmup: each arm twice
     later = chosen[6:]
     assert later.count(1) >= 0.7 * len(later)  # mostly the fastest arm
@@ -40,22 +47,16 @@ def test_policy_follows_a_change_in_acceptance():
     policy = AdaptivePolicy.from_options(
         [None, {"tree": 1}], warmup=1, explore_every=4, smoothing=0.5
     )
-    for step in range(60):
-        arm = policy.choose()
-        tokens = (3 if step < 30 else 1) if arm == 1 else 1  # the drafter stops being accepted
-        seconds = 1.5 if arm == 1 else 1.0
-        policy.update(arm, tokens, seconds)
+    # The drafter stops being accepted at step 30.
+    drive(policy, 60, lambda step, arm: ((3 if step < 30 else 1), 1.5) if arm == 1 else (1, 1.0))
     assert policy.choose() == 0 or policy.arms[0].rate > policy.arms[1].rate
 
 
 def test_with_the_defaults_a_drafter_that_stops_paying_is_left_within_a_few_dozen_steps():
     policy = AdaptivePolicy.from_options([None, {"tree": 1}])
-    chosen = []
-    for step in range(300):
-        arm = policy.choose()
-        chosen.append(arm)
-        tokens = (3 if step < 200 else 1) if arm == 1 else 1
-        policy.update(arm, tokens, 1.5 if arm == 1 else 1.0)
+    chosen = drive(
+        policy, 300, lambda step, arm: ((3 if step < 200 else 1), 1.5) if arm == 1 else (1, 1.0)
+    )
     assert chosen[150:200].count(1) >= 45  # while it pays: used
     # 40 steps after it stopped: plain decoding, the drafter re-tried 4 steps in every ~32
     assert chosen[240:].count(0) >= 50
@@ -78,11 +79,7 @@ def test_an_arm_that_does_not_pay_is_tried_ever_more_rarely():
     after the try's last step): over 3,000 steps a drafter slower than plain decoding gets its
     warmup and 8 re-tries, not one every 32 steps (~80)."""
     policy = AdaptivePolicy.from_options([None, {"tree": 8}])
-    chosen = []
-    for _ in range(3000):
-        arm = policy.choose()
-        chosen.append(arm)
-        policy.update(arm, *((1, 1.0) if arm == 0 else (1, 1.5)))
+    chosen = drive(policy, 3000, lambda step, arm: (1, 1.0) if arm == 0 else (1, 1.5))
     tries = retries(chosen, 1)
     assert [length for _, length in tries] == [4] * 9  # warmup, then 8 re-tries of 4 steps
     waits = [b - (a + 4) + 1 for (a, _), (b, _) in zip(tries, tries[1:])]
@@ -98,14 +95,11 @@ def test_a_weak_drafter_that_pays_is_kept_despite_noisy_steps():
 
     def share_on_drafter(policy: AdaptivePolicy, seed: int, gains: list[float]) -> float:
         rng = random.Random(seed)
-        chosen = []
-        for _ in range(1500):
-            arm = policy.choose()
-            chosen.append(arm)
-            if arm == 1:
-                policy.update(arm, rng.choices([1, 2, 3], gains)[0], 1.2)
-            else:
-                policy.update(arm, 1, 1.0)
+        chosen = drive(
+            policy,
+            1500,
+            lambda step, arm: (rng.choices([1, 2, 3], gains)[0], 1.2) if arm == 1 else (1, 1.0),
+        )
         return chosen.count(1) / len(chosen)
 
     def mean_share(gains: list[float], **settings) -> tuple[float, float]:
@@ -141,11 +135,7 @@ def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
             break
     # Found at its next re-try: within the longest wait (512) and one re-try (4 steps).
     assert policy.best() == 1 and step <= 1000 + 512 + 4
-    chosen = []
-    for _ in range(100):
-        arm = policy.choose()
-        chosen.append(arm)
-        policy.update(arm, 4 if arm == 1 else 1, 1.5 if arm == 1 else 1.0)
+    chosen = drive(policy, 100, lambda step, arm: (4, 1.5) if arm == 1 else (1, 1.0))
     # Exploits it; re-tries plain decoding after 32 steps (4 steps), not the backed-off 512.
     assert chosen.count(1) >= 90 and chosen.count(0) >= 4
 
@@ -153,11 +143,8 @@ def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
 def test_an_arm_close_to_the_best_keeps_the_base_interval():
     """A lookup that found nothing costs what a plain step does: no back-off for it."""
     policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
-    chosen = []
-    for _ in range(1000):
-        arm = policy.choose()
-        chosen.append(arm)
-        policy.update(arm, 1, 1.0 if arm == 0 else 1.05)  # rate 0.95 of the best
+    # The lookup's rate is 0.95 of plain decoding's.
+    chosen = drive(policy, 1000, lambda step, arm: (1, 1.0 if arm == 0 else 1.05))
     tries = retries(chosen, 1)
     assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
 
