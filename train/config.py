@@ -331,7 +331,10 @@ def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
                 continue
         raise wrong()
     if origin is Literal:
-        if value in args:
+        if isinstance(value, bool):  # YAML 1.1 reads a bare no / off / yes / on as a bool
+            words = ("yes", "on", "true") if value else ("no", "off", "false")
+            value = next((w for w in words if w in args), value)
+        if value in args and type(value) is type(args[args.index(value)]):
             return value
         raise RecipeError(
             f"{where}: '{name}' must be one of {', '.join(map(repr, args))}, got {value!r}"
@@ -413,6 +416,8 @@ def _resolve_path(key: str) -> list[str]:
 def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
+    if typing.get_origin(tp) is Literal:
+        return all(isinstance(a, str) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return str in typing.get_args(tp)
     return False

@@ -102,6 +102,16 @@ def test_cross_field_checks_and_bad_overrides():
     assert cached.feature_cache == "c"
 
 
+def test_yaml_words_that_read_as_bools_keep_their_choice(tmp_path):
+    # YAML 1.1 reads a bare `no` as False; mixed_precision's choices are words.
+    assert load_recipe(None, ["training.mixed_precision=no"]).training.mixed_precision == "no"
+    assert load_recipe(None, ["training.mixed_precision=bf16"]).training.mixed_precision == "bf16"
+    recipe = load_recipe(write(tmp_path, "training:\n  mixed_precision: no\n"))
+    assert recipe.training.mixed_precision == "no"
+    with pytest.raises(RecipeError, match="'training.mixed_precision' must be one of"):
+        load_recipe(write(tmp_path, "training:\n  mixed_precision: yes\n"))
+
+
 def test_save_recipe_round_trips(tmp_path):
     recipe = load_recipe(None, ["data.limit=3", "data.system_prompt=Hi"])
     save_recipe(recipe, tmp_path / "resolved.yaml")
