@@ -331,13 +331,15 @@ def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
                 continue
         raise wrong()
     if origin is Literal:
+        hint = ""
         if isinstance(value, bool):  # YAML 1.1 reads a bare no / off / yes / on as a bool
             words = ("yes", "on", "true") if value else ("no", "off", "false")
             value = next((w for w in words if w in args), value)
-        if value in args and type(value) is type(args[args.index(value)]):
+            hint = " (YAML reads a bare yes / no / on / off as a boolean: quote the word)"
+        if any(a == value and type(a) is type(value) for a in args):
             return value
         raise RecipeError(
-            f"{where}: '{name}' must be one of {', '.join(map(repr, args))}, got {value!r}"
+            f"{where}: '{name}' must be one of {', '.join(map(repr, args))}, got {value!r}{hint}"
         )
     if origin is list:
         # A single value for a list field is the one-element list (`data.sources=x.jsonl`).
@@ -416,8 +418,6 @@ def _resolve_path(key: str) -> list[str]:
 def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
-    if typing.get_origin(tp) is Literal:
-        return all(isinstance(a, str) for a in typing.get_args(tp))
     if typing.get_origin(tp) in (typing.Union, types.UnionType):
         return str in typing.get_args(tp)
     return False

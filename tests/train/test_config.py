@@ -104,12 +104,16 @@ def test_cross_field_checks_and_bad_overrides():
 
 def test_yaml_words_that_read_as_bools_keep_their_choice(tmp_path):
     # YAML 1.1 reads a bare `no` as False; mixed_precision's choices are words.
-    assert load_recipe(None, ["training.mixed_precision=no"]).training.mixed_precision == "no"
-    assert load_recipe(None, ["training.mixed_precision=bf16"]).training.mixed_precision == "bf16"
+    for text in ("no", "off", "'no'", " no"):
+        recipe = load_recipe(None, [f"training.mixed_precision={text}"])
+        assert recipe.training.mixed_precision == "no"
+    assert load_recipe(None, ['training.mixed_precision="bf16"']).training.mixed_precision == "bf16"
     recipe = load_recipe(write(tmp_path, "training:\n  mixed_precision: no\n"))
     assert recipe.training.mixed_precision == "no"
-    with pytest.raises(RecipeError, match="'training.mixed_precision' must be one of"):
+    with pytest.raises(RecipeError, match="must be one of .*got True .*quote the word"):
         load_recipe(write(tmp_path, "training:\n  mixed_precision: yes\n"))
+    with pytest.raises(RecipeError, match="'heads.type' must be one of 'medusa', 'eagle', got 1"):
+        load_recipe(None, ["heads.type=1"])
 
 
 def test_save_recipe_round_trips(tmp_path):
