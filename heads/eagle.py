@@ -303,8 +303,8 @@ class EagleDraft(PretrainedHeads):
         return DynamicCache(config=self.llama_config)
 
     def fuse(self, aux_hidden: torch.Tensor) -> torch.Tensor:
-        """EAGLE-3: (B,T,3H) concatenated aux layers -> (B,T,H)."""
-        return self.fc(aux_hidden)
+        """EAGLE-3: (B,T,3H) concatenated aux layers, in any dtype -> (B,T,H) in the draft's."""
+        return self.fc(aux_hidden.to(self.fc.weight.dtype))
 
     def forward(
         self,

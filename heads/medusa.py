@@ -162,10 +162,8 @@ class MedusaHeads(PretrainedHeads):
         the base, the blocks and the lm_head are (heads loaded in bf16 on an fp32 base, a shared
         lm_head that stays the base's)."""
         lm_head = self.head_lm(k)
-        block_weight = next(self.blocks[k].parameters(), None)  # None: a block of 0 layers
-        x = self.blocks[k](
-            hidden.to((block_weight if block_weight is not None else lm_head.weight).dtype)
-        )
+        own = next(self.blocks[k].parameters(), lm_head.weight)  # 0 layers: the lm_head's dtype
+        x = self.blocks[k](hidden.to(own.dtype))
         return lm_head(x.to(lm_head.weight.dtype))
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:

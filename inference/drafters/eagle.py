@@ -101,11 +101,7 @@ class EagleDrafter(Drafter):
         self._pending.clear()
         dev = tokens.device
         start = self.cache.get_seq_length()
-        feat = (
-            self.draft.fuse(feats.to(self._dtype))
-            if self.draft.config.version == 3
-            else feats.to(self._dtype)
-        )
+        feat = self.draft.fuse(feats) if self.draft.config.version == 3 else feats
         pos = torch.arange(start, start + tokens.numel(), device=dev)[None]
         nxt = torch.tensor(successors, device=dev)
         out = self.draft(self.embed(nxt)[None], feat[None], pos, cache=self.cache)
