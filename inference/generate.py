@@ -37,6 +37,12 @@ from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from inference.tree import tree_from_parents
 
+# A CPU reads the whole lm_head weight once per call whatever its rows: SmolLM2's (49k x 576,
+# prepacked) took 4.2-5.9 ms for 1 to 16 rows, 10.6 ms for 32 and 18.9 ms for 64 (2 cores,
+# median of 30). A visited row costs a call of its own, and a step visits tau rows, so trees
+# up to this many nodes compute every row in one call; larger ones only the rows visited.
+DENSE_LOGITS_MAX_NODES = 16
+
 
 @dataclass
 class GenerationOutput:
@@ -104,8 +110,10 @@ class SpeculativeGenerator:
             vocabulary, a `Drafter`, or None for n-gram prompt lookup; or a list of these,
             verified together as the union of their trees (`[heads, None]`: the heads plus
             n-gram prompt lookup).
-        lazy_logits: compute the base's lm_head only for the tree nodes the verifier visits
-            (default on a CPU, where each row is costly).
+        lazy_logits: compute the base's lm_head only for the tree nodes the verifier visits,
+            one row per call, instead of for every node in one call. The default (None) does
+            so on a CPU for trees over `DENSE_LOGITS_MAX_NODES` nodes; True for every tree,
+            False never.
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
             list gives the arms; the default is on unless `drafter_options` fix the settings.
@@ -129,11 +137,13 @@ class SpeculativeGenerator:
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()
-        # On a CPU the verifier computes only the lm_head rows it visits (SmolLM2: 49k x 576, one
-        # row ~4 ms prepacked, ~9 ms not); a GPU does all N rows in one matmul. Prepacked, the
-        # two cost the same here (8-10-node trees, tau ~1.4: 0.93 vs 0.93x, 0.79 vs 0.78x).
         device = next(base.parameters()).device
-        self.lazy_logits = device.type == "cpu" if lazy_logits is None else lazy_logits
+        # Trees of more nodes than this verify row by row (lazily); None: never.
+        self.dense_logits_max_nodes: int | None
+        if lazy_logits is None:
+            self.dense_logits_max_nodes = DENSE_LOGITS_MAX_NODES if device.type == "cpu" else None
+        else:
+            self.dense_logits_max_nodes = 1 if lazy_logits else None
         # Adaptive by default, unless the caller fixed the drafter's settings (options, or a
         # drafter object built by the caller).
         if adaptive is None:
@@ -179,7 +189,7 @@ class SpeculativeGenerator:
                 sampling.temperature,
                 generator=sampling.generator,
             )
-        if self.lazy_logits:
+        if self.dense_logits_max_nodes is not None and tree.num_nodes > self.dense_logits_max_nodes:
             rows: dict[int, torch.Tensor] = {}
 
             def row(i: int) -> torch.Tensor:

@@ -17,6 +17,7 @@ from inference import (
     SpeculativeGenerator,
     tree_from_parents,
 )
+from inference.generate import DENSE_LOGITS_MAX_NODES
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from tests.conftest import make_tiny_llama
@@ -91,8 +92,34 @@ def test_greedy_equals_base_greedy(name, attn):
         for module in (base, heads):
             if isinstance(module, torch.nn.Module):
                 assert prepack_linear_weights(module) > 0 or not can_prepack()
-    # sdpa runs the CPU's row-by-row verifier, eager the dense one (as on a GPU).
-    check_greedy_equals_base(base, heads, options, name, lazy_logits=attn == "sdpa")
+    # sdpa runs the row-by-row verifier, eager the dense one (as on a GPU), prepacked the
+    # default (on a CPU: dense for small trees, row by row for large ones).
+    lazy = {"sdpa": True, "eager": False, "sdpa-prepacked": None}[attn]
+    check_greedy_equals_base(base, heads, options, name, lazy_logits=lazy)
+
+
+def test_default_verifier_is_dense_for_small_cpu_trees_and_lazy_for_large():
+    """On a CPU the default computes every lm_head row of trees up to DENSE_LOGITS_MAX_NODES
+    in one call and visits larger trees row by row; both keep the base's greedy output."""
+    base = make_tiny_llama()
+    heads, _ = _drafters(base)["eagle3"]
+    assert SpeculativeGenerator(base, heads).dense_logits_max_nodes == DENSE_LOGITS_MAX_NODES
+    assert SpeculativeGenerator(base, heads, lazy_logits=True).dense_logits_max_nodes == 1
+    assert SpeculativeGenerator(base, heads, lazy_logits=False).dense_logits_max_nodes is None
+    calls = []  # rows of each call by the generator: (N,H) or one row (H,); HF's are (B,T,H)
+
+    def record(module, args, out):
+        if args[0].dim() < 3:
+            calls.append(args[0].shape[0] if args[0].dim() == 2 else 1)
+
+    base.lm_head.register_forward_hook(record)
+    for total in (DENSE_LOGITS_MAX_NODES, DENSE_LOGITS_MAX_NODES + 8):
+        calls.clear()
+        options = {"top_k": 4, "depth": 4, "total_tokens": total}
+        check_greedy_equals_base(base, heads, options, f"eagle3 {total}", lazy_logits=None)
+        # Past the prefill's row, a step's call holds its whole tree or one row.
+        rows = set(calls) - {1}
+        assert rows == ({total} if total <= DENSE_LOGITS_MAX_NODES else set()), (total, rows)
 
 
 @pytest.mark.parametrize("name", ["medusa", "medusa-shared", "eagle1", "eagle3"])
@@ -107,7 +134,9 @@ def test_heads_loaded_in_bf16_on_an_fp32_base(name, tmp_path):
     check_greedy_equals_base(base, loaded, options, name, lazy_logits=True)
 
 
-def check_greedy_equals_base(base, heads, options: dict, name: str, lazy_logits: bool) -> None:
+def check_greedy_equals_base(
+    base, heads, options: dict, name: str, lazy_logits: bool | None
+) -> None:
     """Speculative greedy output == `base.generate` greedy output on 4 prompts (also the CUDA
     tests' check); on the base's device."""
     gen = SpeculativeGenerator(base, heads, lazy_logits=lazy_logits, **options)
