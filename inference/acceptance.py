@@ -205,9 +205,10 @@ def verify_greedy_walk(
     """`verify_greedy` reading only the rows it visits: `row(i)` -> the (V,) logits after node i.
 
     Walks from the root to the child holding the target's argmax, so it evaluates
-    (accepted nodes) rows instead of N. On a CPU the base's lm_head costs ~0.2 of a forward per
-    row, which makes this the cheaper path there; with distinct sibling tokens (every drafter
-    here) it accepts exactly what `verify_greedy` accepts.
+    (accepted nodes) rows instead of N, one call each. That pays where tau one-row calls cost
+    less than one N-row call: on a CPU, trees over `DENSE_LOGITS_MAX_NODES` nodes
+    (inference/generate.py). With distinct sibling tokens (every drafter here) it accepts
+    exactly what `verify_greedy` accepts.
     """
     kids, toks = _children(tree), tokens.tolist()
     path, cur = [0], 0

@@ -39,8 +39,9 @@ from inference.tree import tree_from_parents
 
 # A CPU reads the whole lm_head weight once per call whatever its rows: SmolLM2's (49k x 576,
 # prepacked) took 4.2-5.9 ms for 1 to 16 rows, 10.6 ms for 32 and 18.9 ms for 64 (2 cores,
-# median of 30). A visited row costs a call of its own, and a step visits tau rows, so trees
-# up to this many nodes compute every row in one call; larger ones only the rows visited.
+# median of 30). Row by row a step makes tau one-row calls, so one N-row call is cheaper when
+# cost(N) < tau * cost(1): from tau 1.4 at 16 rows, 2.5 at 32. Trees up to this many nodes
+# compute every row in one call; larger ones only the rows visited.
 DENSE_LOGITS_MAX_NODES = 16
 
 

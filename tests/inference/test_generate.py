@@ -93,7 +93,7 @@ def test_greedy_equals_base_greedy(name, attn):
             if isinstance(module, torch.nn.Module):
                 assert prepack_linear_weights(module) > 0 or not can_prepack()
     # sdpa runs the row-by-row verifier, eager the dense one (as on a GPU), prepacked the
-    # default (on a CPU: dense for small trees, row by row for large ones).
+    # default (on a CPU dense for trees of up to 16 nodes: every tree here).
     lazy = {"sdpa": True, "eager": False, "sdpa-prepacked": None}[attn]
     check_greedy_equals_base(base, heads, options, name, lazy_logits=lazy)
 
