@@ -27,7 +27,7 @@ from heads import EagleConfig, EagleDraft
 from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, shift_left
+from train.losses import chain_accept_length, shift_left, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -143,7 +143,7 @@ class EagleTrainee(Trainee):
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)
         loss = aux.new_zeros(())
-        correct, metrics = [], {}
+        correct, steps_ok, metrics = [], [], {}
         for j in range(self.spec.ttt_steps):
             valid = shift_left(
                 next_is_target, j + 1, False
@@ -160,11 +160,14 @@ class EagleTrainee(Trainee):
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok[next_is_target])
+            steps_ok.append(ok)
             metrics[f"step{j}/top1"] = float(ok[valid].float().mean())
             hidden = out
         metrics["sim_tau"] = (
             float(chain_accept_length(torch.stack(correct)).float().mean()) if correct else 1.0
         )
+        if not self.training and steps_ok:  # a Python walk over the rows: evaluation only
+            metrics["walk_tau"] = walk_accept_length(torch.stack(steps_ok), next_is_target)
         return loss, metrics
 
 

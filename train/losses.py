@@ -53,6 +53,31 @@ def chain_accept_length(correct: torch.Tensor) -> torch.Tensor:
     return 1 + correct.long().cumprod(dim=0).sum(dim=0)
 
 
+def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> float:
+    """Simulated tokens per verify step as a greedy chain decodes: in decode order.
+
+    correct: (K, B, T) bool, step k at row t right (it predicts the target k positions after
+    row t's); start: (B, T) bool, rows whose first target is an answer token. Each answer is
+    walked from its first row: a step at row t accepts a = 1 + leading correct steps (the bonus
+    included) and the next step starts at row t + a, as decoding does. Unlike the mean of
+    `chain_accept_length` over every row, which counts an easy stretch once per row, a
+    stretch crossed in one step counts once, so this estimate is the tau a fixed chain of K
+    steps reaches on these answers.
+    """
+    accept = (1 + correct.long().cumprod(dim=0).sum(dim=0)).tolist()  # (B,T)
+    rows = start.tolist()
+    tokens = steps = 0
+    for b, row in enumerate(rows):
+        t = 0
+        while t < len(row):
+            if not row[t]:
+                t += 1
+                continue
+            a = accept[b][t]
+            tokens, steps, t = tokens + a, steps + 1, t + a
+    return tokens / steps if steps else 1.0
+
+
 def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None):
     """Medusa-1 loss (Cai et al. 2024): sum_k decay^k * CE(head_k(h_t), y_{t+k+2}).
 

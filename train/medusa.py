@@ -22,7 +22,7 @@ from heads import MedusaConfig, MedusaHeads
 from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, shift_left
+from train.losses import chain_accept_length, shift_left, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -90,7 +90,7 @@ class MedusaTrainee(Trainee):
         del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
-        chain = []
+        chain, chain_rows = [], []
         for k in range(len(self.heads.blocks)):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
             if not valid.any():
@@ -115,6 +115,7 @@ class MedusaTrainee(Trainee):
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = (pred == truth) & (base_top[rows] == truth)
             chain.append(ok[next_is_target])
+            chain_rows.append(ok)
         if self.lora:
             ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
             adapted = (
@@ -129,6 +130,8 @@ class MedusaTrainee(Trainee):
         metrics["sim_tau"] = (
             float(chain_accept_length(torch.stack(chain)).float().mean()) if chain else 1.0
         )
+        if not self.training and chain_rows:  # a Python walk over the rows: evaluation only
+            metrics["walk_tau"] = walk_accept_length(torch.stack(chain_rows), next_is_target)
         return loss, metrics
 
 

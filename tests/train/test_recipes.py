@@ -219,6 +219,9 @@ def test_medusa_loss_falls_on_a_learnable_task(medusa_run):
     assert eval_lines[12]["eval/loss"] < 0.2 * eval_lines[1]["eval/loss"]
     assert eval_lines[12]["eval/head0/top1"] > eval_lines[1]["eval/head0/top1"] + 0.5
     assert eval_lines[12]["eval/sim_tau"] > 2.0  # 1 + both heads mostly right
+    # In decode order too (held-out only: the walk is not logged per training step).
+    assert "walk_tau" not in train_lines[12]
+    assert eval_lines[1]["eval/walk_tau"] < 1.5 < 2.0 < eval_lines[12]["eval/walk_tau"] <= 3.0
 
 
 def test_logged_lr_is_the_rate_each_update_used(medusa_run):
@@ -299,6 +302,8 @@ def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     assert last["eval/loss"] < 0.5 * first["eval/loss"]
     assert last["eval/step0/top1"] > max(0.5, first["eval/step0/top1"] + 0.3)
     assert last["eval/sim_tau"] > first["eval/sim_tau"] + 0.5
+    assert 1.0 <= first["eval/walk_tau"] < last["eval/walk_tau"] - 0.3
+    assert last["eval/walk_tau"] <= 4.0  # 3 TTT steps and the bonus token
 
 
 @pytest.mark.slow
