@@ -14,6 +14,7 @@ import json
 import math
 import re
 import socket
+import sys
 from contextlib import contextmanager, redirect_stdout
 from pathlib import Path
 
@@ -27,6 +28,9 @@ import train.medusa
 from heads import EagleDraft, MedusaHeads, load_heads
 from train.checkpoint import TrainingDiverged
 from train.config import load_recipe
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import eval_heads  # noqa: E402  (scripts/ is not a package)
 
 ROOT = Path(__file__).parents[2]
 TINY_MEDUSA = ROOT / "recipes" / "tiny-medusa.yaml"
@@ -230,6 +234,50 @@ def test_logged_lr_is_the_rate_each_update_used(medusa_run):
     train_lines, _ = read_metrics(medusa_run[0])
     want = [0.0] + [0.01 * (1 + math.cos(math.pi * (s - 1) / 11)) for s in range(1, 12)]
     assert [train_lines[s]["lr"] for s in range(1, 13)] == pytest.approx(want, abs=1e-9)
+
+
+@pytest.mark.slow
+def test_eval_heads_scores_the_held_out_split_and_other_answers(
+    medusa_run, eagle3_run, tiny_task, tmp_path
+):
+    """scripts/eval_heads.py: without --data it reproduces the run's final held-out metrics; with
+    --data and --categories it scores every answer, each category and all of them."""
+    for out in (medusa_run[0], eagle3_run[0]):
+        scores = tmp_path / f"{out.parent.name}.json"
+        eval_heads.main([str(out / "recipe.yaml"), str(out / "heads"), "--out", str(scores)])
+        got = json.loads(scores.read_text())["held-out"]
+        final = json.loads((out / "heads" / "training_metrics.json").read_text())
+        assert got["answers"] == 4  # eval_fraction 0.1 of 40 answers
+        assert {k: got[k] for k in final} == pytest.approx(final, abs=1e-5)
+        assert 1.0 <= got["eval/walk_tau"] <= got["eval/sim_tau"] + 0.5
+    # Categories by first user turn: the answers from 'a'-'d' and from 'e'-'h' (20 each).
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(
+        "".join(
+            json.dumps({"prompt": f"Recite the letters from '{x}'.", "category": c}) + "\n"
+            for x, c in zip("abcdefgh", ["early"] * 4 + ["late"] * 4)
+        )
+    )
+    out, scores = medusa_run[0], tmp_path / "data.json"
+    argv = [str(out / "recipe.yaml"), str(out / "heads"), "--data", str(tiny_task.data_dir)]
+    eval_heads.main([*argv, "--categories", str(questions), "--out", str(scores)])
+    got = json.loads(scores.read_text())
+    assert list(got) == ["all", "early", "late"]
+    assert [got[k]["answers"] for k in got] == [40, 20, 20]
+    assert got["all"]["eval/walk_tau"] > 2.0  # trained on these answers: both heads mostly right
+    tau = [got[k]["eval/walk_tau"] for k in ("early", "late")]
+    assert min(tau) - 0.05 <= got["all"]["eval/walk_tau"] <= max(tau) + 0.05
+
+
+def test_eval_heads_refuses_bad_arguments(medusa_run, eagle3_run, capsys):
+    medusa, eagle = medusa_run[0], eagle3_run[0]
+    for argv, message in (
+        ([medusa / "recipe.yaml", eagle / "heads"], "holds eagle heads but"),
+        ([medusa / "recipe.yaml", medusa / "heads", "--categories", "q.jsonl"], "give --data"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            eval_heads.main([str(a) for a in argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
 def assert_same_run(out: Path, reference: Path, steps: int) -> None:
