@@ -68,19 +68,29 @@ def first_user_turn(messages: list[dict[str, str]]) -> str:
     return next((m["content"] for m in messages if m["role"] == "user"), "").strip()
 
 
-def featurized(base, tokenizer, recipe, conversations, aux_ids) -> ExampleDataset:
-    """Tokenised answers with the base's features (one forward over them, in memory)."""
-    examples = build_examples(
-        conversations,
-        tokenizer,
-        chat_template=recipe.data.chat_template,
-        system_prompt=recipe.data.system_prompt,
-        max_length=recipe.training.max_length,
-    )
+def featurized(base, tokenizer, recipe, conversations, labels, aux_ids):
+    """{"all": every answer in file order, label: its answers} as datasets with the base's
+    features (one forward over all of them, in memory). Each category keeps the file order, so
+    "all" is scored exactly as without categories."""
+    examples, kept = [], []
+    for conversation, label in zip(conversations, labels):
+        example = build_examples(
+            [conversation],
+            tokenizer,
+            chat_template=recipe.data.chat_template,
+            system_prompt=recipe.data.system_prompt,
+            max_length=recipe.training.max_length,
+        )  # [] when nothing of the answer fits in max_length
+        examples += example
+        kept += [label] * len(example)
     features = precompute_features(
         base, examples, aux_ids, recipe.training.micro_batch_size, tokenizer.pad_token_id
     )
-    return ExampleDataset(examples, features)
+    datasets = {"all": ExampleDataset(examples, features)}
+    for label in dict.fromkeys(x for x in kept if x is not None):
+        rows = [i for i, x in enumerate(kept) if x == label]
+        datasets[label] = ExampleDataset([examples[i] for i in rows], [features[i] for i in rows])
+    return datasets
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -127,29 +137,16 @@ def main(argv: list[str] | None = None) -> int:
         else:
             try:
                 conversations = load_distilled(args.data, finished_only=False)
-                groups = {"all": conversations}
+                labels: list[str | None] = [None] * len(conversations)
                 if args.categories:
-                    groups = {}
                     category = categories_of(args.categories)
-                    for conv in conversations:
-                        name = category.get(first_user_turn(conv), "(none)")
-                        groups.setdefault(name, []).append(conv)
+                    labels = [category.get(first_user_turn(c), "(none)") for c in conversations]
             except (FileNotFoundError, ValueError, PromptSourceError) as e:
                 raise fail(str(e)) from None
-            # One base forward per group; "all" reuses the groups' features.
-            datasets = {
-                name: featurized(base, tokenizer, recipe, convs, aux_ids)
-                for name, convs in groups.items()
-            }
-            datasets = {name: d for name, d in datasets.items() if len(d)}
-            if not datasets:
+            datasets = featurized(base, tokenizer, recipe, conversations, labels, aux_ids)
+            if not len(datasets["all"]):
                 raise fail(f"{args.data}: no answer with assistant tokens within max_length")
-            if args.categories:
-                datasets["all"] = ExampleDataset(
-                    [e for d in datasets.values() for e in d.examples],
-                    [f for d in datasets.values() for f in d.features],
-                )
-            for name, dataset in sorted(datasets.items(), key=lambda kv: kv[0] != "all"):
+            for name, dataset in datasets.items():
                 scores[name] = {
                     "answers": len(dataset),
                     **evaluate(model, dataset, recipe, tokenizer.pad_token_id, base.device),
