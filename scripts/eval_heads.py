@@ -3,22 +3,24 @@
     python scripts/eval_heads.py RUN/recipe.yaml RUN/heads [--data DISTILLED] [--categories FILE]
         [--out FILE.json] [section.key=value ...]
 
-Runs the trainer's held-out evaluation (train/medusa.py or train/eagle.py, whichever the recipe
-names) on trained heads: each head's or TTT step's top-1 against the base's greedy token,
-`sim_tau` (1 + leading correct steps, averaged over answer positions) and `walk_tau` (the same
-walked in decode order: the tau a fixed chain of the heads' steps decodes at on these answers).
+Runs the trainer's held-out evaluation (train/medusa.py or train/eagle.py, as the recipe says)
+on trained heads: each head's or TTT step's top-1 against the base's greedy token, `sim_tau`
+(1 + leading correct steps, averaged over answer positions) and `walk_tau` (the same walked in
+decode order: the tau a fixed chain of the heads' steps decodes at on these answers). It scores
+as decoding runs, in the dtype the recipe loads the base in, without the recipe's training
+autocast: a run trained under bf16 autocast reported its held-out figures a little differently.
 
 Without `--data` it scores the recipe's own held-out split (`training.eval_fraction` of
-`data.output_dir`, the numbers the run reported). With `--data` it scores every answer in that
-distill output, e.g. the base's answers to the prompts your users send:
+`data.output_dir`). With `--data` it scores every answer in that distill output, e.g. the base's
+answers to the prompts your users send:
 
     python scripts/distill.py RUN/recipe.yaml 'data.sources=[mt_bench.jsonl]' \\
         data.limit=null data.output_dir=runs/mtbench-distill
     python scripts/eval_heads.py RUN/recipe.yaml RUN/heads --data runs/mtbench-distill \\
         --categories mt_bench.jsonl
 
-`--categories` (a prompt file whose records have a "category") also scores each category: an
-answer belongs to the category of the record whose first user turn it answers.
+`--categories` (prompts with a "category" per record, or `embedded`) also scores each category:
+an answer belongs to the category of the prompt whose first user turn it answers.
 """
 
 from __future__ import annotations
@@ -29,17 +31,25 @@ import sys
 from pathlib import Path
 
 import torch
+from accelerate import Accelerator
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "scripts"))
 
-from heads import load_heads  # noqa: E402
-from heads.medusa import MedusaHeads  # noqa: E402
+from bench import read_prompts  # noqa: E402  (scripts/ is not a package)
+from bench_methods import BenchError  # noqa: E402
+
+from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
 from train.data import build_examples, load_distilled  # noqa: E402
-from train.features import ExampleDataset, precompute_features  # noqa: E402
-from train.prompts import PromptSourceError, normalize_record  # noqa: E402
-from train.run import evaluate, load_frozen_base, make_accelerator, prepare_data  # noqa: E402
+from train.eagle import EagleTrainee  # noqa: E402
+from train.features import ExampleDataset, precompute_features, split_held_out  # noqa: E402
+from train.medusa import MedusaTrainee  # noqa: E402
+from train.prompts import Message, PromptSourceError  # noqa: E402
+from train.run import evaluate, load_frozen_base  # noqa: E402
+
+TRAINEES = {"medusa": (MedusaHeads, MedusaTrainee), "eagle": (EagleDraft, EagleTrainee)}
 
 
 def fail(message: str) -> SystemExit:
@@ -47,50 +57,51 @@ def fail(message: str) -> SystemExit:
     return SystemExit(2)
 
 
-def categories_of(path: str) -> dict[str, str]:
-    """First user turn -> category, from a prompt file whose records have a "category"."""
-    found = {}
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-                if "category" not in record:
-                    raise ValueError("no 'category' in this record")
-                found[first_user_turn(normalize_record(record))] = record["category"]
-            except ValueError as e:
-                raise fail(f"{path}:{lineno}: {e}") from None
-    return found
-
-
-def first_user_turn(messages: list[dict[str, str]]) -> str:
+def first_user_turn(messages: list[Message]) -> str:
     return next((m["content"] for m in messages if m["role"] == "user"), "").strip()
 
 
-def featurized(base, tokenizer, recipe, conversations, labels, aux_ids):
-    """{"all": every answer in file order, label: its answers} as datasets with the base's
-    features (one forward over all of them, in memory). Each category keeps the file order, so
-    "all" is scored exactly as without categories."""
-    examples, kept = [], []
-    for conversation, label in zip(conversations, labels):
-        example = build_examples(
-            [conversation],
-            tokenizer,
-            chat_template=recipe.data.chat_template,
-            system_prompt=recipe.data.system_prompt,
-            max_length=recipe.training.max_length,
-        )  # [] when nothing of the answer fits in max_length
-        examples += example
-        kept += [label] * len(example)
+def categories_of(spec: str) -> dict[str, str]:
+    """First user turn -> category of each prompt in `spec` (a prompt file or `embedded`)."""
+    found: dict[str, str] = {}
+    for prompt in read_prompts(spec, "first"):
+        turn = prompt.users[0].strip()
+        if found.setdefault(turn, prompt.category) != prompt.category:
+            raise BenchError(f"{spec}: {turn[:60]!r}... is in two categories")
+    if set(found.values()) == {"all"}:
+        raise BenchError(f"{spec}: no record has a 'category'")
+    return found
+
+
+def tokenized(conversations, tokenizer, recipe) -> list[dict[str, list[int]]]:
+    """As the trainers tokenise them; [] for a conversation with no answer token in max_length."""
+    return build_examples(
+        conversations,
+        tokenizer,
+        chat_template=recipe.data.chat_template,
+        system_prompt=recipe.data.system_prompt,
+        max_length=recipe.training.max_length,
+    )
+
+
+def with_features(base, tokenizer, recipe, examples, aux_ids) -> ExampleDataset:
+    """The examples and the base's features over them (one forward, in memory)."""
     features = precompute_features(
         base, examples, aux_ids, recipe.training.micro_batch_size, tokenizer.pad_token_id
     )
-    datasets = {"all": ExampleDataset(examples, features)}
-    for label in dict.fromkeys(x for x in kept if x is not None):
-        rows = [i for i, x in enumerate(kept) if x == label]
-        datasets[label] = ExampleDataset([examples[i] for i in rows], [features[i] for i in rows])
-    return datasets
+    return ExampleDataset(examples, features)
+
+
+def by_category(dataset: ExampleDataset, labels: list[str]) -> dict[str, ExampleDataset]:
+    """{"all": the dataset, label: its examples in the same order}: so "all" scores exactly
+    as without categories."""
+    groups = {"all": dataset}
+    for label in dict.fromkeys(labels):
+        rows = [i for i, x in enumerate(labels) if x == label]
+        groups[label] = ExampleDataset(
+            [dataset.examples[i] for i in rows], [dataset.features[i] for i in rows]
+        )
+    return groups
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -100,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("recipe", help="the recipe the heads were trained with (RUN/recipe.yaml)")
     parser.add_argument("heads", help="heads folder or Hub repo id")
     parser.add_argument("--data", help="a distill output to score instead of the held-out split")
-    parser.add_argument("--categories", help="prompt JSONL with a 'category' per record")
+    parser.add_argument("--categories", help="prompts with a 'category' per record, or embedded")
     parser.add_argument("--out", help="also write the scores to this JSON file")
     parser.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
     args = parser.parse_args(argv)
@@ -108,50 +119,54 @@ def main(argv: list[str] | None = None) -> int:
         raise fail("--categories groups the answers of --data; give --data too")
     try:
         recipe = load_recipe(args.recipe, args.overrides)
-    except (RecipeError, FileNotFoundError) as e:
+        # Read before the base loads: bad input stops at once.
+        data = args.data or recipe.data.output_dir
+        conversations = load_distilled(data, finished_only=False)
+        if not any(m["role"] == "assistant" for c in conversations for m in c):
+            raise ValueError(f"{data}: no assistant answers (scripts/distill.py writes them)")
+        category = categories_of(args.categories) if args.categories else {}
+        if category and not any(first_user_turn(c) in category for c in conversations):
+            raise BenchError(f"no answer in {args.data} answers a prompt of {args.categories}")
+    except (RecipeError, FileNotFoundError, ValueError, PromptSourceError, BenchError) as e:
         raise fail(str(e)) from None
-    heads = load_heads(args.heads)
-    kind = "medusa" if isinstance(heads, MedusaHeads) else "eagle"
-    if recipe.heads.type != kind:
-        raise fail(f"{args.heads} holds {kind} heads but {args.recipe} trains {recipe.heads.type}")
-    if kind == "medusa":
-        from train.medusa import MedusaTrainee as Trainee
-
-        aux_ids: list[int] = []
-    else:
-        from train.eagle import EagleTrainee as Trainee
-
-        aux_ids = list(heads.config.aux_layer_ids) if heads.config.version == 3 else []
-    accelerator = make_accelerator(recipe)
+    heads_class, trainee_class = TRAINEES[recipe.heads.type]
+    accelerator = Accelerator()  # the device only: no trackers, no training autocast
     base, tokenizer = load_frozen_base(recipe, accelerator)
-    heads = load_heads(args.heads, base)
-    model = Trainee(base, heads, recipe)
+    try:
+        heads = load_heads(args.heads, base)
+    except (FileNotFoundError, ValueError) as e:
+        raise fail(str(e)) from None
+    if not isinstance(heads, heads_class):
+        raise fail(
+            f"{args.heads} does not hold {recipe.heads.type} heads, which {args.recipe} trains"
+        )
+    model = trainee_class(base, heads, recipe)
+    aux_ids = getattr(model, "aux_ids", ())
+    if not args.data:  # the trainer's split of the recipe's data
+        _, held_out = split_held_out(
+            tokenized(conversations, tokenizer, recipe),
+            recipe.training.eval_fraction,
+            recipe.training.seed,
+        )
+        if not held_out:
+            raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
+        datasets = {"held-out": with_features(base, tokenizer, recipe, held_out, aux_ids)}
+    else:
+        examples, labels = [], []
+        for conversation in conversations:
+            example = tokenized([conversation], tokenizer, recipe)
+            examples += example
+            labels += [category.get(first_user_turn(conversation), "(no category)")] * len(example)
+        if not examples:
+            raise fail(f"{args.data}: no answer token within training.max_length")
+        dataset = with_features(base, tokenizer, recipe, examples, aux_ids)
+        datasets = by_category(dataset, labels) if category else {"all": dataset}
     scores: dict[str, dict[str, float]] = {}
     with torch.no_grad():
-        if not args.data:
-            _, held_out = prepare_data(recipe, base, tokenizer, accelerator, aux_ids)
-            scores["held-out"] = {
-                "answers": len(held_out),
-                **evaluate(model, held_out, recipe, tokenizer.pad_token_id, base.device),
-            }
-        else:
-            try:
-                conversations = load_distilled(args.data, finished_only=False)
-                labels: list[str | None] = [None] * len(conversations)
-                if args.categories:
-                    category = categories_of(args.categories)
-                    labels = [category.get(first_user_turn(c), "(none)") for c in conversations]
-            except (FileNotFoundError, ValueError, PromptSourceError) as e:
-                raise fail(str(e)) from None
-            datasets = featurized(base, tokenizer, recipe, conversations, labels, aux_ids)
-            if not len(datasets["all"]):
-                raise fail(f"{args.data}: no answer with assistant tokens within max_length")
-            for name, dataset in datasets.items():
-                scores[name] = {
-                    "answers": len(dataset),
-                    **evaluate(model, dataset, recipe, tokenizer.pad_token_id, base.device),
-                }
-    keys = [k for k in next(iter(scores.values())) if k not in ("answers", "eval/loss")]
+        for name, dataset in datasets.items():
+            metrics = evaluate(model, dataset, recipe, tokenizer.pad_token_id, base.device)
+            scores[name] = {"answers": len(dataset), **metrics}
+    keys = [k for k in scores[next(iter(scores))] if k not in ("answers", "eval/loss")]
     print("| answers | n | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")
     print("|---|---:|" + "---:|" * len(keys))
     for name, row in scores.items():

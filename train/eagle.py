@@ -77,6 +77,9 @@ class EagleTrainee(Trainee):
         with torch.no_grad():
             embeds = self.base.get_input_embeddings()(shift_left(ids, 1))  # embed(x_{t+1}) (B,T,H)
             next_is_target = shift_left(batch["loss_mask"].bool(), 1, False)
+            # A decode step starts at row t when its root (t + 1) and first target (t + 2) are
+            # answer tokens: walk_tau's rows.
+            starts = next_is_target & shift_left(next_is_target, 1, False)
             row_of = torch.full(ids.shape, -1, dtype=torch.long, device=ids.device)
             row_of[next_is_target] = torch.arange(int(next_is_target.sum()), device=ids.device)
         # The base's logits at the target rows, once per batch: EAGLE-1 reads the whole
@@ -93,12 +96,14 @@ class EagleTrainee(Trainee):
         feats = {k: v.to(dtype) for k, v in feats.items()}
         embeds = embeds.to(dtype)
         if not v3:
-            return self._eagle1(feats["hidden"], embeds, next_is_target, row_of, base_logits, step)
+            return self._eagle1(
+                feats["hidden"], embeds, next_is_target, starts, row_of, base_logits, step
+            )
         return self._eagle3(
-            feats["aux"], embeds, attn, next_is_target, row_of, base_logits, base_top
+            feats["aux"], embeds, attn, next_is_target, starts, row_of, base_logits, base_top
         )
 
-    def _eagle1(self, hidden, embeds, next_is_target, row_of, base_logits, step):
+    def _eagle1(self, hidden, embeds, next_is_target, starts, row_of, base_logits, step):
         B, T, H = hidden.shape
         x = hidden
         if self.training and self.spec.feature_noise > 0:  # seeded by step: resume is exact
@@ -124,14 +129,19 @@ class EagleTrainee(Trainee):
             self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
         )
         top1 = (logits.argmax(-1) == target.argmax(-1)).float()
-        return loss, {
+        metrics = {
             "feature_loss": float(feature_loss.detach()),
             "token_loss": float(token_loss.detach()),
             "step0/top1": float(top1.mean()),
             "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
         }
+        if not self.training:  # a Python walk over the rows: evaluation only
+            ok = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device)
+            ok[valid] = top1.bool()
+            metrics["walk_tau"] = walk_accept_length(ok[None], starts)
+        return loss, metrics
 
-    def _eagle3(self, aux, embeds, attn, next_is_target, row_of, draft_logits, base_top):
+    def _eagle3(self, aux, embeds, attn, next_is_target, starts, row_of, draft_logits, base_top):
         """draft_logits (p, V_draft): the base's logits on the draft vocabulary at the target
         rows; base_top (p,) its greedy tokens there."""
         B, T, _ = aux.shape
@@ -143,7 +153,7 @@ class EagleTrainee(Trainee):
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)
         loss = aux.new_zeros(())
-        correct, steps_ok, metrics = [], [], {}
+        correct, metrics = [], {}  # (B,T) per step: right at that row
         for j in range(self.spec.ttt_steps):
             valid = shift_left(
                 next_is_target, j + 1, False
@@ -159,15 +169,16 @@ class EagleTrainee(Trainee):
             loss = loss + self.decay**j * -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
-            correct.append(ok[next_is_target])
-            steps_ok.append(ok)
+            correct.append(ok)
             metrics[f"step{j}/top1"] = float(ok[valid].float().mean())
             hidden = out
         metrics["sim_tau"] = (
-            float(chain_accept_length(torch.stack(correct)).float().mean()) if correct else 1.0
+            float(chain_accept_length(torch.stack(correct)[:, next_is_target]).float().mean())
+            if correct
+            else 1.0
         )
-        if not self.training and steps_ok:  # a Python walk over the rows: evaluation only
-            metrics["walk_tau"] = walk_accept_length(torch.stack(steps_ok), next_is_target)
+        if not self.training and correct:  # a Python walk over the rows: evaluation only
+            metrics["walk_tau"] = walk_accept_length(torch.stack(correct), starts)
         return loss, metrics
 
 

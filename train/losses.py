@@ -53,29 +53,33 @@ def chain_accept_length(correct: torch.Tensor) -> torch.Tensor:
     return 1 + correct.long().cumprod(dim=0).sum(dim=0)
 
 
-def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> float:
-    """Simulated tokens per verify step as a greedy chain decodes: in decode order.
+def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> tuple[int, int]:
+    """Tokens and verify steps of a greedy chain decoding the answers: (tokens, steps).
 
-    correct: (K, B, T) bool, step k at row t right (it predicts the target k positions after
-    row t's); start: (B, T) bool, rows whose first target is an answer token. Each answer is
-    walked from its first row: a step at row t accepts a = 1 + leading correct steps (the bonus
-    included) and the next step starts at row t + a, as decoding does. Unlike the mean of
-    `chain_accept_length` over every row, which counts an easy stretch once per row, a
-    stretch crossed in one step counts once, so this estimate is the tau a fixed chain of K
-    steps reaches on these answers.
+    correct: (K, B, T) bool, step k at row t right (it predicts the token k + 2 positions after
+    row t); start: (B, T) bool, rows a decode step can start from: the root token (row t + 1) and
+    the next one are answer tokens. Each run of start rows (an answer) is walked from its first
+    row, as decoding does after the prefill gave the answer's first token: a step at row t
+    accepts a = 1 + leading correct steps (the bonus token included), at most the answer's
+    tokens left, and the next step starts at row t + a. Unlike the mean of `chain_accept_length`
+    over every row, which counts an easy stretch once per row, a stretch crossed in one step
+    counts once: tokens / steps is the tau a fixed chain of K steps reaches on these answers.
     """
     accept = (1 + correct.long().cumprod(dim=0).sum(dim=0)).tolist()  # (B,T)
-    rows = start.tolist()
     tokens = steps = 0
-    for b, row in enumerate(rows):
+    for b, row in enumerate(start.tolist()):
         t = 0
         while t < len(row):
             if not row[t]:
                 t += 1
                 continue
-            a = accept[b][t]
-            tokens, steps, t = tokens + a, steps + 1, t + a
-    return tokens / steps if steps else 1.0
+            end = t  # the answer's last start row: it predicts the answer's last token
+            while end + 1 < len(row) and row[end + 1]:
+                end += 1
+            while t <= end:
+                a = min(accept[b][t], end - t + 1)
+                tokens, steps, t = tokens + a, steps + 1, t + a
+    return tokens, steps
 
 
 def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None):

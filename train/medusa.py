@@ -90,7 +90,7 @@ class MedusaTrainee(Trainee):
         del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
-        chain, chain_rows = [], []
+        chain = []  # (B,T) per head: right at that row and the data token is the base's
         for k in range(len(self.heads.blocks)):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
             if not valid.any():
@@ -114,8 +114,7 @@ class MedusaTrainee(Trainee):
             # Chain acceptance: head k right and the data token is the base's greedy choice.
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = (pred == truth) & (base_top[rows] == truth)
-            chain.append(ok[next_is_target])
-            chain_rows.append(ok)
+            chain.append(ok)
         if self.lora:
             ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
             adapted = (
@@ -128,10 +127,14 @@ class MedusaTrainee(Trainee):
             loss = ramp * loss + self.kl_weight * kl
             metrics["kl"] = float(kl.detach())
         metrics["sim_tau"] = (
-            float(chain_accept_length(torch.stack(chain)).float().mean()) if chain else 1.0
+            float(chain_accept_length(torch.stack(chain)[:, next_is_target]).float().mean())
+            if chain
+            else 1.0
         )
-        if not self.training and chain_rows:  # a Python walk over the rows: evaluation only
-            metrics["walk_tau"] = walk_accept_length(torch.stack(chain_rows), next_is_target)
+        if not self.training and chain:  # a Python walk over the rows: evaluation only
+            # A step starts at row t when its root (t + 1) and first target (t + 2) are answer tokens.
+            starts = next_is_target & shift_left(next_is_target, 1, False)
+            metrics["walk_tau"] = walk_accept_length(torch.stack(chain), starts)
         return loss, metrics
 
 

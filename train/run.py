@@ -324,19 +324,27 @@ class Trainee(torch.nn.Module):
 def evaluate(
     model: torch.nn.Module, dataset, recipe: Recipe, pad_id: int, device
 ) -> dict[str, float]:
-    """A trainee's held-out loss and metrics (accuracies, simulated acceptance): batch means."""
+    """A trainee's held-out loss and metrics (accuracies, simulated acceptance): batch means,
+    except a metric given as (numerator, denominator), which is summed over the batches and
+    divided once (tokens / steps)."""
     model.eval()
     totals: dict[str, float] = {}
+    ratios: dict[str, tuple[float, float]] = {}
     n = 0
     bs = recipe.training.micro_batch_size
     for start in range(0, len(dataset), bs):
         batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
         loss, metrics = model(batch)
         for key, value in {"loss": float(loss), **metrics}.items():
-            totals[key] = totals.get(key, 0.0) + value
+            if isinstance(value, tuple):
+                num, den = ratios.get(key, (0.0, 0.0))
+                ratios[key] = (num + value[0], den + value[1])
+            else:
+                totals[key] = totals.get(key, 0.0) + value
         n += 1
     model.train()
-    return {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
+    means = {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
+    return means | {f"eval/{k}": num / den for k, (num, den) in ratios.items() if den}
 
 
 def assert_trainable(model: torch.nn.Module, expected: int, accelerator: Accelerator) -> None:

@@ -47,27 +47,26 @@ def test_chain_accept_length_counts_leading_correct_steps_plus_the_bonus_token()
 
 
 def test_walk_accept_length_decodes_in_steps_not_per_position():
-    # One answer of 9 rows: an easy stretch (both steps right on rows 0-5), then hard rows.
+    # One answer of 9 start rows: an easy stretch (both steps right on rows 0-5), then hard rows.
     easy = torch.tensor([[1, 1, 1, 1, 1, 1, 0, 0, 0]], dtype=torch.bool)
     correct = torch.stack([easy, easy])  # (K=2, B=1, T=9)
     start = torch.ones(1, 9, dtype=torch.bool)
     # The per-position mean counts the easy stretch six times: (6 * 3 + 3 * 1) / 9.
     assert chain_accept_length(correct.flatten(1)).float().mean() == pytest.approx(21 / 9)
-    # Decoding crosses it in two steps (rows 0 and 3), then one token per step: 9 / 5.
-    assert walk_accept_length(correct, start) == pytest.approx(9 / 5)
+    # Decoding crosses it in two steps (rows 0 and 3), then one token per step: 9 in 5 steps.
+    assert walk_accept_length(correct, start) == (9, 5)
 
 
-def test_walk_accept_length_walks_each_answer_from_its_first_row():
+def test_walk_accept_length_walks_each_answer_and_stops_at_its_end():
     correct = torch.zeros(2, 2, 7, dtype=torch.bool)  # (K=2, B=2, T=7)
-    correct[:, 0, 0] = True  # row 0 of answer 0: both steps right, 3 tokens
-    correct[0, 0, 3] = True  # row 3: step 0 right, step 1 wrong, 2 tokens
+    correct[:, 0, 0] = True  # sequence 0, row 0: both steps right, 3 tokens
     correct[1, 0, 1] = True  # row 1: step 1 right after a wrong step 0, never reached
-    correct[:, 1, 5] = True  # sequence 1, its second answer's first row: 3 tokens
+    correct[:, 0, 3] = True  # row 3: 3 tokens, but only 2 of the answer are left (rows 3-4)
+    correct[:, 1, 5] = True  # sequence 1, its second answer's first row: 3, but 2 left
     start = torch.tensor([[1, 1, 1, 1, 1, 0, 0], [0, 0, 1, 0, 0, 1, 1]], dtype=torch.bool)
-    # Sequence 0: rows 0 (3) and 3 (2), then row 5 is no answer row. Sequence 1: row 2 (1),
-    # rows 3-4 are the user's turn, row 5 (3) jumps past the end.
-    assert walk_accept_length(correct, start) == pytest.approx((3 + 2 + 1 + 3) / 4)
-    assert walk_accept_length(correct, torch.zeros(2, 7, dtype=torch.bool)) == 1.0
+    # Sequence 1: row 2 is a one-token answer; rows 3-4 are the user's next turn.
+    assert walk_accept_length(correct, start) == (3 + 2 + 1 + 2, 4)
+    assert walk_accept_length(correct, torch.zeros(2, 7, dtype=torch.bool)) == (0, 0)
 
 
 def test_soft_cross_entropy_averages_over_masked_positions_only():
