@@ -22,10 +22,12 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 import train.eagle
 import train.medusa
 from heads import EagleDraft, MedusaHeads, load_heads
+from tests.train.conftest import SYSTEM_PROMPT
 from train.checkpoint import TrainingDiverged
 from train.config import load_recipe
 
@@ -268,6 +270,52 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
     # "all" is tokens / steps over both categories: between the two.
     tau = [got[k]["eval/walk_tau"] for k in ("early", "late")]
     assert min(tau) - 1e-9 <= got["all"]["eval/walk_tau"] <= max(tau) + 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_walk_tau_is_the_tau_a_fixed_chain_decodes_at(kind, medusa_run, eagle3_run, tiny_task):
+    """Decode the base's greedy answer with the trained heads as a fixed chain (fp32), then score
+    that answer as the trainer's held-out evaluation does: walk_tau equals the decode's tau."""
+    from inference.generate import SpeculativeGenerator
+    from train.features import ExampleDataset
+    from train.run import evaluate
+
+    out = (medusa_run if kind == "medusa" else eagle3_run)[0]
+    recipe = load_recipe(out / "recipe.yaml")
+    base = load_tiny_base(tiny_task)
+    heads = load_heads(out / "heads", base=base)
+    if kind == "medusa":
+        generator = SpeculativeGenerator(base, heads, choices="chain-2")
+        trainee = train.medusa.MedusaTrainee(base, heads, recipe)
+    else:  # EAGLE-3 trained a 2-step unroll: a 2-token chain
+        generator = SpeculativeGenerator(base, heads, top_k=1, depth=2, total_tokens=3)
+        trainee = train.eagle.EagleTrainee(base, heads, recipe)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples, taus = [], []
+    for letter in "bdg":
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Recite the letters from '{letter}'."},
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded = generator.generate(torch.tensor(prompt), max_new_tokens=20)
+        answer = decoded.sequences[0, len(prompt) :].tolist()
+        assert decoded.mean_accepted_length > 1.5  # the heads draft most of it
+        ids = prompt + answer
+        mask = [0] * len(prompt) + [1] * len(answer)
+        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+        taus.append((sum(decoded.accepted_lengths), decoded.num_steps))
+    with torch.no_grad():
+        for example, (tokens, steps) in zip(examples, taus):
+            one = ExampleDataset([example])
+            got = evaluate(trainee, one, recipe, tokenizer.pad_token_id, "cpu")
+            assert got["eval/walk_tau"] == pytest.approx(tokens / steps), example
+        # Over several answers: tokens over steps, not a mean of the answers' ratios.
+        got = evaluate(trainee, ExampleDataset(examples), recipe, tokenizer.pad_token_id, "cpu")
+    total = [sum(x) for x in zip(*taus)]
+    assert got["eval/walk_tau"] == pytest.approx(total[0] / total[1])
 
 
 @pytest.mark.slow
