@@ -66,19 +66,18 @@ def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> tuple[int,
     counts once: tokens / steps is the tau a fixed chain of K steps reaches on these answers.
     """
     accept = (1 + correct.long().cumprod(dim=0).sum(dim=0)).tolist()  # (B,T)
+    rows = start.tolist()
     tokens = steps = 0
-    for b, row in enumerate(start.tolist()):
-        t = 0
-        while t < len(row):
-            if not row[t]:
-                t += 1
-                continue
-            end = t  # the answer's last start row: it predicts the answer's last token
-            while end + 1 < len(row) and row[end + 1]:
-                end += 1
-            while t <= end:
-                a = min(accept[b][t], end - t + 1)
-                tokens, steps, t = tokens + a, steps + 1, t + a
+    for b, t in start.nonzero().tolist():  # in order, the answers' rows only
+        row = rows[b]
+        if t > 0 and row[t - 1]:
+            continue  # inside an answer: its walk started at its first row
+        end = t  # the answer's last start row: it predicts the answer's last token
+        while end + 1 < len(row) and row[end + 1]:
+            end += 1
+        while t <= end:
+            a = min(accept[b][t], end - t + 1)
+            tokens, steps, t = tokens + a, steps + 1, t + a
     return tokens, steps
 
 
