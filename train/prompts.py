@@ -5,7 +5,8 @@ Sources (`data.sources` in a recipe):
 - a `.jsonl` file, one record per line, or a `.json` file holding a list of records (or one);
 - a folder: every `*.jsonl` in it, in name order (e.g. the shards `scripts/distill.py` writes);
 - `hf:ORG/NAME[:CONFIG]:SPLIT`: a Hugging Face dataset through `datasets.load_dataset`;
-- `embedded` or `embedded:CATEGORY[,CATEGORY]`: the offline default set (see `embedded_prompts`).
+- `embedded` or `embedded:CATEGORY[,CATEGORY]`: the offline default set, or some of its and the
+  extra categories (see `embedded_prompts`).
 
 A record is one of: ShareGPT `{"conversations": [{"from": "human"|"gpt"|"system", "value"}]}`,
 OpenAI `{"messages": [{"role", "content"}]}`, MT-bench / Spec-Bench `{"turns": [user, ...]}` or
@@ -44,6 +45,9 @@ EMBEDDED_CATEGORIES = (
     "qa",
     "extraction",
 )
+# Not in `embedded` (the recipes' data and figures were measured without them); by name only,
+# e.g. `embedded:roleplay,reasoning,knowledge,compositions` beside `embedded`.
+EXTRA_CATEGORIES = ("roleplay", "reasoning", "knowledge", "compositions")
 _DATA_DIR = Path(__file__).with_name("prompt_data")
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -282,15 +286,18 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
     Python standard library that ships with the interpreter (module docstrings to summarise,
     small public functions to explain). About 15% carry a follow-up user turn. Deterministic for
     a given Python version; disjoint from MT-bench, Spec-Bench and HumanEval (tested).
+    `EXTRA_CATEGORIES` (roleplay, reasoning, knowledge, compositions: 1,745 more prompts) are
+    only given by name.
     """
-    unknown = set(categories or ()) - set(EMBEDDED_CATEGORIES)
+    known = EMBEDDED_CATEGORIES + EXTRA_CATEGORIES
+    unknown = set(categories or ()) - set(known)
     if unknown:
         raise PromptSourceError(
-            f"unknown embedded categories {sorted(unknown)}; known: {', '.join(EMBEDDED_CATEGORIES)}"
+            f"unknown embedded categories {sorted(unknown)}; known: {', '.join(known)}"
         )
     prompts, seen = [], set()
     for category, turns in _embedded_turns():
-        if categories and category not in categories:
+        if category not in (categories or EMBEDDED_CATEGORIES):
             continue
         messages = [{"role": "user", "content": t} for t in turns]
         prompt = Prompt(conversation_id(messages), messages, f"embedded:{category}")
@@ -304,7 +311,7 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
 def _embedded_turns() -> tuple[tuple[str, tuple[str, ...]], ...]:
     out: list[tuple[str, tuple[str, ...]]] = []
     stdlib = _stdlib_prompts()
-    for category in EMBEDDED_CATEGORIES:
+    for category in EMBEDDED_CATEGORIES + EXTRA_CATEGORIES:
         spec = json.loads((_DATA_DIR / f"{category}.json").read_text(encoding="utf-8"))
         texts = [t for g in spec["groups"] for t in _expand_group(g, category)]
         texts += [text for cat, text in stdlib if cat == category]

@@ -10,6 +10,7 @@ import pytest
 import train.prompts as prompts_module
 from train.prompts import (
     EMBEDDED_CATEGORIES,
+    EXTRA_CATEGORIES,
     PromptSourceError,
     embedded_prompts,
     load_prompts,
@@ -209,7 +210,17 @@ def test_embedded_set_is_large_diverse_unique_and_deterministic():
         embedded_prompts(["poetry"])
 
 
-@pytest.mark.parametrize("category", EMBEDDED_CATEGORIES)
+def test_extra_categories_come_only_by_name():
+    default = {p.id for p in embedded_prompts()}
+    extra = embedded_prompts(list(EXTRA_CATEGORIES))
+    by_category = Counter(p.source.split(":")[1] for p in extra)
+    assert set(by_category) == set(EXTRA_CATEGORIES) and min(by_category.values()) >= 200
+    assert not default & {p.id for p in extra}
+    both = read_source("embedded:roleplay,coding")[0]
+    assert {p.source for p in both} == {"embedded:roleplay", "embedded:coding"}
+
+
+@pytest.mark.parametrize("category", EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)
 def test_embedded_templates_use_exactly_their_slots(category):
     spec = json.loads((prompts_module._DATA_DIR / f"{category}.json").read_text())
     assert spec["category"] == category
@@ -233,7 +244,7 @@ def _shingles(text: str, n: int = 8) -> set[tuple[str, ...]]:
 def _assert_disjoint(eval_texts: list[str], name: str) -> None:
     eval_shingles = set().union(*(_shingles(t) for t in eval_texts))
     normalized = {" ".join(re.findall(r"[a-z0-9']+", t.lower())) for t in eval_texts}
-    for prompt in embedded_prompts():
+    for prompt in embedded_prompts(list(EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)):
         for message in prompt.messages:
             text = message["content"]
             assert " ".join(re.findall(r"[a-z0-9']+", text.lower())) not in normalized, (name, text)
