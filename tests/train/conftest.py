@@ -4,18 +4,23 @@ The task: every answer cycles through the letters "a b c d e f g h" from a diffe
 each answer token fixes all the following ones. The tiny random Llama (2 layers, H=64) gets the
 embedded SmolLM2 tokenizer (V=49152) and an lm_head fitted to the task (row y = the centred mean
 of the final hidden states that precede y), so the base predicts the next letter and its soft
-labels carry the pattern the heads must learn.
+labels carry the pattern the heads must learn. `medusa_run` and `eagle3_run` train the tiny
+recipes on it once per session (test_recipes.py checks the runs, test_eval_heads.py scores them).
 """
 
 from __future__ import annotations
 
+import io
 import json
+from contextlib import contextmanager, redirect_stdout
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
 import torch
 
+import train.eagle
+import train.medusa
 from tests.conftest import make_tiny_llama
 from train.data import build_examples, load_distilled, pad_batch
 
@@ -96,3 +101,73 @@ def tiny_task(tmp_path_factory, smollm2_tokenizer) -> TinyTask:
     base.save_pretrained(base_dir)
     tokenizer.save_pretrained(base_dir)
     return TinyTask(base_dir=base_dir, data_dir=data_dir)
+
+
+ROOT = Path(__file__).parents[2]
+TINY_MEDUSA = ROOT / "recipes" / "tiny-medusa.yaml"
+TINY_EAGLE = ROOT / "recipes" / "tiny-eagle.yaml"
+
+# Medusa: 12 steps over two epochs (9 steps each): checkpoints at 2, 4, ..., 12 and a held-out
+# evaluation after every step, so a resume can start mid-epoch and learning shows step by step.
+MEDUSA_RUN = [
+    "training.epochs=2",
+    "training.max_steps=12",
+    "training.learning_rate=0.02",
+    "training.eval_every_steps=1",
+]
+# EAGLE-3 starts from a random lm_head and first learns the letters' marginal: 18 steps (two
+# epochs) of a 2-step unroll at a steady rate to learn the pattern itself.
+EAGLE3_RUN = [
+    "heads.ttt_steps=2",
+    "training.epochs=2",
+    "training.max_steps=18",
+    "training.learning_rate=0.01",
+    "training.warmup_steps=0",
+    "training.eval_every_steps=1",
+]
+
+
+@contextmanager
+def watching(module):
+    """Keep the base that `module`'s recipe loads (to check it afterwards)."""
+    seen = {}
+    real = module.load_frozen_base
+
+    def load(recipe, accelerator):
+        seen["base"], tokenizer = real(recipe, accelerator)
+        return seen["base"], tokenizer
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "load_frozen_base", load)
+        yield seen
+
+
+def run(module, recipe: Path, task, out: Path, *overrides: str):
+    """Run a recipe in-process; returns the base it trained against."""
+    with watching(module) as seen:
+        module.main([str(recipe), *task.overrides(out), *overrides])
+    return seen["base"]
+
+
+def load_tiny_base(task):
+    from heads import load_base
+
+    return load_base(str(task.base_dir), device="cpu")[0]
+
+
+@pytest.fixture(scope="session")
+def medusa_run(tiny_task, tmp_path_factory):
+    """The uninterrupted Medusa run: (output dir, base it trained against, stdout)."""
+    out = tmp_path_factory.mktemp("medusa") / "out"
+    with redirect_stdout(io.StringIO()) as printed:
+        base = run(train.medusa, TINY_MEDUSA, tiny_task, out, *MEDUSA_RUN)
+    return out, base, printed.getvalue()
+
+
+@pytest.fixture(scope="session")
+def eagle3_run(tiny_task, tmp_path_factory):
+    """The EAGLE-3 run: (output dir, base it trained against, stdout)."""
+    out = tmp_path_factory.mktemp("eagle3") / "out"
+    with redirect_stdout(io.StringIO()) as printed:
+        base = run(train.eagle, TINY_EAGLE, tiny_task, out, *EAGLE3_RUN)
+    return out, base, printed.getvalue()

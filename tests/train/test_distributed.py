@@ -15,14 +15,12 @@ import pytest
 import yaml
 
 from heads import MedusaHeads, load_heads
+from tests.train.conftest import ROOT, TINY_MEDUSA, load_tiny_base
 from tests.train.test_recipes import (
     CHECKPOINT_FILES,
     HEADS_FILES,
-    ROOT,
-    TINY_MEDUSA,
     assert_same_run,
     free_port,
-    load_tiny_base,
     read_metrics,
 )
 

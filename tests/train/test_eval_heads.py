@@ -1,0 +1,124 @@
+"""scripts/eval_heads.py and the trainers' walk_tau on the tiny recipe runs of conftest.py: walk_tau
+equals the tau of a fixed chain decoding the same answers, the script reproduces a run's held-out
+metrics and scores other answers per category, and bad input exits 2 with a message."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+import train.eagle
+import train.medusa
+from heads import load_heads
+from tests.train.conftest import SYSTEM_PROMPT, load_tiny_base
+from train.config import load_recipe
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import eval_heads  # noqa: E402  (scripts/ is not a package)
+
+
+@pytest.mark.slow
+def test_eval_heads_scores_the_held_out_split_and_other_answers(
+    medusa_run, eagle3_run, tiny_task, tmp_path
+):
+    """scripts/eval_heads.py: without --data it reproduces the run's final held-out metrics; with
+    --data and --categories it scores every answer, each category and all of them."""
+    for out in (medusa_run[0], eagle3_run[0]):
+        scores = tmp_path / f"{out.parent.name}.json"
+        eval_heads.main([str(out / "recipe.yaml"), str(out / "heads"), "--out", str(scores)])
+        got = json.loads(scores.read_text())["held-out"]
+        final = json.loads((out / "heads" / "training_metrics.json").read_text())
+        assert got["answers"] == 4  # eval_fraction 0.1 of 40 answers
+        assert {k: got[k] for k in final} == pytest.approx(final, abs=1e-5)
+    # Categories by first user turn: the answers from 'a'-'d' and from 'e'-'h' (20 each).
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(
+        "".join(
+            json.dumps({"prompt": f"Recite the letters from '{x}'.", "category": c}) + "\n"
+            for x, c in zip("abcdefgh", ["early"] * 4 + ["late"] * 4)
+        )
+    )
+    out, scores = medusa_run[0], tmp_path / "data.json"
+    argv = [str(out / "recipe.yaml"), str(out / "heads"), "--data", str(tiny_task.data_dir)]
+    eval_heads.main([*argv, "--categories", str(questions), "--out", str(scores)])
+    got = json.loads(scores.read_text())
+    assert list(got) == ["all", "early", "late"]
+    assert [got[k]["answers"] for k in got] == [40, 20, 20]
+    assert got["all"]["eval/walk_tau"] > 2.0  # trained on these answers: both heads mostly right
+    # "all" is tokens / steps over both categories: between the two.
+    tau = [got[k]["eval/walk_tau"] for k in ("early", "late")]
+    assert min(tau) - 1e-9 <= got["all"]["eval/walk_tau"] <= max(tau) + 1e-9
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_walk_tau_is_the_tau_a_fixed_chain_decodes_at(kind, medusa_run, eagle3_run, tiny_task):
+    """Decode the base's greedy answer with the trained heads as a fixed chain (fp32), then score
+    that answer as the trainer's held-out evaluation does: walk_tau equals the decode's tau."""
+    from inference.generate import SpeculativeGenerator
+    from train.features import ExampleDataset
+    from train.run import evaluate
+
+    out = (medusa_run if kind == "medusa" else eagle3_run)[0]
+    recipe = load_recipe(out / "recipe.yaml")
+    base = load_tiny_base(tiny_task)
+    heads = load_heads(out / "heads", base=base)
+    if kind == "medusa":
+        generator = SpeculativeGenerator(base, heads, choices="chain-2")
+        trainee = train.medusa.MedusaTrainee(base, heads, recipe)
+    else:  # EAGLE-3 trained a 2-step unroll: a 2-token chain
+        generator = SpeculativeGenerator(base, heads, top_k=1, depth=2, total_tokens=3)
+        trainee = train.eagle.EagleTrainee(base, heads, recipe)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples, taus = [], []
+    for letter in "bdg":
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Recite the letters from '{letter}'."},
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        decoded = generator.generate(torch.tensor(prompt), max_new_tokens=20)
+        answer = decoded.sequences[0, len(prompt) :].tolist()
+        assert decoded.mean_accepted_length > 1.5  # the heads draft most of it
+        ids = prompt + answer
+        mask = [0] * len(prompt) + [1] * len(answer)
+        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+        taus.append((sum(decoded.accepted_lengths), decoded.num_steps))
+    with torch.no_grad():
+        for example, (tokens, steps) in zip(examples, taus):
+            one = ExampleDataset([example])
+            got = evaluate(trainee, one, recipe, tokenizer.pad_token_id, "cpu")
+            assert got["eval/walk_tau"] == pytest.approx(tokens / steps), example
+        # Over several answers: tokens over steps, not a mean of the answers' ratios.
+        got = evaluate(trainee, ExampleDataset(examples), recipe, tokenizer.pad_token_id, "cpu")
+    total = [sum(x) for x in zip(*taus)]
+    assert got["eval/walk_tau"] == pytest.approx(total[0] / total[1])
+
+
+@pytest.mark.slow
+def test_eval_heads_refuses_bad_arguments(medusa_run, eagle3_run, tiny_task, tmp_path, capsys):
+    medusa, eagle = medusa_run[0], eagle3_run[0]
+    recipe, heads, data = medusa / "recipe.yaml", medusa / "heads", tiny_task.data_dir
+    no_category = tmp_path / "plain.jsonl"
+    no_category.write_text(json.dumps({"prompt": "Recite the letters from 'a'."}) + "\n")
+    other = tmp_path / "other.jsonl"
+    other.write_text(json.dumps({"prompt": "Say hello.", "category": "chat"}) + "\n")
+    for argv, message in (
+        ([recipe, eagle / "heads"], "does not hold medusa heads"),
+        ([recipe, tmp_path / "missing"], "heads folder not found"),
+        ([recipe, heads, "--categories", other], "give --data too"),
+        ([recipe, heads, "--data", tmp_path / "missing"], "no .jsonl shards"),
+        ([recipe, heads, "--data", tmp_path], "no assistant answers"),  # prompts only
+        ([recipe, heads, "--data", data, "--categories", no_category], "no record has a"),
+        ([recipe, heads, "--data", data, "--categories", other], "answers a prompt of"),
+        ([recipe, heads, "training.eval_fraction=0"], "holds no answer out"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            eval_heads.main([str(a) for a in argv])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv
