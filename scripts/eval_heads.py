@@ -143,12 +143,9 @@ def main(argv: list[str] | None = None) -> int:
     model = trainee_class(base, heads, recipe)
     aux_ids = getattr(model, "aux_ids", ())
     if not args.data:  # the trainer's split of the recipe's data
-        _, held_out = split_held_out(
-            tokenized(conversations, tokenizer, recipe),
-            recipe.training.eval_fraction,
-            recipe.training.seed,
-        )
-        if not held_out:
+        examples = tokenized(conversations, tokenizer, recipe)
+        _, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
+        if not examples or not held_out:
             raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
         datasets = {"held-out": with_features(base, tokenizer, recipe, held_out, aux_ids)}
     else:
