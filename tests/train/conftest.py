@@ -155,19 +155,23 @@ def load_tiny_base(task):
     return load_base(str(task.base_dir), device="cpu")[0]
 
 
+def captured_run(name: str, module, recipe: Path, task, tmp_path_factory, overrides):
+    """A recipe run in a fresh folder: (output dir, base it trained against, stdout)."""
+    out = tmp_path_factory.mktemp(name) / "out"
+    with redirect_stdout(io.StringIO()) as printed:
+        base = run(module, recipe, task, out, *overrides)
+    return out, base, printed.getvalue()
+
+
 @pytest.fixture(scope="session")
 def medusa_run(tiny_task, tmp_path_factory):
-    """The uninterrupted Medusa run: (output dir, base it trained against, stdout)."""
-    out = tmp_path_factory.mktemp("medusa") / "out"
-    with redirect_stdout(io.StringIO()) as printed:
-        base = run(train.medusa, TINY_MEDUSA, tiny_task, out, *MEDUSA_RUN)
-    return out, base, printed.getvalue()
+    """The uninterrupted Medusa run."""
+    return captured_run(
+        "medusa", train.medusa, TINY_MEDUSA, tiny_task, tmp_path_factory, MEDUSA_RUN
+    )
 
 
 @pytest.fixture(scope="session")
 def eagle3_run(tiny_task, tmp_path_factory):
-    """The EAGLE-3 run: (output dir, base it trained against, stdout)."""
-    out = tmp_path_factory.mktemp("eagle3") / "out"
-    with redirect_stdout(io.StringIO()) as printed:
-        base = run(train.eagle, TINY_EAGLE, tiny_task, out, *EAGLE3_RUN)
-    return out, base, printed.getvalue()
+    """The EAGLE-3 run."""
+    return captured_run("eagle3", train.eagle, TINY_EAGLE, tiny_task, tmp_path_factory, EAGLE3_RUN)
