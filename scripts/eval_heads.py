@@ -42,9 +42,14 @@ from bench_methods import BenchError  # noqa: E402
 
 from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
-from train.data import build_examples, load_distilled  # noqa: E402
+from train.data import load_distilled  # noqa: E402
 from train.eagle import EagleTrainee  # noqa: E402
-from train.features import ExampleDataset, precompute_features, split_held_out  # noqa: E402
+from train.features import (  # noqa: E402
+    ExampleDataset,
+    precompute_features,
+    split_held_out,
+    tokenize_answers,
+)
 from train.medusa import MedusaTrainee  # noqa: E402
 from train.prompts import Message, PromptSourceError  # noqa: E402
 from train.run import evaluate, load_frozen_base  # noqa: E402
@@ -71,17 +76,6 @@ def categories_of(spec: str) -> dict[str, str]:
     if set(found.values()) == {"all"}:
         raise BenchError(f"{spec}: no record has a 'category'")
     return found
-
-
-def tokenized(conversations, tokenizer, recipe) -> list[dict[str, list[int]]]:
-    """As the trainers tokenise them; [] for a conversation with no answer token in max_length."""
-    return build_examples(
-        conversations,
-        tokenizer,
-        chat_template=recipe.data.chat_template,
-        system_prompt=recipe.data.system_prompt,
-        max_length=recipe.training.max_length,
-    )
 
 
 def with_features(base, tokenizer, recipe, examples, aux_ids) -> ExampleDataset:
@@ -143,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:
     model = trainee_class(base, heads, recipe)
     aux_ids = getattr(model, "aux_ids", ())
     if not args.data:  # the trainer's split of the recipe's data
-        examples = tokenized(conversations, tokenizer, recipe)
+        examples = tokenize_answers(conversations, tokenizer, recipe)
         _, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
         if not examples or not held_out:
             raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
@@ -151,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         examples, labels = [], []
         for conversation in conversations:
-            example = tokenized([conversation], tokenizer, recipe)
+            example = tokenize_answers([conversation], tokenizer, recipe)
             examples += example
             labels += [category.get(first_user_turn(conversation), "(no category)")] * len(example)
         if not examples:

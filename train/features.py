@@ -26,19 +26,24 @@ Example = dict[str, list[int]]
 
 def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
     """Tokenised examples of a recipe: (distilled conversations, text corpus)."""
-    data, training = recipe.data, recipe.training
     # Answers cut at max_new_tokens are kept: their tokens are still the base's own.
-    conversations = load_distilled(data.output_dir, finished_only=False)
-    distilled = build_examples(
+    conversations = load_distilled(recipe.data.output_dir, finished_only=False)
+    distilled = tokenize_answers(conversations, tokenizer, recipe)
+    if not distilled:
+        raise ValueError(f"no training examples with assistant tokens in {recipe.data.output_dir}")
+    return distilled, corpus_examples(recipe, tokenizer)
+
+
+def tokenize_answers(conversations, tokenizer, recipe) -> list[Example]:
+    """Distilled conversations as the recipe tokenises them (its chat template, system prompt and
+    training.max_length); a conversation with no answer token within max_length is dropped."""
+    return build_examples(
         conversations,
         tokenizer,
-        chat_template=data.chat_template,
-        system_prompt=data.system_prompt,
-        max_length=training.max_length,
+        chat_template=recipe.data.chat_template,
+        system_prompt=recipe.data.system_prompt,
+        max_length=recipe.training.max_length,
     )
-    if not distilled:
-        raise ValueError(f"no training examples with assistant tokens in {data.output_dir}")
-    return distilled, corpus_examples(recipe, tokenizer)
 
 
 def corpus_examples(recipe, tokenizer) -> list[Example]:

@@ -286,7 +286,7 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
     Python standard library that ships with the interpreter (module docstrings to summarise,
     small public functions to explain). About 15% carry a follow-up user turn. Deterministic for
     a given Python version; disjoint from MT-bench, Spec-Bench and HumanEval (tested).
-    `EXTRA_CATEGORIES` (roleplay, reasoning, knowledge, compositions: 1,745 more prompts) are
+    `EXTRA_CATEGORIES` (roleplay, reasoning, knowledge, compositions: 1,796 more prompts) are
     only given by name.
     """
     known = EMBEDDED_CATEGORIES + EXTRA_CATEGORIES
