@@ -6,7 +6,7 @@ Sources (`data.sources` in a recipe):
 - a folder: every `*.jsonl` in it, in name order (e.g. the shards `scripts/distill.py` writes);
 - `hf:ORG/NAME[:CONFIG]:SPLIT`: a Hugging Face dataset through `datasets.load_dataset`;
 - `embedded` or `embedded:CATEGORY[,CATEGORY]`: the offline default set, or some of its and the
-  extra categories (see `embedded_prompts`).
+  extra categories (see `embedded_prompts`); `embedded:all` is both, every category.
 
 A record is one of: ShareGPT `{"conversations": [{"from": "human"|"gpt"|"system", "value"}]}`,
 OpenAI `{"messages": [{"role", "content"}]}`, MT-bench / Spec-Bench `{"turns": [user, ...]}` or
@@ -45,8 +45,8 @@ EMBEDDED_CATEGORIES = (
     "qa",
     "extraction",
 )
-# Not in `embedded` (the recipes' data and figures were measured without them); by name only,
-# e.g. `embedded:roleplay,reasoning,knowledge,compositions` beside `embedded`.
+# Not in `embedded` (the demo's data and figures were measured without them); by name only,
+# or with every other category as `embedded:all` (the full CPU recipes' data).
 EXTRA_CATEGORIES = ("roleplay", "reasoning", "knowledge", "compositions")
 _DATA_DIR = Path(__file__).with_name("prompt_data")
 _SHAREGPT_ROLES = {
@@ -162,6 +162,8 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
     """
     if spec == "embedded" or spec.startswith("embedded:"):
         categories = spec.partition(":")[2].split(",") if ":" in spec else None
+        if categories == ["all"]:
+            categories = list(EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)
         return embedded_prompts(categories), []
     if spec.startswith("hf:"):
         records = _hf_records(spec)
@@ -287,7 +289,7 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
     small public functions to explain). About 15% carry a follow-up user turn. Deterministic for
     a given Python version; disjoint from MT-bench, Spec-Bench and HumanEval (tested).
     `EXTRA_CATEGORIES` (roleplay, reasoning, knowledge, compositions: 1,796 more prompts) are
-    only given by name.
+    only given by name (or as the source `embedded:all`: the default set, then them).
     """
     known = EMBEDDED_CATEGORIES + EXTRA_CATEGORIES
     unknown = set(categories or ()) - set(known)

@@ -218,6 +218,16 @@ def test_extra_categories_come_only_by_name():
     assert not default & {p.id for p in extra}
     both = read_source("embedded:roleplay,coding")[0]
     assert {p.source for p in both} == {"embedded:roleplay", "embedded:coding"}
+    # `embedded:all`: the default set, then the extras, in the order (and with the ids) that
+    # `[embedded, "embedded:roleplay,..."]` gives: both spellings make the same data
+    everything = read_source("embedded:all")[0]
+    assert [p.id for p in everything] == [p.id for p in embedded_prompts()] + [p.id for p in extra]
+    spelled_out = ["embedded", "embedded:" + ",".join(EXTRA_CATEGORIES)]
+    for limit in (None, 100):
+        assert (
+            load_prompts(["embedded:all"], limit=limit)[0]
+            == load_prompts(spelled_out, limit=limit)[0]
+        )
 
 
 @pytest.mark.parametrize("category", EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)
