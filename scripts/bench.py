@@ -243,7 +243,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add("--prompts", required=True, help="JSONL file, folder, embedded[:CAT] or humaneval")
+    add(
+        "--prompts",
+        required=True,
+        help="JSONL file, folder, embedded[:CAT], embedded:all or humaneval",
+    )
     add("--base", default="smollm2-135m-instruct", help="base model: embedded name, Hub id, folder")
     add("--heads", nargs="+", default=[], metavar="DIR", help="heads folders (Medusa or EAGLE)")
     methods = ",".join(bench_methods.METHODS)

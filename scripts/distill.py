@@ -56,7 +56,13 @@ from train.distilled import (
     record_id,
     write_atomic,
 )
-from train.prompts import Message, PromptSourceError, conversation_id, load_prompts
+from train.prompts import (
+    Message,
+    PromptSourceError,
+    conversation_id,
+    expand_sources,
+    load_prompts,
+)
 
 logger = logging.getLogger("distill")
 
@@ -118,7 +124,7 @@ def generation_settings(recipe: Recipe) -> dict[str, Any]:
     return {
         "base_model": recipe.model.name_or_path,
         "dtype": recipe.model.dtype,
-        "sources": data.sources,
+        "sources": expand_sources(data.sources),  # either spelling of embedded:all resumes
         "limit": data.limit,
         "seed": data.seed,
         "max_new_tokens": data.max_new_tokens,

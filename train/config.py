@@ -39,8 +39,9 @@ class ModelConfig:
 class DataConfig:
     """Prompts and self-distillation (`scripts/distill.py`), and tokenisation for training."""
 
-    # Each: "embedded" (the offline default set), a .jsonl / .json file, a folder of .jsonl
-    # shards, or "hf:ORG/NAME[:CONFIG]:SPLIT" (Hugging Face datasets).
+    # Each: "embedded" (the offline default set), "embedded:CAT[,CAT]", "embedded:all" (it and
+    # the extra categories), a .jsonl / .json file, a folder of .jsonl shards, or
+    # "hf:ORG/NAME[:CONFIG]:SPLIT" (Hugging Face datasets).
     sources: list[str] = field(default_factory=lambda: ["embedded"])
     limit: int | None = None  # prompts kept after the seeded shuffle; None keeps all
     max_new_tokens: int = 512  # per assistant turn

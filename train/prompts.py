@@ -48,6 +48,8 @@ EMBEDDED_CATEGORIES = (
 # Not in `embedded` (the demo's data and figures were measured without them); by name only,
 # or with every other category as `embedded:all` (the full CPU recipes' data).
 EXTRA_CATEGORIES = ("roleplay", "reasoning", "knowledge", "compositions")
+# What `embedded:all` stands for, spelled out (distill manifests record it so).
+ALL_EMBEDDED_SOURCES = ["embedded", "embedded:" + ",".join(EXTRA_CATEGORIES)]
 _DATA_DIR = Path(__file__).with_name("prompt_data")
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -162,7 +164,9 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
     """
     if spec == "embedded" or spec.startswith("embedded:"):
         categories = spec.partition(":")[2].split(",") if ":" in spec else None
-        if categories == ["all"]:
+        if categories and "all" in categories:
+            if len(categories) > 1:
+                raise PromptSourceError(f"{spec}: 'all' stands alone: write embedded:all")
             categories = list(EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)
         return embedded_prompts(categories), []
     if spec.startswith("hf:"):
@@ -211,6 +215,7 @@ def load_prompts(
     """
     if not sources:
         raise PromptSourceError("no prompt sources given")
+    sources = expand_sources(sources)
     prompts: list[Prompt] = []
     skipped: list[str] = []
     seen: set[str] = set()
@@ -223,6 +228,13 @@ def load_prompts(
                 prompts.append(prompt)
     random.Random(seed).shuffle(prompts)
     return prompts[:limit] if limit is not None else prompts, skipped
+
+
+def expand_sources(sources: list[str]) -> list[str]:
+    """`embedded:all` spelled out as the two sources it stands for; other sources as they are."""
+    return [
+        s for spec in sources for s in (ALL_EMBEDDED_SOURCES if spec == "embedded:all" else [spec])
+    ]
 
 
 def _jsonl_records(path: Path):
@@ -295,7 +307,7 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
     unknown = set(categories or ()) - set(known)
     if unknown:
         raise PromptSourceError(
-            f"unknown embedded categories {sorted(unknown)}; known: {', '.join(known)}"
+            f"unknown embedded categories {sorted(unknown)}; known: {', '.join(known)} (or all)"
         )
     prompts, seen = [], set()
     for category, turns in _embedded_turns():

@@ -229,6 +229,22 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert len(read_records(out)) == 8
 
 
+def test_either_spelling_of_embedded_all_resumes_the_other(tmp_path):
+    spelled_out = '[embedded, "embedded:roleplay,reasoning,knowledge,compositions"]'
+    settings = [
+        distill.generation_settings(load_recipe("recipes/tiny-distill.yaml", [f"data.sources={s}"]))
+        for s in ("[embedded:all]", spelled_out)
+    ]
+    assert settings[0] == settings[1]
+    (tmp_path / "manifest.json").write_text(json.dumps({"settings": settings[1]}))
+    distill.check_manifest(tmp_path, settings[0])  # no DistillError
+    other = distill.generation_settings(
+        load_recipe("recipes/tiny-distill.yaml", ["data.sources=[embedded]"])
+    )
+    with pytest.raises(distill.DistillError, match="sources"):
+        distill.check_manifest(tmp_path, other)
+
+
 def test_several_samples_per_prompt(tmp_path, tiny_base):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text('{"prompt": "Name a fruit."}\n{"prompt": "Name a tree."}\n')

@@ -222,6 +222,8 @@ def test_extra_categories_come_only_by_name():
     # `[embedded, "embedded:roleplay,..."]` gives: both spellings make the same data
     everything = read_source("embedded:all")[0]
     assert [p.id for p in everything] == [p.id for p in embedded_prompts()] + [p.id for p in extra]
+    with pytest.raises(PromptSourceError, match="'all' stands alone"):
+        read_source("embedded:all,coding")
     spelled_out = ["embedded", "embedded:" + ",".join(EXTRA_CATEGORIES)]
     for limit in (None, 100):
         assert (
