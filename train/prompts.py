@@ -215,7 +215,6 @@ def load_prompts(
     """
     if not sources:
         raise PromptSourceError("no prompt sources given")
-    sources = expand_sources(sources)
     prompts: list[Prompt] = []
     skipped: list[str] = []
     seen: set[str] = set()
