@@ -139,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.data:  # the trainer's split of the recipe's data
         examples = tokenize_answers(conversations, tokenizer, recipe)
         _, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
-        if not examples or not held_out:
+        if not held_out:
             raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
         datasets = {"held-out": with_features(base, tokenizer, recipe, held_out, aux_ids)}
     else:

@@ -48,8 +48,6 @@ EMBEDDED_CATEGORIES = (
 # Not in `embedded` (the demo's data and figures were measured without them); by name only,
 # or with every other category as `embedded:all` (the full CPU recipes' data).
 EXTRA_CATEGORIES = ("roleplay", "reasoning", "knowledge", "compositions")
-# What `embedded:all` stands for, spelled out (distill manifests record it so).
-ALL_EMBEDDED_SOURCES = ["embedded", "embedded:" + ",".join(EXTRA_CATEGORIES)]
 _DATA_DIR = Path(__file__).with_name("prompt_data")
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -230,10 +228,10 @@ def load_prompts(
 
 
 def expand_sources(sources: list[str]) -> list[str]:
-    """`embedded:all` spelled out as the two sources it stands for; other sources as they are."""
-    return [
-        s for spec in sources for s in (ALL_EMBEDDED_SOURCES if spec == "embedded:all" else [spec])
-    ]
+    """`embedded:all` spelled out as the two sources it stands for (as distill manifests record
+    it, so that either spelling resumes the other's run); other sources as they are."""
+    spelled_out = ["embedded", "embedded:" + ",".join(EXTRA_CATEGORIES)]
+    return [s for spec in sources for s in (spelled_out if spec == "embedded:all" else [spec])]
 
 
 def _jsonl_records(path: Path):
