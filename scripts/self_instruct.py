@@ -1,16 +1,26 @@
 """Self-instruct: the base writes new prompts, for more diverse self-distilled data.
 
 python scripts/self_instruct.py RECIPE.yaml [self_instruct.num_prompts=2000 ...]
+python scripts/self_instruct.py RECIPE.yaml self_instruct.method=magpie self_instruct.max_new_tokens=96
 python scripts/distill.py RECIPE.yaml 'data.sources=[embedded,runs/self-instruct/prompts.jsonl]'
 
-Reads the recipe's `model` and `self_instruct` sections (and `data.batch_size`). The base is shown
-a numbered list of `examples_per_prompt` requests of one category, drawn from `seed_sources`
-(single-turn, one-line requests), as plain text without a chat template, and continues the list:
-its next line, sampled, is a new request. Categories take turns. A line is kept when the base
-ended it within `max_new_tokens`, it has 3-80 words, and its word-set Jaccard similarity to every
-seed and every kept prompt is at most `max_similarity`. Kept prompts go to `output` as JSONL
-records `{"prompt", "category"}` (a prompt source for `data.sources`), rewritten atomically after
-every batch: rerunning continues a killed run, and a larger `num_prompts` extends a finished one.
+Reads the recipe's `model` and `self_instruct` sections (and `data.batch_size`; with `magpie`,
+the chat template and system prompt of `data`). Two ways to write a request (`method`):
+
+- `list`: the base is shown a numbered list of `examples_per_prompt` requests of one category,
+  drawn from `seed_sources` (single-turn, one-line requests), as plain text without a chat
+  template, and continues the list: its next line, sampled, is a new request. Categories take
+  turns.
+- `magpie` (Magpie, Xu et al. 2024): the base is shown its chat template up to where a user's
+  message begins (after the recipe's system prompt) and nothing else; what it samples until its
+  end-of-turn token is a new request, of the kind its chat tuning saw. No seeds.
+
+A request is kept when the base ended it within `max_new_tokens`, it has 3-80 words, and its
+word-set Jaccard similarity to every seed and every kept prompt is at most `max_similarity`.
+Kept prompts go to `output` as JSONL records `{"prompt", "category"}` (a prompt source for
+`data.sources`), rewritten atomically after every batch: rerunning continues a killed run, and a
+larger `num_prompts` extends a finished one. Each batch samples under a seed of
+`self_instruct.seed` and the prompts kept before it, so a run is reproducible.
 """
 
 from __future__ import annotations
@@ -21,24 +31,28 @@ import logging
 import random
 import re
 import sys
+import zlib
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import torch
 from tqdm import tqdm
+from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distill  # noqa: E402  (the distill script's EOS ids)
 
-from heads.base import load_base  # noqa: E402
+from heads.base import load_base, resolve_base_path  # noqa: E402
 from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe  # noqa: E402
-from train.distilled import write_atomic  # noqa: E402
+from train.data import render_conversation  # noqa: E402
+from train.distilled import asked_turns, write_atomic  # noqa: E402
 from train.prompts import Prompt, PromptSourceError, load_prompts  # noqa: E402
 
 logger = logging.getLogger("self_instruct")
 
 HEADER = "Requests that users sent to an AI assistant:\n"
+MAGPIE = "magpie"  # the category of magpie prompts
 # List prompts -> one (generated line, ended) each.
 Write = Callable[[list[str]], list[tuple[str, bool]]]
 MAX_SEED_CHARS = 300
@@ -62,6 +76,20 @@ def seed_pools(prompts: list[Prompt]) -> dict[str, list[str]]:
 def list_prompt(examples: list[str]) -> str:
     numbered = "".join(f"{i}. {text}\n" for i, text in enumerate(examples, 1))
     return f"{HEADER}{numbered}{len(examples) + 1}."
+
+
+def user_turn_prefix(tokenizer, chat_template: str | None, system_prompt: str | None) -> str:
+    """The chat template rendered up to where a user's message begins: what the base continues
+    with a request of its own (magpie)."""
+    marker = "\u2063magpie-user-message\u2063"
+    messages = asked_turns([{"role": "user", "content": marker}], system_prompt)
+    text = render_conversation(messages, tokenizer, chat_template=chat_template)
+    if text.count(marker) != 1 or not text.index(marker):
+        raise PromptSourceError(
+            "self_instruct.method=magpie needs a chat template that renders a user's message "
+            "after some opening text; use method=list with this template"
+        )
+    return text[: text.index(marker)]
 
 
 def clean(line: str) -> str | None:
@@ -90,11 +118,13 @@ class NearDuplicates:
 
 
 def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
-    """Batched sampling of one line per prompt: (text, ended) with ended False when
-    max_new_tokens cut the line (a newline or EOS ends it)."""
+    """Batched sampling of one request per prompt: (text, ended) with ended False when
+    max_new_tokens cut it. `list` stops at a newline or EOS, `magpie` at the end-of-turn (EOS)."""
     device = next(model.parameters()).device
     eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    one_line = cfg.method == "list"
+    stop = dict(stop_strings=["\n"], tokenizer=tokenizer) if one_line else {}
 
     @torch.no_grad()
     def write(texts: list[str]) -> list[tuple[str, bool]]:
@@ -112,15 +142,19 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=0,
-            stop_strings=["\n"],
-            tokenizer=tokenizer,
+            eos_token_id=eos_ids,
             pad_token_id=pad_id,
             cache_implementation="static",  # a growing cache re-copies itself every step
+            **stop,
         )
         new = out[:, T:].cpu()  # (B, new tokens)
-        stopped = torch.isin(new, torch.tensor(eos_ids)).any(-1)  # ended at EOS, no newline
-        lines = tokenizer.batch_decode(new, skip_special_tokens=True)
-        return [(line.split("\n")[0], "\n" in line or bool(s)) for line, s in zip(lines, stopped)]
+        stopped = torch.isin(new, torch.tensor(eos_ids)).any(-1)  # ended at EOS
+        texts_out = tokenizer.batch_decode(new, skip_special_tokens=True)
+        if not one_line:
+            return [(text.strip(), bool(s)) for text, s in zip(texts_out, stopped)]
+        return [
+            (line.split("\n")[0], "\n" in line or bool(s)) for line, s in zip(texts_out, stopped)
+        ]
 
     return write
 
@@ -134,13 +168,16 @@ def read_kept(path: Path) -> list[dict]:
 def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
     """Write (or continue) the prompt file; returns counts. `write` stands in for the model."""
     cfg = recipe.self_instruct
-    prompts, _ = load_prompts(cfg.seed_sources, seed=cfg.seed)
-    pools = seed_pools(prompts)
-    if not pools:
-        raise PromptSourceError(
-            f"no single-turn one-line requests of at most {MAX_SEED_CHARS} characters in "
-            f"{cfg.seed_sources} to show the base"
-        )
+    magpie = cfg.method == "magpie"
+    pools: dict[str, list[str]] = {}
+    if not magpie:
+        prompts, _ = load_prompts(cfg.seed_sources, seed=cfg.seed)
+        pools = seed_pools(prompts)
+        if not pools:
+            raise PromptSourceError(
+                f"no single-turn one-line requests of at most {MAX_SEED_CHARS} characters in "
+                f"{cfg.seed_sources} to show the base"
+            )
     if write is None:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         model, tokenizer = load_base(
@@ -150,24 +187,35 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
             attn_implementation=recipe.model.attn_implementation,
         )
         write = transformers_writer(model, tokenizer, cfg)
+    elif magpie:  # a stand-in writer: the template still comes from the base's tokenizer
+        tokenizer = AutoTokenizer.from_pretrained(resolve_base_path(recipe.model.name_or_path)[0])
+    if magpie:
+        prefix = user_turn_prefix(tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
     out = Path(cfg.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     kept = read_kept(out)
     seen = NearDuplicates(cfg.max_similarity)
     for text in [t for texts in pools.values() for t in texts] + [r["prompt"] for r in kept]:
         seen.add(text)
-    categories = list(pools)
+    categories = list(pools) or [MAGPIE]
     rejected: Counter[str] = Counter()
     batch_size = recipe.data.batch_size
     bar = tqdm(total=cfg.num_prompts, initial=min(len(kept), cfg.num_prompts), unit="prompt")
     while len(kept) < cfg.num_prompts:
-        # Seeded by what is already kept: a rerun after a kill shows the same examples (the
-        # sampled lines differ).
+        # Seeded by what is already kept: a rerun after a kill shows the same examples and
+        # samples the same requests.
         rng = random.Random(f"{cfg.seed}-{len(kept)}")
+        torch.manual_seed(zlib.crc32(f"{cfg.seed}-{len(kept)}".encode()))
         cats = [categories[(len(kept) + i) % len(categories)] for i in range(batch_size)]
-        shown = [rng.sample(pools[c], min(cfg.examples_per_prompt, len(pools[c]))) for c in cats]
+        if magpie:
+            shown = [prefix] * batch_size
+        else:
+            shown = [
+                list_prompt(rng.sample(pools[c], min(cfg.examples_per_prompt, len(pools[c]))))
+                for c in cats
+            ]
         before = len(kept)
-        for cat, (line, ended) in zip(cats, write([list_prompt(s) for s in shown])):
+        for cat, (line, ended) in zip(cats, write(shown)):
             text = clean(line)
             if not ended:
                 rejected["cut at max_new_tokens"] += 1

@@ -86,20 +86,25 @@ class DataConfig:
 
 @dataclass
 class SelfInstructConfig:
-    """New prompts written by the base itself (`scripts/self_instruct.py`): shown a numbered
-    list of example requests of one category, it continues the list with a new one."""
+    """New prompts written by the base itself (`scripts/self_instruct.py`). `method` "list":
+    shown a numbered list of example requests of one category, it continues the list with a new
+    one; "magpie": shown its chat template up to where a user's message begins (and nothing
+    else), it writes the user's message (Magpie, Xu et al. 2024)."""
 
+    method: str = "list"
     seed_sources: list[str] = field(default_factory=lambda: ["embedded"])  # the examples shown
     num_prompts: int = 1000  # new prompts to write (a rerun with more continues)
     examples_per_prompt: int = 5
     temperature: float = 1.0
     top_p: float = 0.95
-    max_new_tokens: int = 64  # a request longer than this is dropped
+    max_new_tokens: int = 64  # a request longer than this is dropped (magpie: ~96 keeps more)
     max_similarity: float = 0.7  # word-set Jaccard above this to a kept prompt: a near duplicate
     output: str = "runs/self-instruct/prompts.jsonl"  # a prompt source for data.sources
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.method not in ("list", "magpie"):
+            raise RecipeError(f"self_instruct.method must be list or magpie, not {self.method!r}")
         if self.num_prompts < 1 or self.examples_per_prompt < 1 or self.max_new_tokens < 1:
             raise RecipeError(
                 "need self_instruct.num_prompts, examples_per_prompt, max_new_tokens >= 1"

@@ -4,6 +4,7 @@ import json
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 ROOT = Path(__file__).parents[2]
@@ -12,7 +13,7 @@ import self_instruct as si  # noqa: E402  (scripts/ is not a package)
 
 from tests.conftest import make_tiny_llama  # noqa: E402
 from train.config import load_recipe  # noqa: E402
-from train.prompts import load_prompts  # noqa: E402
+from train.prompts import PromptSourceError, load_prompts  # noqa: E402
 
 
 def seeds_file(tmp_path: Path) -> Path:
@@ -130,3 +131,94 @@ def test_model_writer_returns_one_line(smollm2_tokenizer):
         assert "\n" not in text
         n_tokens = len(smollm2_tokenizer(text, add_special_tokens=False)["input_ids"])
         assert ended or n_tokens >= 10  # cut lines used up (about) max_new_tokens
+
+
+def test_magpie_prefix_is_the_template_up_to_the_users_message(smollm2_tokenizer):
+    prefix = si.user_turn_prefix(smollm2_tokenizer, None, None)
+    assert prefix.startswith("<|im_start|>system\n") and prefix.endswith("<|im_start|>user\n")
+    pirate = si.user_turn_prefix(smollm2_tokenizer, None, "You are a pirate.")
+    assert pirate == "<|im_start|>system\nYou are a pirate.<|im_end|>\n<|im_start|>user\n"
+    # A template with nothing before the user's message leaves the base nothing to continue.
+    bare = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    with pytest.raises(PromptSourceError, match="method=list"):
+        si.user_turn_prefix(smollm2_tokenizer, bare, None)
+
+
+def test_magpie_shows_the_prefix_alone_and_filters_what_comes_back(tmp_path, smollm2_tokenizer):
+    r = recipe(tmp_path, "self_instruct.method=magpie", "self_instruct.num_prompts=3")
+    writer = Writer(
+        [
+            ("Can you help me plan a small garden?\nI have two square metres.", True),
+            ("can you help me plan a small garden? I have two square metres", True),  # same words
+            ("I am writing a story about a dragon who", False),  # cut
+            ("Hi", True),  # too short
+            ("What should I pack for a week of hiking?", True),
+            ("Explain why the sky is blue to a child.", True),
+            ("A request that is not needed.", True),  # past num_prompts
+            ("Another request that is not needed.", True),
+        ]
+    )
+    summary = si.self_instruct(r, write=writer)
+    assert summary == {
+        "kept": 3,
+        "rejected": {"near duplicate": 1, "cut at max_new_tokens": 1, "length": 1},
+        "output": str(tmp_path / "out" / "prompts.jsonl"),
+    }
+    prefix = si.user_turn_prefix(smollm2_tokenizer, None, None)
+    assert writer.seen == [prefix] * 8  # no seeds, no list: the template alone, twice a batch of 4
+    out = tmp_path / "out" / "prompts.jsonl"
+    kept = [json.loads(line) for line in out.read_text().splitlines()]
+    assert kept[0] == {
+        "prompt": "Can you help me plan a small garden?\nI have two square metres.",
+        "category": "magpie",
+    }
+    assert [k["prompt"] for k in kept[1:]] == [
+        "What should I pack for a week of hiking?",
+        "Explain why the sky is blue to a child.",
+    ]
+    prompts, _ = load_prompts([str(out)])
+    assert [p.messages[0]["content"] for p in prompts[:1]] == [kept[0]["prompt"]]
+
+
+def test_magpie_writer_stops_at_end_of_turn_and_runs_are_reproducible(tmp_path, smollm2_tokenizer):
+    model = make_tiny_llama(seed=1, vocab_size=len(smollm2_tokenizer))
+    im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    # Uniform over the vocabulary but for the end of turn, which is ~20% likely at every token.
+    head = torch.nn.Linear(model.config.hidden_size, len(smollm2_tokenizer), bias=True)
+    with torch.no_grad():
+        head.weight.zero_()
+        head.bias.zero_()
+        head.bias[im_end] = 9.4
+    model.lm_head = head.requires_grad_(False)
+    overrides = ["self_instruct.method=magpie", "self_instruct.max_new_tokens=8"]
+    cfg = recipe(tmp_path, *overrides).self_instruct
+    write = si.transformers_writer(model, smollm2_tokenizer, cfg)
+    prefix = si.user_turn_prefix(smollm2_tokenizer, None, None)
+    torch.manual_seed(0)
+    out = write([prefix] * 32)
+    assert len(out) == 32 and {ended for _, ended in out} == {True, False}
+    for text, ended in out:
+        assert "<|im_end|>" not in text
+        n_tokens = len(smollm2_tokenizer(text, add_special_tokens=False)["input_ids"])
+        assert ended or n_tokens >= 6  # a cut request used up (about) max_new_tokens
+
+    def run(name):
+        r = recipe(
+            tmp_path,
+            *overrides,
+            "self_instruct.num_prompts=3",
+            "self_instruct.max_similarity=1",
+            f"self_instruct.output={tmp_path / name}",
+        )
+        return si.self_instruct(r, write=write)["kept"], (tmp_path / name).read_text()
+
+    first = run("a.jsonl")
+    assert first[0] == 3
+    assert run("b.jsonl") == first  # the same seeds, the same requests
+
+
+def test_unknown_method_is_a_clear_error(tmp_path, capsys):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("{}")
+    assert si.main([str(recipe_file), "self_instruct.method=chat"]) == 2
+    assert "must be list or magpie" in capsys.readouterr().err
