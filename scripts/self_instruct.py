@@ -18,9 +18,11 @@ the chat template and system prompt of `data`). Two ways to write a request (`me
 A request is kept when the base ended it within `max_new_tokens`, it has 3-80 words, and its
 word-set Jaccard similarity to every seed and every kept prompt is at most `max_similarity`.
 Kept prompts go to `output` as JSONL records `{"prompt", "category"}` (a prompt source for
-`data.sources`), rewritten atomically after every batch: rerunning continues a killed run, and a
-larger `num_prompts` extends a finished one. Each batch samples under a seed of
-`self_instruct.seed` and the prompts kept before it, so a run is reproducible.
+`data.sources`; "magpie" is the category of magpie requests, and a file holds one method's),
+rewritten atomically after every batch: rerunning continues a killed run, and a larger
+`num_prompts` extends a finished one. Each batch samples under a seed of `self_instruct.seed`,
+the number of prompts kept before it and the batches already run at that number, so the same
+command writes the same file on the same machine.
 """
 
 from __future__ import annotations
@@ -37,23 +39,23 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from tqdm import tqdm
-from transformers import AutoTokenizer
 
 sys.path.insert(0, str(Path(__file__).parent))
 import distill  # noqa: E402  (the distill script's EOS ids)
 
-from heads.base import load_base, resolve_base_path  # noqa: E402
+from heads.base import load_base  # noqa: E402
 from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe  # noqa: E402
-from train.data import render_conversation  # noqa: E402
+from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import asked_turns, write_atomic  # noqa: E402
 from train.prompts import Prompt, PromptSourceError, load_prompts  # noqa: E402
 
 logger = logging.getLogger("self_instruct")
 
 HEADER = "Requests that users sent to an AI assistant:\n"
-MAGPIE = "magpie"  # the category of magpie prompts
-# List prompts -> one (generated line, ended) each.
+MAGPIE = "magpie"  # the method, and the category of its requests
+# Prompts shown to the base -> one (request written, ended within max_new_tokens) each.
 Write = Callable[[list[str]], list[tuple[str, bool]]]
 MAX_SEED_CHARS = 300
 
@@ -78,23 +80,33 @@ def list_prompt(examples: list[str]) -> str:
     return f"{HEADER}{numbered}{len(examples) + 1}."
 
 
-def user_turn_prefix(tokenizer, chat_template: str | None, system_prompt: str | None) -> str:
-    """The chat template rendered up to where a user's message begins: what the base continues
-    with a request of its own (magpie)."""
+def user_turn(tokenizer, chat_template: str | None, system_prompt: str | None) -> tuple[str, str]:
+    """(prefix, end): the chat template rendered up to where a user's message begins, which the
+    base continues with a request of its own (magpie), and the text that ends a user's message
+    (ChatML's `<|im_end|>`, Llama 2's `[/INST]`), where the request stops."""
     marker = "\u2063magpie-user-message\u2063"
     messages = asked_turns([{"role": "user", "content": marker}], system_prompt)
-    text = render_conversation(messages, tokenizer, chat_template=chat_template)
-    if text.count(marker) != 1 or not text.index(marker):
-        raise PromptSourceError(
+    try:
+        text = render_conversation(messages, tokenizer, chat_template=chat_template)
+    except TemplateError as e:
+        raise ChatTemplateError(f"the chat template cannot render a user's message: {e}") from e
+    start = text.find(marker)
+    after = text[start + len(marker) :].split() if text.count(marker) == 1 else []
+    end = after[0] if after else ""
+    if start <= 0 or not end:
+        raise ChatTemplateError(
             "self_instruct.method=magpie needs a chat template that renders a user's message "
-            "after some opening text; use method=list with this template"
+            "between some opening text and an end marker; use method=list with this template"
         )
-    return text[: text.index(marker)]
+    return text[:start], end
 
 
-def clean(line: str) -> str | None:
-    """The request in a generated line, or None when it is not one."""
-    text = re.sub(r"^\d+\.\s*", "", line.strip()).strip('"').strip()  # "8. ..." -> "..."
+def clean(text: str, numbered: bool = True) -> str | None:
+    """The request in a generated text, or None when it is not one. `numbered`: a list line,
+    whose "8." and enclosing quotes are removed."""
+    text = text.strip()
+    if numbered:
+        text = re.sub(r"^\d+\.\s*", "", text).strip('"').strip()  # "8. ..." -> "..."
     n_words = len(text.split())
     return text if 3 <= n_words <= 80 else None
 
@@ -117,14 +129,17 @@ class NearDuplicates:
         return any(len(words & s) > self.threshold * len(words | s) for s in self.sets if words & s)
 
 
-def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
-    """Batched sampling of one request per prompt: (text, ended) with ended False when
-    max_new_tokens cut it. `list` stops at a newline or EOS, `magpie` at the end-of-turn (EOS)."""
+def transformers_writer(model, tokenizer, cfg: SelfInstructConfig, end: str | None = None) -> Write:
+    """Batched sampling of one request per prompt: (text, ended), ended False when
+    max_new_tokens cut it. A list line ends at a newline or EOS; a magpie request at EOS or at
+    `end`, the text that ends a user's message (see `user_turn`)."""
     device = next(model.parameters()).device
     eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    one_line = cfg.method == "list"
-    stop = dict(stop_strings=["\n"], tokenizer=tokenizer) if one_line else {}
+    stop = end if cfg.method == MAGPIE else "\n"
+    if not stop:
+        raise ValueError("a magpie writer needs the text that ends a user's message")
+    special = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
 
     @torch.no_grad()
     def write(texts: list[str]) -> list[tuple[str, bool]]:
@@ -142,19 +157,21 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig) -> Write:
             temperature=cfg.temperature,
             top_p=cfg.top_p,
             top_k=0,
+            stop_strings=[stop],
+            tokenizer=tokenizer,
             eos_token_id=eos_ids,
             pad_token_id=pad_id,
             cache_implementation="static",  # a growing cache re-copies itself every step
-            **stop,
         )
-        new = out[:, T:].cpu()  # (B, new tokens)
-        stopped = torch.isin(new, torch.tensor(eos_ids)).any(-1)  # ended at EOS
-        texts_out = tokenizer.batch_decode(new, skip_special_tokens=True)
-        if not one_line:
-            return [(text.strip(), bool(s)) for text, s in zip(texts_out, stopped)]
-        return [
-            (line.split("\n")[0], "\n" in line or bool(s)) for line, s in zip(texts_out, stopped)
-        ]
+        written = []
+        for row in out[:, T:].tolist():  # new tokens, up to the first EOS
+            cut = next((i for i, t in enumerate(row) if t in eos_ids), None)
+            text = tokenizer.decode(row[:cut], skip_special_tokens=False)
+            head = text.split(stop)[0]
+            for token in special:  # as skip_special_tokens would, once the stop is found
+                head = head.replace(token, "")
+            written.append((head, cut is not None or stop in text))
+        return written
 
     return write
 
@@ -165,10 +182,11 @@ def read_kept(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
 
 
-def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
-    """Write (or continue) the prompt file; returns counts. `write` stands in for the model."""
+def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) -> dict:
+    """Write (or continue) the prompt file; returns counts. `write` stands in for the model
+    (with `tokenizer`, the base's, for magpie's chat template)."""
     cfg = recipe.self_instruct
-    magpie = cfg.method == "magpie"
+    magpie = cfg.method == MAGPIE
     pools: dict[str, list[str]] = {}
     if not magpie:
         prompts, _ = load_prompts(cfg.seed_sources, seed=cfg.seed)
@@ -178,6 +196,14 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
                 f"no single-turn one-line requests of at most {MAX_SEED_CHARS} characters in "
                 f"{cfg.seed_sources} to show the base"
             )
+    out = Path(cfg.output)
+    kept = read_kept(out)
+    if any((r.get("category") == MAGPIE) != magpie for r in kept):
+        raise PromptSourceError(
+            f"{out} holds prompts written by the other self_instruct method; give this one its "
+            "own self_instruct.output"
+        )
+    model = None
     if write is None:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         model, tokenizer = load_base(
@@ -186,14 +212,13 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
             device="cuda" if torch.cuda.is_available() else "cpu",
             attn_implementation=recipe.model.attn_implementation,
         )
-        write = transformers_writer(model, tokenizer, cfg)
-    elif magpie:  # a stand-in writer: the template still comes from the base's tokenizer
-        tokenizer = AutoTokenizer.from_pretrained(resolve_base_path(recipe.model.name_or_path)[0])
     if magpie:
-        prefix = user_turn_prefix(tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
-    out = Path(cfg.output)
+        if tokenizer is None:
+            raise ValueError("a stand-in writer for magpie needs the base's tokenizer")
+        prefix, end = user_turn(tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
+    if model is not None:
+        write = transformers_writer(model, tokenizer, cfg, end if magpie else None)
     out.parent.mkdir(parents=True, exist_ok=True)
-    kept = read_kept(out)
     seen = NearDuplicates(cfg.max_similarity)
     for text in [t for texts in pools.values() for t in texts] + [r["prompt"] for r in kept]:
         seen.add(text)
@@ -201,11 +226,15 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
     rejected: Counter[str] = Counter()
     batch_size = recipe.data.batch_size
     bar = tqdm(total=cfg.num_prompts, initial=min(len(kept), cfg.num_prompts), unit="prompt")
+    tries = Counter()  # batches run at each number of prompts kept
     while len(kept) < cfg.num_prompts:
-        # Seeded by what is already kept: a rerun after a kill shows the same examples and
-        # samples the same requests.
-        rng = random.Random(f"{cfg.seed}-{len(kept)}")
-        torch.manual_seed(zlib.crc32(f"{cfg.seed}-{len(kept)}".encode()))
+        # Seeded by what is already kept (and the batches run since one was): a rerun after a
+        # kill shows the same examples and samples the same requests; a batch that kept
+        # nothing is not repeated as it was.
+        seed = f"{cfg.seed}-{len(kept)}-{tries[len(kept)]}"
+        tries[len(kept)] += 1
+        rng = random.Random(seed)
+        torch.manual_seed(zlib.crc32(seed.encode()))
         cats = [categories[(len(kept) + i) % len(categories)] for i in range(batch_size)]
         if magpie:
             shown = [prefix] * batch_size
@@ -216,7 +245,7 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
             ]
         before = len(kept)
         for cat, (line, ended) in zip(cats, write(shown)):
-            text = clean(line)
+            text = clean(line, numbered=not magpie)
             if not ended:
                 rejected["cut at max_new_tokens"] += 1
             elif text is None:
@@ -238,13 +267,17 @@ def self_instruct(recipe: Recipe, write: Write | None = None) -> dict:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("recipe", help="recipe YAML (model, self_instruct, data.batch_size)")
+    parser.add_argument(
+        "recipe",
+        help="recipe YAML (model, self_instruct, data.batch_size; magpie: data.chat_template, "
+        "data.system_prompt)",
+    )
     parser.add_argument("overrides", nargs="*", help="key=value or section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:
         summary = self_instruct(load_recipe(args.recipe, args.overrides))
-    except (RecipeError, PromptSourceError, FileNotFoundError) as e:
+    except (RecipeError, PromptSourceError, ChatTemplateError, FileNotFoundError) as e:
         print(f"self_instruct failed: {e}", file=sys.stderr)
         return 2
     rejected = ", ".join(f"{n} {why}" for why, n in sorted(summary["rejected"].items()))

@@ -91,7 +91,7 @@ class SelfInstructConfig:
     one; "magpie": shown its chat template up to where a user's message begins (and nothing
     else), it writes the user's message (Magpie, Xu et al. 2024)."""
 
-    method: str = "list"
+    method: Literal["list", "magpie"] = "list"
     seed_sources: list[str] = field(default_factory=lambda: ["embedded"])  # the examples shown
     num_prompts: int = 1000  # new prompts to write (a rerun with more continues)
     examples_per_prompt: int = 5
@@ -103,8 +103,6 @@ class SelfInstructConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        if self.method not in ("list", "magpie"):
-            raise RecipeError(f"self_instruct.method must be list or magpie, not {self.method!r}")
         if self.num_prompts < 1 or self.examples_per_prompt < 1 or self.max_new_tokens < 1:
             raise RecipeError(
                 "need self_instruct.num_prompts, examples_per_prompt, max_new_tokens >= 1"
