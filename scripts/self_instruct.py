@@ -12,8 +12,9 @@ the chat template and system prompt of `data`). Two ways to write a request (`me
   template, and continues the list: its next line, sampled, is a new request. Categories take
   turns.
 - `magpie` (Magpie, Xu et al. 2024): the base is shown its chat template up to where a user's
-  message begins (after the recipe's system prompt) and nothing else; what it samples until its
-  end-of-turn token is a new request, of the kind its chat tuning saw. No seeds.
+  message begins (after the recipe's system prompt) and nothing else; what it samples until EOS
+  or the template's end of a user's message is a new request, of the kind its chat tuning saw.
+  No seeds.
 
 A request is kept when the base ended it within `max_new_tokens`, it has 3-80 words, and its
 word-set Jaccard similarity to every seed and every kept prompt is at most `max_similarity`.
@@ -203,7 +204,7 @@ def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) ->
             f"{out} holds prompts written by the other self_instruct method; give this one its "
             "own self_instruct.output"
         )
-    model = None
+    prefix = end = None
     if write is None:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
         model, tokenizer = load_base(
@@ -216,8 +217,8 @@ def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) ->
         if tokenizer is None:
             raise ValueError("a stand-in writer for magpie needs the base's tokenizer")
         prefix, end = user_turn(tokenizer, recipe.data.chat_template, recipe.data.system_prompt)
-    if model is not None:
-        write = transformers_writer(model, tokenizer, cfg, end if magpie else None)
+    if write is None:
+        write = transformers_writer(model, tokenizer, cfg, end)
     out.parent.mkdir(parents=True, exist_ok=True)
     seen = NearDuplicates(cfg.max_similarity)
     for text in [t for texts in pools.values() for t in texts] + [r["prompt"] for r in kept]:
