@@ -31,6 +31,7 @@ DRAFTERS = [  # the names `_drafter` knows
     "eagle1",
     "eagle3",
     "eagle3-chain",
+    "eagle3-wide",
     "draft-model",
     "self-draft",
     "ngram",
@@ -58,6 +59,7 @@ def _drafters(base):
         ),
         "eagle3": (eagle3, {"top_k": 2, "depth": 4, "total_tokens": 10}),
         "eagle3-chain": (eagle3, {"top_k": 1, "depth": 3, "total_tokens": 4}),
+        "eagle3-wide": (eagle3, {"top_k": 4, "depth": 1, "total_tokens": 5}),  # one level
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
         "ngram": (None, {"num_tokens": 4}),
