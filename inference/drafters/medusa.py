@@ -62,7 +62,7 @@ class MedusaDrafter(Drafter):
         trees = [build_static_tree(accuracies, n) for n in sizes]
         if device.type == "cpu":
             # A CPU base forward over 5 nodes costs about a 1-token one, over 8 up to ~1.4x:
-            # head 0's top 4 and one continuation first (docs/bench.md, "CPU arms").
+            # head 0's top 4 and one continuation first (docs/bench.md, "CPU arms: wide and shallow").
             trees.insert(0, [(rank,) for rank in range(4)] + [(0, 0)][: K - 1])
         return [None, {"choices": chain_choices(K)}] + [{"choices": t} for t in trees]
 
