@@ -1,19 +1,21 @@
 """Which tree settings pay for these heads on this machine: each one fixed, timed side by side.
 
-python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl [--per-category 1]
-    [--arms JSON] [--max-new-tokens 128] [--base smollm2-135m-instruct] [--out runs/bench-arms]
+python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl [--per-category 1] [--limit K]
+    [--arms JSON] [--max-new-tokens 128] [--base smollm2-135m-instruct] [--device D]
+    [--threads N] [--out runs/bench-arms]
 
 Per prompt, in turn, every setting decodes with `SpeculativeGenerator(base, heads,
-adaptive=[setting])`: plain decoding through our loop (`null`, the reference), then each
-drafter setting fixed, then the default adaptive generator (`"adaptive"`). Reported per
-setting: tau, the base's and the drafting's milliseconds per step, tokens/s and its ratio to
-plain decoding (overall, and the median of the per-prompt ratios), and whether every output is
-plain decoding's. `--arms` is a JSON list of drafter options (Medusa `{"choices": "cpu-8"}`,
-EAGLE `{"top_k": 4, "depth": 2, "total_tokens": 6}`) and may hold `"adaptive"`, or a list
-of options for an adaptive generator over just those; the default is the drafter's own
-`default_arms` for this device, each fixed, then adaptive over them. `scripts/bench.py` times
-whole methods against HF `generate`; this script is for choosing the arms themselves (what
-a level of a tree costs in drafting, what a wider level gains). Writes OUT/arms.json.
+adaptive=[setting])`: plain decoding through our loop (the reference, always first), then each
+drafter setting fixed. `--arms` is a JSON list whose items are drafter options (Medusa
+`{"choices": "cpu-8"}`, EAGLE `{"top_k": 4, "depth": 2, "total_tokens": 6}`), a list of options
+(null for plain decoding) for an adaptive generator over just those, or `"adaptive"` for the
+generator's default (adaptive over the drafter's own `default_arms`). Without `--arms`: each of
+the drafter's `default_arms` for this device fixed, then `"adaptive"`. Reported per setting: tau,
+the base's and the drafting's milliseconds per step, tokens/s, its ratio to plain decoding
+(median of the per-prompt ratios / overall) and whether every output is plain decoding's.
+`scripts/bench.py` times whole methods against HF `generate`; this script is for choosing the
+settings themselves (what a level of a tree costs in drafting, what a wider level gains).
+Writes OUT/arms.json.
 """
 
 from __future__ import annotations
@@ -34,80 +36,94 @@ from bench import per_category, prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
+from inference.generate import make_drafter  # noqa: E402
 from train.data import ChatTemplateError  # noqa: E402
 from train.prompts import PromptSourceError  # noqa: E402
 
-
-def label(arm) -> str:
-    return "plain" if arm is None else arm if isinstance(arm, str) else json.dumps(arm)
+Arm = dict | list | str | None  # options, adaptive over a list of options, "adaptive", plain
 
 
-def run_arms(base, heads, arms: list, ids: list[torch.Tensor], max_new_tokens: int) -> list[dict]:
-    """Decode every prompt with every setting, interleaved per prompt; arms[0] must be None."""
-    if not arms or arms[0] is not None:
-        raise ValueError("the first setting must be null (plain decoding): the reference")
-    for arm in arms:  # a setting the heads cannot take fails here, before any timing
+def format_arm(arm: Arm) -> str:
+    if arm is None:
+        return "plain"
+    return arm if isinstance(arm, str) else json.dumps(arm)
+
+
+def check_arms(base, heads, arms: list[Arm]) -> None:
+    """Raise ValueError naming the first setting these heads cannot take (before any timing)."""
+    for arm in arms:
         for options in arm if isinstance(arm, list) else [arm]:
             if isinstance(options, dict):
-                SpeculativeGenerator(base, heads, **options)
-    gens = []
-    for arm in arms:
-        if arm == "adaptive":
-            gens.append(SpeculativeGenerator(base, heads, adaptive=True))
-        else:
-            gens.append(
-                SpeculativeGenerator(base, heads, adaptive=arm if isinstance(arm, list) else [arm])
-            )
+                try:
+                    make_drafter(base, heads).configure(**options)
+                except (ValueError, TypeError) as e:
+                    raise ValueError(f"setting {format_arm(options)}: {e}") from e
+
+
+def build_generator(base, heads, arm: Arm) -> SpeculativeGenerator:
+    if arm == "adaptive":
+        return SpeculativeGenerator(base, heads, adaptive=True)
+    return SpeculativeGenerator(base, heads, adaptive=arm if isinstance(arm, list) else [arm])
+
+
+def time_arms(
+    base, heads, arms: list[Arm], ids: list[torch.Tensor], max_new_tokens: int
+) -> list[dict]:
+    """Decode every prompt with every setting, interleaved per prompt; arms[0] is plain (None)."""
+    if not arms or arms[0] is not None:
+        raise ValueError("the first setting must be null (plain decoding): the reference")
+    gens = [build_generator(base, heads, arm) for arm in arms]
+    for gen in gens:  # untimed: first-call allocations and lazy inits, then a fresh policy
+        gen.generate(ids[0], max_new_tokens=min(16, max_new_tokens))
+        gen.policy = None
     rows = [
-        {
-            "arm": a,
-            "tokens": 0,
-            "steps": 0,
-            "base_s": 0.0,
-            "draft_s": 0.0,
-            "total_s": 0.0,
-            "identical": 0,
-            "rates": [],
-        }
-        for a in arms
+        {"arm": arm, "tokens": 0, "steps": 0, "base_s": 0.0, "draft_s": 0.0, "total_s": 0.0}
+        for arm in arms
     ]
+    same = [0] * len(arms)
+    rates: list[list[float]] = [[] for _ in arms]  # tokens/s per prompt
     for x in tqdm(ids, desc="arms", unit="prompt"):
         reference = None
-        for gen, row in zip(gens, rows):
+        for i, (gen, row) in enumerate(zip(gens, rows)):
             out = gen.generate(x, max_new_tokens=max_new_tokens)
             reference = out.sequences if reference is None else reference
-            row["identical"] += int(torch.equal(out.sequences, reference))
+            same[i] += int(torch.equal(out.sequences, reference))
             tokens = sum(out.accepted_lengths)
             row["tokens"] += tokens
             row["steps"] += out.num_steps
             for key in ("base", "draft", "total"):
                 row[f"{key}_s"] += out.timings[key]
-            row["rates"].append(tokens / out.timings["total"])
-    plain = rows[0]
-    for row in rows:
+            rates[i].append(tokens / out.timings["total"] if out.timings["total"] else 0.0)
+    plain_rate = rows[0]["tokens"] / rows[0]["total_s"] if rows[0]["total_s"] else 0.0
+    for row, rate, n_same in zip(rows, rates, same):
         steps = max(row["steps"], 1)
         row["tau"] = row["tokens"] / steps
         row["base_ms_per_step"] = 1000 * row["base_s"] / steps
         row["draft_ms_per_step"] = 1000 * row["draft_s"] / steps
-        row["tokens_per_s"] = row["tokens"] / row["total_s"]
-        row["vs_plain"] = row["tokens_per_s"] / plain["tokens_per_s"]
-        row["vs_plain_median"] = statistics.median(
-            r / p for r, p in zip(row["rates"], plain["rates"])
-        )
-        row["identical"] /= len(ids)
+        row["tokens_per_s"] = row["tokens"] / row["total_s"] if row["total_s"] else 0.0
+        # Ratios only where plain decoding made tokens (a prompt answered by EOS at once: none).
+        ratios = [r / p for r, p in zip(rate, rates[0]) if p > 0]
+        row["vs_plain_median"] = statistics.median(ratios) if ratios else None
+        row["vs_plain"] = row["tokens_per_s"] / plain_rate if plain_rate else None
+        row["identical"] = n_same / len(ids)
     return rows
 
 
-def markdown(rows: list[dict]) -> str:
+def render_markdown(rows: list[dict]) -> str:
+    def ratio(value: float | None) -> str:
+        return "n/a" if value is None else f"{value:.2f}x"
+
     lines = [
-        "| setting | tau | base ms/step | draft ms/step | tok/s | vs plain (overall / median) | identical |",
+        "| setting | tau | base ms/step | draft ms/step | tok/s "
+        "| vs plain (median / overall) | identical |",
         "|---|---:|---:|---:|---:|---:|---:|",
     ]
     for r in rows:
         lines.append(
-            f"| `{label(r['arm'])}` | {r['tau']:.2f} | {r['base_ms_per_step']:.1f} | "
-            f"{r['draft_ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | {r['vs_plain']:.2f}x / "
-            f"{r['vs_plain_median']:.2f}x | {100 * r['identical']:.0f}% |"
+            f"| `{format_arm(r['arm'])}` | {r['tau']:.2f} | {r['base_ms_per_step']:.1f} | "
+            f"{r['draft_ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | "
+            f"{ratio(r['vs_plain_median'])} / {ratio(r['vs_plain'])} | "
+            f"{100 * r['identical']:.0f}% |"
         )
     return "\n".join(lines) + "\n"
 
@@ -117,18 +133,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     add = parser.add_argument
-    add(
-        "--heads",
-        required=True,
-        metavar="DIR",
-        help="Medusa heads or an EAGLE draft (folder or Hub id)",
-    )
+    add("--heads", required=True, metavar="DIR", help="Medusa heads or an EAGLE draft")
     add("--prompts", required=True, help="as scripts/bench.py: JSONL, embedded[:CAT], humaneval")
     add("--base", default="smollm2-135m-instruct")
-    add("--arms", default=None, help="JSON list of settings (default: the drafter's own arms)")
-    add("--per-category", type=int, default=1, help="the first K prompts of each category")
+    add("--arms", default=None, help="JSON list of settings (default: the drafter's own)")
+    add("--per-category", type=int, default=None, help="the first K prompts of each category")
     add("--limit", type=int, default=None, help="the first K prompts (file order)")
     add("--max-new-tokens", type=int, default=128)
+    add("--device", default=None, help="default: cuda when available, else cpu")
+    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--out", default="runs/bench-arms")
     args = parser.parse_args(argv)
     if args.arms is not None:
@@ -136,42 +149,53 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             arms = json.loads(args.arms)
         except json.JSONDecodeError as e:
             parser.error(f'--arms is not JSON ({e}); e.g. \'[{{"choices": "cpu-8"}}]\'')
+
+        def is_options(a) -> bool:
+            return a is None or isinstance(a, dict)
+
         if not isinstance(arms, list) or not all(
-            a is None or a == "adaptive" or isinstance(a, (dict, list)) for a in arms
+            is_options(a) or a == "adaptive" or (isinstance(a, list) and all(map(is_options, a)))
+            for a in arms
         ):
-            parser.error('--arms must be a JSON list of option objects, null or "adaptive"')
+            parser.error(
+                '--arms must be a JSON list of option objects, null, "adaptive" or lists of '
+                "option objects and null"
+            )
         args.arms = arms
-    if args.max_new_tokens < 1 or args.per_category < 1 or (args.limit or 1) < 1:
-        parser.error("--max-new-tokens, --per-category and --limit must be >= 1")
+    counts = (args.limit, args.per_category, args.threads)
+    if args.max_new_tokens < 2 or any(c is not None and c < 1 for c in counts):
+        parser.error("--max-new-tokens must be >= 2; --limit, --per-category, --threads >= 1")
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     try:
-        prompts = per_category(read_prompts(args.prompts, "first", args.limit), args.per_category)
-        base, tokenizer = load_base(args.base)
+        prompts = read_prompts(args.prompts, "first", args.limit)
+        if args.per_category:
+            prompts = per_category(prompts, args.per_category)
+        base, tokenizer = load_base(args.base, device=args.device)
         heads = load_heads(args.heads, base=base)
+        device = next(base.parameters()).device
+        arms = args.arms
+        if arms is None:
+            own = make_drafter(base, heads).default_arms(device)
+            arms = [*own, "adaptive"]
+        arms = [None] + [a for a in arms if a is not None]
+        check_arms(base, heads, arms)
+        ids = [
+            prompt_ids([*p.system, {"role": "user", "content": p.users[0]}], tokenizer).to(device)
+            for p in prompts
+        ]
+        if not ids:
+            raise ValueError(f"no prompts selected from {args.prompts}")
     except (PromptSourceError, ChatTemplateError, OSError, ValueError) as e:
         print(f"bench_arms failed: {e}", file=sys.stderr)
         return 2
-    device = next(base.parameters()).device
-    arms = args.arms
-    if arms is None:
-        own = SpeculativeGenerator(base, heads).drafter.default_arms(device)
-        arms = [a for a in own if a is not None] + ["adaptive"]
-    arms = [None] + [a for a in arms if a is not None]
-    ids = [
-        prompt_ids([*p.system, {"role": "user", "content": p.users[0]}], tokenizer).to(device)
-        for p in prompts
-    ]
-    try:
-        rows = run_arms(base, heads, arms, ids, args.max_new_tokens)
-    except (ValueError, TypeError) as e:
-        print(f"bench_arms failed: a setting these heads cannot take: {e}", file=sys.stderr)
-        return 2
-    for row in rows:
-        del row["rates"]
+    print(f"{len(ids)} prompts, {len(arms)} settings (plain decoding first)", file=sys.stderr)
+    rows = time_arms(base, heads, arms, ids, args.max_new_tokens)
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": bench_report.machine_info(),
@@ -184,7 +208,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "arms.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
-    print(markdown(rows))
+    print(render_markdown(rows))
     print(f"wrote {out / 'arms.json'}")
     return 0
 

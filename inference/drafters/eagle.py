@@ -59,10 +59,11 @@ class EagleDrafter(Drafter):
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         if device.type == "cpu":
-            # On a CPU a forward of up to ~6 tokens costs about what a 1-token one does, but
-            # each level of depth is one more forward of the draft layer (~4 ms beside a ~70 ms
+            # On 2 CPU cores a base forward over 3-6 tokens cost 1.1-1.2x a 1-token one, and
+            # each level of depth is one more forward of the draft layer (~3-4 ms beside a ~70 ms
             # base step for SmolLM2-135M): wide and shallow first (the draft's top 4 at one or
-            # two levels), then a chain and a tree for a draft whose deeper steps are right.
+            # two levels), then a chain and a tree for a draft whose deeper steps are right
+            # (docs/bench.md, "CPU arms").
             return [
                 None,
                 {"top_k": 4, "depth": 1, "total_tokens": 5},

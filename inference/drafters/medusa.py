@@ -61,8 +61,8 @@ class MedusaDrafter(Drafter):
         sizes = (8,) if device.type == "cpu" else (32, 64)
         trees = [build_static_tree(accuracies, n) for n in sizes]
         if device.type == "cpu":
-            # A CPU base forward over 5 nodes costs about a 1-token one, over 8 up to ~1.4x:
-            # head 0's top 4 and one continuation first (docs/bench.md, "CPU arms: wide and shallow").
+            # On 2 CPU cores a base forward over 6 nodes cost ~1.2x a 1-token one, over 8 up to
+            # ~1.4x: head 0's top 4 and head 1's top 1 first (docs/bench.md, "CPU arms").
             trees.insert(0, [(rank,) for rank in range(4)] + [(0, 0)][: K - 1])
         return [None, {"choices": chain_choices(K)}] + [{"choices": t} for t in trees]
 

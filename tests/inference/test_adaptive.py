@@ -212,3 +212,20 @@ def test_fixed_options_turn_adaptation_off():
     base = make_tiny_llama()
     assert SpeculativeGenerator(base, None, num_tokens=3).arms is None
     assert SpeculativeGenerator(base, None, num_tokens=3, adaptive=True).arms is not None
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 3])
+def test_medusa_cpu_arms_fit_the_heads_and_grow(num_heads):
+    from inference.drafters.medusa import MedusaDrafter
+
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=num_heads))
+    drafter = MedusaDrafter(heads.init_from_base(base))
+    arms = drafter.default_arms(torch.device("cpu"))
+    assert arms[0] is None
+    sizes = []
+    for options in arms[1:]:
+        drafter.configure(**options)  # every arm is a tree these heads can draft
+        sizes.append(drafter.tree.num_nodes)
+    # the chain, head 0's top 4 (and head 1's top 1), then the 8-node tree
+    assert sizes == [num_heads + 1, 5 + (num_heads > 1), 8]

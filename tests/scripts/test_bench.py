@@ -265,41 +265,69 @@ def test_exclude_keeps_the_prompts_distill_did_not_answer(tmp_path):
         bench.parse_args(["--prompts", "humaneval", "--exclude", str(out)])
 
 
-def test_bench_arms_times_each_setting_against_plain_decoding(folders, tmp_path, capsys):
+def test_bench_arms_times_each_setting_against_plain_decoding(
+    folders, tmp_path, capsys, monkeypatch
+):
     import bench_arms
 
+    from inference.drafters.eagle import EagleDrafter
+
+    drafted = []  # the setting of every proposal made
+    propose = EagleDrafter.propose
+
+    def spy(self, sequence, sampling):
+        drafted.append(
+            {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total_tokens}
+        )
+        return propose(self, sequence, sampling)
+
+    monkeypatch.setattr(EagleDrafter, "propose", spy)
     prompts = _jsonl(tmp_path / "mt.jsonl", MT_BENCH)
-    out = tmp_path / "arms"
     argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--max-new-tokens", "8"]
+    argv += ["--device", "cpu", "--threads", "1"]
+    out = tmp_path / "arms"
     assert bench_arms.main([*argv, "--heads", str(folders["eagle3"]), "--out", str(out)]) == 0
     rows = json.loads((out / "arms.json").read_text())["arms"]
     # plain, each of the drafter's own CPU arms fixed, then adaptive over them
-    assert rows[0]["arm"] is None and rows[-1]["arm"] == "adaptive"
-    assert [r["arm"] for r in rows[1:-1]] == [
+    fixed = [
         {"top_k": 4, "depth": 1, "total_tokens": 5},
         {"top_k": 4, "depth": 2, "total_tokens": 6},
         {"top_k": 1, "depth": 4, "total_tokens": 5},
         {"top_k": 3, "depth": 4, "total_tokens": 10},
     ]
-    assert rows[0]["tau"] == 1.0 and rows[0]["vs_plain"] == 1.0
-    assert all(r["identical"] == 1.0 and r["steps"] > 0 and r["tokens"] >= r["steps"] for r in rows)
+    assert [r["arm"] for r in rows] == [None, *fixed, "adaptive"]
+    assert all(o in drafted for o in fixed)  # each fixed setting did draft
+    assert rows[0]["tau"] == 1.0 and all(r["tau"] >= 1.0 for r in rows)
+    assert all(r["identical"] == 1.0 and r["tokens"] >= r["steps"] > 0 for r in rows)
+    assert all(r["draft_ms_per_step"] > 0 for r in rows[1:-1])
     assert "| `plain` | 1.00 |" in capsys.readouterr().out
 
-    custom = '[{"choices": "chain-2"}, [null, {"choices": [[0], [1], [0, 0]]}]]'
-    argv += ["--heads", str(folders["medusa"]), "--arms", custom, "--out", str(out)]
-    assert bench_arms.main(argv) == 0
+    medusa = ["--heads", str(folders["medusa"])]
+    custom = '[{"choices": "chain-2"}, [null, {"choices": [[0], [1], [0, 0]]}], "adaptive"]'
+    out = tmp_path / "custom"
+    assert bench_arms.main([*argv, *medusa, "--arms", custom, "--out", str(out)]) == 0
     rows = json.loads((out / "arms.json").read_text())["arms"]
     assert [r["arm"] for r in rows] == [
         None,
         {"choices": "chain-2"},
         [None, {"choices": [[0], [1], [0, 0]]}],
+        "adaptive",
     ]
     assert all(r["identical"] == 1.0 for r in rows)
 
+    # A setting the heads cannot take fails before any timing, naming it; nothing is written.
     capsys.readouterr()
-    too_deep = ["--arms", '[{"choices": "chain-3"}]', "--out", str(out)]
-    assert bench_arms.main([*argv[:6], "--heads", str(folders["medusa"]), *too_deep]) == 2
-    assert "cannot take" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        bench_arms.main([*argv[:6], "--heads", str(folders["medusa"]), "--arms", "{chain}"])
-    assert e.value.code == 2 and "--arms is not JSON" in capsys.readouterr().err
+    out = tmp_path / "bad"
+    for arms in ('[{"choices": "chain-3"}]', '[[null, {"choices": "chain-3"}]]'):
+        assert bench_arms.main([*argv, *medusa, "--arms", arms, "--out", str(out)]) == 2
+        assert 'setting {"choices": "chain-3"}' in capsys.readouterr().err
+    assert not out.exists()
+    for bad, message in [
+        (["--arms", "{chain}"], "--arms is not JSON"),
+        (["--arms", '[["adaptive"]]'], "--arms must be a JSON list"),
+        (["--max-new-tokens", "1"], "--max-new-tokens must be >= 2"),
+        (["--limit", "0"], "--limit, --per-category"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            bench_arms.main([*argv, *medusa, *bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
