@@ -190,18 +190,25 @@ DEFAULT_ACCURACIES: list[list[float]] = [
 
 # chain-D: D drafted tokens (D + 1 nodes). cpu-N / gpu-N: N nodes, the root included. cpu sizes
 # suit 2-8 CPU cores (a forward costs about the same up to ~16 tokens), gpu-60 a datacenter GPU.
-# The trees use up to 4 heads; `Tree.depth` says how many a drafter needs.
+# `PRESETS` holds the sized trees for 4 heads; `get_preset(name, num_heads)` builds them for fewer.
+_SIZED = {"cpu-8": 8, "cpu-16": 16, "cpu-24": 24, "gpu-60": 60}
 PRESETS: dict[str, list[Choice]] = {
     **{f"chain-{d}": chain_choices(d) for d in range(1, 5)},
-    "cpu-8": build_static_tree(DEFAULT_ACCURACIES, 8),
-    "cpu-16": build_static_tree(DEFAULT_ACCURACIES, 16),
-    "cpu-24": build_static_tree(DEFAULT_ACCURACIES, 24),
-    "gpu-60": build_static_tree(DEFAULT_ACCURACIES, 60),
+    **{name: build_static_tree(DEFAULT_ACCURACIES, n) for name, n in _SIZED.items()},
 }
 
 
-def get_preset(name: str) -> list[Choice]:
-    """Choices of a named preset tree (see `PRESETS`); unknown names list the valid ones."""
+def get_preset(name: str, num_heads: int | None = None) -> list[Choice]:
+    """Choices of a named preset tree (see `PRESETS`); unknown names list the valid ones.
+
+    Given `num_heads`, a sized tree (cpu-N, gpu-N) keeps its N nodes but uses only those heads,
+    so that `MedusaDrafter(two_heads, "cpu-8")` works; a chain-D still needs D heads.
+    """
     if name not in PRESETS:
         raise ValueError(f"unknown tree preset {name!r}; valid: {', '.join(PRESETS)}")
+    if name in _SIZED and num_heads is not None and num_heads < len(DEFAULT_ACCURACIES):
+        try:
+            return build_static_tree(DEFAULT_ACCURACIES[:num_heads], _SIZED[name])
+        except ValueError as e:
+            raise ValueError(f"tree preset {name!r} does not fit {num_heads} head(s): {e}") from e
     return list(PRESETS[name])

@@ -38,12 +38,11 @@ class MedusaDrafter(Drafter):
 
     def set_tree(self, choices: str | Sequence[Sequence[int]]) -> None:
         """Use a preset name (see `inference.tree.PRESETS`) or explicit Medusa choices."""
-        choices = get_preset(choices) if isinstance(choices, str) else [tuple(c) for c in choices]
+        K = self.heads.config.num_heads
+        choices = get_preset(choices, K) if isinstance(choices, str) else [tuple(c) for c in choices]
         too_deep = max((len(c) for c in choices), default=0)
-        if too_deep > self.heads.config.num_heads:
-            raise ValueError(
-                f"tree depth {too_deep} needs {too_deep} heads, these have {self.heads.config.num_heads}"
-            )
+        if too_deep > K:
+            raise ValueError(f"tree depth {too_deep} needs {too_deep} heads, these have {K}")
         device = next(self.heads.parameters()).device
         self.tree = tree_from_choices(choices, device=device)
         self.max_nodes = self.tree.num_nodes

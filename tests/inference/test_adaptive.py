@@ -229,3 +229,16 @@ def test_medusa_cpu_arms_fit_the_heads_and_grow(num_heads):
         sizes.append(drafter.tree.num_nodes)
     # the chain, head 0's top 4 (and head 1's top 1), then the 8-node tree
     assert sizes == [num_heads + 1, 5 + (num_heads > 1), 8]
+
+
+def test_medusa_sized_presets_fit_two_heads_and_chains_say_what_they_need():
+    from inference.drafters.medusa import MedusaDrafter
+
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    drafter = MedusaDrafter(heads, "cpu-8")  # the CPU recipe trains 2 heads
+    assert (drafter.tree.num_nodes, drafter.tree.depth) == (8, 2)
+    drafter.configure(choices="cpu-16")
+    assert (drafter.tree.num_nodes, drafter.tree.depth) == (16, 2)
+    with pytest.raises(ValueError, match="tree depth 3 needs 3 heads, these have 2"):
+        drafter.configure(choices="chain-3")

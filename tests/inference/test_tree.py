@@ -126,3 +126,18 @@ def test_presets_grow_expected_length_and_unknown_name_lists_valid_ones():
     assert lengths == sorted(lengths) and 2 < lengths[0] < lengths[-1] < 4
     with pytest.raises(ValueError, match="cpu-16"):
         get_preset("cpu-17")
+
+
+@pytest.mark.parametrize("name, nodes", [("cpu-8", 8), ("cpu-16", 16), ("gpu-60", 60)])
+@pytest.mark.parametrize("num_heads", [2, 3])
+def test_sized_presets_fit_fewer_heads(name, nodes, num_heads):
+    tree = tree_from_choices(get_preset(name, num_heads))
+    assert tree.num_nodes == nodes
+    assert tree.depth <= num_heads
+    assert get_preset(name, 4) == PRESETS[name]
+
+
+def test_sized_preset_too_big_for_one_head_names_it():
+    assert tree_from_choices(get_preset("cpu-8", 1)).depth == 1  # head 0's top 7
+    with pytest.raises(ValueError, match="'cpu-16' does not fit 1 head"):
+        get_preset("cpu-16", 1)
