@@ -16,7 +16,7 @@ from pathlib import Path
 
 from safetensors.torch import save_file
 
-from heads.checkpoint import CONFIG_NAME, load_heads
+from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
 from heads.medusa import MedusaHeads
 
 TARGETS = ("vllm", "sglang", "tgi", "trtllm")
@@ -27,9 +27,10 @@ class ExportError(ValueError):
 
 
 def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
-    """Export the heads folder `src` to `target` (one of TARGETS) into folder `out`."""
+    """Export the heads folder or Hub repo id `src` to `target` (one of TARGETS) into `out`."""
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    src = resolve_folder(src)
     heads = load_heads(src)  # validates the folder before anything is written
     out = Path(out)
     if out.resolve() == Path(src).resolve():
@@ -72,7 +73,7 @@ def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:
     if cfg.original_lm_head:
         raise ExportError(
             f"{target} needs one lm_head per Medusa head, but these heads share the base's "
-            "lm_head (original_lm_head); train with own lm_heads (heads.original_lm_head=false)"
+            "lm_head (original_lm_head); train with own lm_heads (heads.shared_lm_head=false)"
         )
     if cfg.truncated_vocab_size is not None:
         raise ExportError(

@@ -20,8 +20,10 @@ def _usage(config) -> tuple[str, str, str, str]:
             "EAGLE-3 draft layer",
             "eagle3",
             '"num_speculative_tokens": 5',
+            "# SGLang counts EAGLE-3's aux layer ids one lower than vLLM: rewrite them first\n"
+            "python scripts/export.py REPO --to sglang --out draft-sglang   # headstart\n"
             f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE3 "
-            "--speculative-draft-model-path REPO --speculative-num-steps 5 "
+            "--speculative-draft-model-path draft-sglang --speculative-num-steps 5 "
             "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
         )
     return (
@@ -65,7 +67,8 @@ base, tokenizer = load_base("{base}")
 heads = load_heads("{repo_id}", base=base)
 gen = SpeculativeGenerator(base, heads)
 ids = tokenizer.apply_chat_template([{{"role": "user", "content": "Hello!"}}],
-                                    add_generation_prompt=True, return_tensors="pt")
+                                    add_generation_prompt=True, return_tensors="pt",
+                                    return_dict=True)["input_ids"]
 out = gen.generate(ids, max_new_tokens=256)
 print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 ```
@@ -104,6 +107,7 @@ def push_folder(
             card.read_text()
             .replace('"REPO"', f'"{repo_id}"')
             .replace("path REPO", f"path {repo_id}")
+            .replace("export.py REPO", f"export.py {repo_id}")
         )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)

@@ -1,6 +1,6 @@
 """Export a heads folder to another engine's layout.
 
-python scripts/export.py DIR --to vllm|sglang|tgi|trtllm --out OUT_DIR
+python scripts/export.py DIR_OR_REPO_ID --to vllm|sglang|tgi|trtllm --out OUT_DIR
 """
 
 from __future__ import annotations
@@ -15,7 +15,9 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("heads", help="a heads folder (config.json + model.safetensors)")
+    parser.add_argument(
+        "heads", help="a heads folder (config.json + model.safetensors) or a Hub repo id"
+    )
     parser.add_argument("--to", required=True, choices=TARGETS, help="target engine")
     parser.add_argument("--out", required=True, help="output folder")
     args = parser.parse_args(argv)

@@ -53,7 +53,9 @@ def test_refusals(tiny_llama, medusa_dir, tmp_path):
         MedusaConfig.from_base(tiny_llama.config, num_heads=2, original_lm_head=True)
     ).init_from_base(tiny_llama)
     shared.save_pretrained(tmp_path / "shared")
-    with pytest.raises(ExportError, match="one lm_head per Medusa head"):
+    with pytest.raises(
+        ExportError, match="one lm_head per Medusa head.*heads.shared_lm_head=false"
+    ):
         export_heads(tmp_path / "shared", "trtllm", tmp_path / "t")
     EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
     with pytest.raises(ExportError, match="Medusa heads"):
@@ -94,7 +96,7 @@ def test_cli(medusa_dir, tmp_path):
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
 
-def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path):
+def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     from tests.conftest import make_tiny_llama
 
     base = make_tiny_llama(num_hidden_layers=8)
@@ -109,3 +111,15 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path):
     assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")
     assert json.loads((tmp_path / "v/config.json").read_text())["eagle_config"] == native
+    # a Hub repo id (what the model card's SGLang lines export) is downloaded first
+    import huggingface_hub
+
+    fetched = []
+    monkeypatch.setattr(
+        huggingface_hub,
+        "snapshot_download",
+        lambda repo, **kw: fetched.append(repo) or tmp_path / "e3",
+    )
+    export_heads("me/tiny-eagle3", "sglang", tmp_path / "hub-s")
+    assert fetched == ["me/tiny-eagle3"]
+    assert json.loads((tmp_path / "hub-s/config.json").read_text())["eagle_config"] == sglang
