@@ -191,6 +191,27 @@ class TrainingConfig:
             raise RecipeError("need training.learning_rate > 0 and 0 <= eval_fraction < 1")
         if self.feature_cache and self.mode != "offline":
             raise RecipeError("training.feature_cache needs training.mode=offline")
+        if self.keep_last_checkpoints < 1:
+            raise RecipeError(
+                "need training.keep_last_checkpoints >= 1 (the checkpoint just written is kept)"
+            )
+        if self.max_steps is not None and self.max_steps < 1:
+            raise RecipeError("need training.max_steps >= 1, or null to let epochs decide")
+        for name in ("warmup_steps", "eval_every_steps", "save_every_steps", "text_max_tokens"):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"need training.{name} >= 0 (0: {_ZERO_MEANS[name]})")
+        if self.max_length < 2 or self.max_grad_norm <= 0 or self.weight_decay < 0:
+            raise RecipeError(
+                "need training.max_length >= 2, max_grad_norm > 0 and weight_decay >= 0"
+            )
+
+
+_ZERO_MEANS = {
+    "warmup_steps": "no warmup",
+    "eval_every_steps": "at the end of every epoch",
+    "save_every_steps": "at the end of every epoch",
+    "text_max_tokens": "all of the text corpus",
+}
 
 
 @dataclass
@@ -210,6 +231,10 @@ class LoggingConfig:
     report_to: Literal["none", "wandb", "tensorboard"] = "none"  # wandb runs offline without a key
     project: str = "headstart"
     log_every_steps: int = 10
+
+    def __post_init__(self) -> None:
+        if self.log_every_steps < 1:
+            raise RecipeError(f"need logging.log_every_steps >= 1, got {self.log_every_steps}")
 
 
 @dataclass

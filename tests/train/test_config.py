@@ -152,3 +152,24 @@ def test_a_new_section_is_just_a_dataclass_field(monkeypatch):
         load_recipe(None, ["heads.nm_heads=5"])
     with pytest.raises(RecipeError, match=r"'heads.aux_layer_ids\[1\]' expects int, got str 'x'"):
         load_recipe(None, ["heads.aux_layer_ids=[1, x]"])
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("training.keep_last_checkpoints=0", "keep_last_checkpoints >= 1"),
+        ("training.max_steps=0", "max_steps >= 1, or null"),
+        ("training.warmup_steps=-1", r"warmup_steps >= 0 \(0: no warmup\)"),
+        ("training.eval_every_steps=-5", "eval_every_steps >= 0"),
+        ("training.save_every_steps=-1", "save_every_steps >= 0"),
+        ("training.max_grad_norm=0", "max_grad_norm > 0"),
+        ("logging.log_every_steps=0", "log_every_steps >= 1, got 0"),
+    ],
+)
+def test_counts_that_would_break_a_run_are_refused_up_front(override, message):
+    # keep_last_checkpoints=0 would delete the checkpoint just written, log_every_steps=0
+    # divide by zero at the first step: refused before any work
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, [override])
+    field = override.split("=")[0]
+    assert load_recipe(None, [f"{field}=1"]) is not None  # the smallest sane value loads
