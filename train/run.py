@@ -233,6 +233,14 @@ def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tu
     return per_epoch, total
 
 
+def _logged_step(line: str) -> float:
+    """The step of a metrics.jsonl line; inf for a blank one or one torn by a kill mid-write."""
+    try:
+        return json.loads(line)["step"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        return math.inf
+
+
 class MetricsLog:
     """metrics.jsonl on the main process (one line per log) + accelerate trackers."""
 
@@ -247,7 +255,7 @@ class MetricsLog:
                 kept = [
                     line
                     for line in self.path.read_text().splitlines(keepends=True)
-                    if line.strip() and json.loads(line)["step"] <= start_step
+                    if _logged_step(line) <= start_step
                 ]
                 tmp = self.path.with_name(self.path.name + ".tmp")
                 tmp.write_text("".join(kept))

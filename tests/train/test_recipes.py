@@ -193,10 +193,12 @@ def test_medusa_resume_continues_with_the_same_losses(medusa_run, tiny_task, tmp
     # already in metrics.jsonl; the rerun (resume: auto) continues from step 10.
     interrupted_run(train.medusa, TINY_MEDUSA, tiny_task, out, 12, *MEDUSA_RUN)
     assert (out / "checkpoints" / "step-00000010").is_dir() and not (out / "heads").exists()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 12, "loss": 0.')  # a line torn by the kill
     capsys.readouterr()
     run(train.medusa, TINY_MEDUSA, tiny_task, out, *MEDUSA_RUN)
     assert "at step 10" in capsys.readouterr().out
-    assert_same_run(out, reference, 12)
+    assert_same_run(out, reference, 12)  # reads every line of metrics.jsonl as JSON
 
 
 @pytest.mark.slow
