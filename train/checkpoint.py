@@ -13,9 +13,29 @@ import math
 import shutil
 from pathlib import Path
 
-from train.config import save_recipe
+import yaml
+
+from train.config import RecipeError, recipe_to_dict, save_recipe
 
 STATE_NAME = "trainer_state.json"
+# What a resumed run must share with its checkpoint: the base, the heads' shapes, the data and
+# the order of the batches. Anything else (epochs, max_steps, logging, eval and save steps) may
+# change between a run and its resumption.
+RESUME_FIXED = (
+    "model.name_or_path",
+    "heads",
+    "data.sources",
+    "data.limit",
+    "data.output_dir",
+    "training.mode",
+    "training.micro_batch_size",
+    "training.gradient_accumulation_steps",
+    "training.max_length",
+    "training.eval_fraction",
+    "training.text_corpus",
+    "training.text_max_tokens",
+    "training.seed",
+)
 
 
 class TrainingDiverged(RuntimeError):
@@ -48,6 +68,7 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every process has written its part before the rename
     if accelerator.is_main_process:
+        state = {**state, "num_processes": accelerator.num_processes}
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
         save_recipe(recipe, tmp / "recipe.yaml")
         shutil.rmtree(final, ignore_errors=True)
@@ -65,6 +86,45 @@ def load_checkpoint(accelerator, path: Path) -> dict:
     """Restore accelerate's state from `path`; returns its trainer state."""
     accelerator.load_state(str(path))
     return json.loads((path / STATE_NAME).read_text())
+
+
+def check_same_run(path: Path, recipe, processes: int) -> None:
+    """Compare `recipe` and the process count with those that wrote checkpoint `path`.
+
+    Raises:
+        RecipeError: they differ on a `RESUME_FIXED` key or in processes: resuming would not
+            continue that run.
+    """
+    saved_processes = json.loads((path / STATE_NAME).read_text()).get("num_processes")
+    saved_file = path / "recipe.yaml"
+    saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else None
+    now = recipe_to_dict(recipe)
+    diffs = []
+    for key in RESUME_FIXED if saved is not None else ():
+        was, new = _lookup(saved, key), _lookup(now, key)
+        if isinstance(new, dict):  # a whole section: name the fields that differ
+            was = was if isinstance(was, dict) else {}
+            diffs += [
+                f"{key}.{k}: {was.get(k)!r} there, {v!r} now"
+                for k, v in new.items()
+                if was.get(k) != v
+            ]
+        elif was != new:
+            diffs.append(f"{key}: {was!r} there, {new!r} now")
+    if saved_processes is not None and saved_processes != processes:
+        diffs.append(f"processes: {saved_processes} there, {processes} now")
+    if diffs:
+        raise RecipeError(
+            f"the checkpoint {path} belongs to another run ({'; '.join(diffs)}). Rerun with its "
+            "values to continue it, or start afresh with training.resume=never (it overwrites "
+            "this output) or another output.dir."
+        )
+
+
+def _lookup(tree: dict, key: str):
+    for part in key.split("."):
+        tree = tree.get(part) if isinstance(tree, dict) else None
+    return tree
 
 
 def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:

@@ -24,7 +24,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from heads import EagleConfig, EagleDraft
-from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
+from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left, walk_accept_length
@@ -35,6 +35,7 @@ from train.run import (
     count_steps,
     epoch_batches,
     evaluate,
+    find_resume,
     load_frozen_base,
     make_accelerator,
     make_optimizer,
@@ -202,6 +203,7 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
 
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
+    ckpt = find_resume(recipe, accelerator)
     base, tokenizer = load_frozen_base(recipe, accelerator)
     spec = recipe.heads
     aux_ids = []
@@ -218,7 +220,7 @@ def training_function(recipe: Recipe) -> dict:
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     step, epoch, skip, best = 0, 0, 0, {}
-    if (ckpt := resolve_resume(recipe.training.resume, recipe.output.dir)) is not None:
+    if ckpt is not None:
         state = load_checkpoint(accelerator, ckpt)
         step, epoch, skip, best = (
             state["step"],

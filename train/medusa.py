@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
-from train.checkpoint import check_finite, load_checkpoint, resolve_resume, save_checkpoint
+from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left, walk_accept_length
@@ -30,6 +30,7 @@ from train.run import (
     count_steps,
     epoch_batches,
     evaluate,
+    find_resume,
     gather_for_reading,
     load_frozen_base,
     make_accelerator,
@@ -168,6 +169,7 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
 
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
+    ckpt = find_resume(recipe, accelerator)
     base, tokenizer = load_frozen_base(recipe, accelerator)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
     heads = build_heads(recipe, base, train_ds, accelerator)
@@ -203,7 +205,7 @@ def training_function(recipe: Recipe) -> dict:
     optimizer, scheduler = make_optimizer(recipe, groups, total)
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     step, epoch, skip, best = 0, 0, 0, {}
-    if (ckpt := resolve_resume(recipe.training.resume, recipe.output.dir)) is not None:
+    if ckpt is not None:
         state = load_checkpoint(accelerator, ckpt)
         step, epoch, skip, best = (
             state["step"],

@@ -23,6 +23,7 @@ from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
+from train.checkpoint import check_same_run, resolve_resume
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
@@ -54,6 +55,19 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
         )
         raise SystemExit(2)
     return recipe
+
+
+def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
+    """The checkpoint this run continues (`training.resume`), checked against the recipe before
+    any work: another base, heads, data or batch order exits with the difference."""
+    try:
+        ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
+        if ckpt is not None:
+            check_same_run(ckpt, recipe, accelerator.num_processes)
+    except (RecipeError, FileNotFoundError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    return ckpt
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:

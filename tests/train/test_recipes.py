@@ -196,6 +196,23 @@ def test_medusa_resume_continues_with_the_same_losses(medusa_run, tiny_task, tmp
     with open(out / "metrics.jsonl", "a") as f:
         f.write('{"step": 12, "loss": 0.')  # a line torn by the kill
     capsys.readouterr()
+    # Resumed with another batch order or other heads, it would not continue that run: refused
+    # before any work, naming the difference, and the checkpoint is kept.
+    with pytest.raises(SystemExit) as exit_info:
+        run(
+            train.medusa,
+            TINY_MEDUSA,
+            tiny_task,
+            out,
+            *MEDUSA_RUN,
+            "training.seed=1",
+            "heads.num_heads=3",
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "(heads.num_heads: 2 there, 3 now; training.seed: 0 there, 1 now)" in err
+    assert "training.resume=never" in err
+    assert (out / "checkpoints" / "step-00000010").is_dir() and not (out / "heads").exists()
     run(train.medusa, TINY_MEDUSA, tiny_task, out, *MEDUSA_RUN)
     assert "at step 10" in capsys.readouterr().out
     assert_same_run(out, reference, 12)  # reads every line of metrics.jsonl as JSON
