@@ -15,6 +15,7 @@ This is the only module that calls the base model in a loop. Per step:
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -259,6 +260,13 @@ class SpeculativeGenerator:
             raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer= to decode the generated text")
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+            raise ValueError(
+                f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
+                f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
+            )
         device = next(self.base.parameters()).device
         ids = ids.to(device)
         eos = self._eos_ids(eos_token_id)
@@ -335,8 +343,16 @@ class SpeculativeGenerator:
             after_plain = options is None
             t_step = t0 = time.perf_counter()
             nodes = 1 if options is None else self.drafter.max_nodes
+            if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
+                # the tree no longer fits the context but a token does: plain steps to the end
+                options, nodes, after_plain, arm = None, 1, True, None
             if prefix + nodes + 1 > max_positions:
-                break  # the context is full
+                warnings.warn(
+                    f"generation stopped at the base's context length ({max_positions} positions) "
+                    f"after {len(generated)} of max_new_tokens={max_new_tokens} tokens",
+                    stacklevel=3,
+                )
+                break
             if options is None:  # plain decoding: the root alone, one token per step
                 draft = Draft(
                     self._root_only, sequence[-1:], torch.zeros(1, dtype=torch.bool, device=device)
@@ -363,7 +379,7 @@ class SpeculativeGenerator:
             )
             timings["draft"] += time.perf_counter() - t0
             new = accepted[1:].tolist() + [acc.bonus_token]
-            if policy:
+            if policy and arm is not None:
                 policy.update(arm, len(new), time.perf_counter() - t_step)
             new, done = finish(new)
             stats["accepted_lengths"].append(len(new))

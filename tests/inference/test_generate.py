@@ -237,7 +237,33 @@ def test_bad_input_is_clear():
         gen.generate(torch.ones(1, 0, dtype=torch.long))
     with pytest.raises(ValueError, match="tokenizer"):
         gen.generate(torch.ones(1, 3, dtype=torch.long), stop_strings=["x"])
+    with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
+        gen.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=0)
+    for bad in ({"temperature": -0.5}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
+        with pytest.raises(ValueError, match="need temperature >= 0 .* 0 < top_p <= 1"):
+            gen.generate(torch.ones(1, 3, dtype=torch.long), **bad)
     with pytest.raises(ValueError, match="share the base's tokenizer"):
         SpeculativeGenerator(base, make_tiny_llama(vocab_size=128))
     with pytest.raises(TypeError, match="MedusaHeads, EagleDraft"):
         SpeculativeGenerator(base, object())
+
+
+def test_a_tree_that_no_longer_fits_the_context_gives_way_to_plain_steps():
+    base = make_tiny_llama()  # 512 positions
+    limit = base.config.max_position_embeddings
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=3)).init_from_base(base)
+    prompt = torch.randint(3, base.config.vocab_size, (1, limit - 12), generator=_seeded(0))
+    ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert ref.shape[1] == limit
+    for gen in (
+        SpeculativeGenerator(base, heads, choices="cpu-8"),
+        SpeculativeGenerator(base, heads),
+    ):
+        with pytest.warns(UserWarning, match="context length .512 positions. after 12 of"):
+            out = gen.generate(prompt, max_new_tokens=50, eos_token_id=[])
+        # an 8-node tree stops fitting 8 tokens before the end: plain steps fill the rest
+        assert torch.equal(out.sequences, ref)
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
