@@ -198,6 +198,13 @@ def load_heads(
             f"draft layer (a 1-layer llama config); got model_type={raw.get('model_type')!r}"
         )
     if base is not None:
+        # Folders from other trainers record no base: their own sizes are the base's.
+        if not config.base_hidden_size:
+            config.base_hidden_size = int(
+                raw.get("target_hidden_size") or raw.get("hidden_size") or 0
+            )
+        if not config.base_vocab_size:
+            config.base_vocab_size = int(raw.get("vocab_size") or 0)
         config.check_base(base.config)
     tensors = read_tensors(folder)
     optional: tuple[str, ...] = ()

@@ -43,8 +43,13 @@ class HeadsConfig:
         for key, expected in ours.items():
             got = getattr(base_config, key)
             if expected and got != expected:
+                trained_on = (
+                    f"base '{self.base_model_name_or_path}'"
+                    if self.base_model_name_or_path
+                    else "a base"
+                )
                 raise ValueError(
-                    f"these heads were trained on base '{self.base_model_name_or_path}' with "
+                    f"these heads were trained on {trained_on} with "
                     f"{key}={expected}, but the given base '{getattr(base_config, 'name_or_path', '?')}' "
                     f"has {key}={got}; load the heads with the base they were trained for"
                 )

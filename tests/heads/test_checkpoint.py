@@ -235,3 +235,18 @@ def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path)
     assert cfg["torch_dtype"] == "float32"  # what the file holds
     draft.save_pretrained(tmp_path / "again", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "again/config.json").read_text())["torch_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle1", "eagle3"])
+def test_foreign_folder_without_base_record_is_checked_by_its_own_sizes(tiny_llama, tmp_path, kind):
+    _all_heads(tiny_llama)[kind].save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("base_model_name_or_path", "base_hidden_size", "base_vocab_size"):
+        del cfg[key]  # as written by other trainers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    other = make_tiny_llama(vocab_size=320)
+    with pytest.raises(
+        ValueError, match="trained on a base with vocab_size=256, but .* has vocab_size=320"
+    ):
+        load_heads(tmp_path, base=other)
+    assert load_heads(tmp_path, base=tiny_llama).config.base_vocab_size == 256
