@@ -3,12 +3,13 @@ that records the generation settings a run may be resumed (or extended) with."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 from pathlib import Path
 from typing import Any
 
-from train.data import with_system_prompt
+from train.data import resolve_chat_template, with_system_prompt
 from train.prompts import Message, conversation_id
 
 MANIFEST = "manifest.json"
@@ -119,3 +120,29 @@ class ShardWriter:
         write_atomic(self.out_dir / f"shard-r{self.rank:03d}-{self.next_index:05d}.jsonl", lines)
         self.next_index += 1
         self.buffer = []
+
+
+def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
+    """How the answers in `out_dir` were made otherwise than `recipe` trains for: by another
+    base, under another chat template or system prompt (empty when alike or without a manifest).
+    """
+    path = Path(out_dir) / MANIFEST
+    try:
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return []
+    settings = manifest.get("settings") or {}
+    notes = []
+    named = recipe.model.name_or_path
+    if named not in {settings.get("base_model"), manifest.get("base_model")}:
+        notes.append(f"base {manifest.get('base_model')!r} (this recipe trains for {named!r})")
+    template = resolve_chat_template(tokenizer, recipe.data.chat_template)
+    sha1 = manifest.get("chat_template_sha1")
+    if sha1 and sha1 != hashlib.sha1(template.encode()).hexdigest():
+        notes.append("another chat template than the recipe's data.chat_template")
+    if "system_prompt" in settings and settings["system_prompt"] != recipe.data.system_prompt:
+        notes.append(
+            f"system prompt {settings['system_prompt']!r} (this recipe: "
+            f"{recipe.data.system_prompt!r})"
+        )
+    return notes

@@ -10,6 +10,7 @@ forward is most of a step, so offline mode makes every epoch after the first far
 from __future__ import annotations
 
 import random
+import warnings
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -20,6 +21,7 @@ from tqdm.auto import tqdm
 
 from train.corpus import as_conversation, corpus_chunks
 from train.data import build_examples, load_distilled, pad_batch, tokenize_conversation
+from train.distilled import distilled_otherwise
 
 Example = dict[str, list[int]]
 
@@ -28,6 +30,15 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
     """Tokenised examples of a recipe: (distilled conversations, text corpus)."""
     # Answers cut at max_new_tokens are kept: their tokens are still the base's own.
     conversations = load_distilled(recipe.data.output_dir, finished_only=False)
+    if notes := distilled_otherwise(recipe.data.output_dir, recipe, tokenizer):
+        # Heads learn to draft what the base wrote under that template: allowed (data from
+        # elsewhere is a choice), but said, since it is mostly a recipe mix-up.
+        warnings.warn(
+            f"{recipe.data.output_dir} was distilled with {'; '.join(notes)}. The heads will "
+            "draft best for the answers as distilled: set the recipe's model, data.chat_template "
+            "and data.system_prompt as distill had them, unless this is meant.",
+            stacklevel=2,
+        )
     distilled = tokenize_answers(conversations, tokenizer, recipe)
     if not distilled:
         raise ValueError(f"no training examples with assistant tokens in {recipe.data.output_dir}")

@@ -217,3 +217,36 @@ def test_load_distilled_and_pad_batch(smollm2_tokenizer, tmp_path):
     )
     with pytest.raises(FileNotFoundError, match="no .jsonl shards"):
         load_distilled(tmp_path / "absent")
+
+
+def test_training_says_when_the_answers_were_distilled_otherwise(smollm2_tokenizer, tmp_path):
+    import hashlib
+
+    from train.config import load_recipe
+    from train.data import resolve_chat_template
+    from train.distilled import MANIFEST, distilled_otherwise
+
+    template = resolve_chat_template(smollm2_tokenizer)
+    manifest = {  # as scripts/distill.py writes it
+        "base_model": "HuggingFaceTB/SmolLM2-135M-Instruct",
+        "settings": {"base_model": "smollm2-135m-instruct", "system_prompt": None},
+        "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest(),
+    }
+    (tmp_path / MANIFEST).write_text(json.dumps(manifest))
+    same = load_recipe(None, [f"data.output_dir={tmp_path}"])
+    assert distilled_otherwise(tmp_path, same, smollm2_tokenizer) == []
+    by_hub_id = load_recipe(None, ["model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct"])
+    assert distilled_otherwise(tmp_path, by_hub_id, smollm2_tokenizer) == []
+    other = load_recipe(
+        None,
+        [
+            "model.name_or_path=meta-llama/Llama-3.1-8B-Instruct",
+            "data.chat_template={{ messages[0]['content'] }}",
+            "data.system_prompt=Be brief.",
+        ],
+    )
+    notes = distilled_otherwise(tmp_path, other, smollm2_tokenizer)
+    assert len(notes) == 3
+    assert "base 'HuggingFaceTB/SmolLM2-135M-Instruct'" in notes[0] and "Llama-3.1" in notes[0]
+    assert "another chat template" in notes[1] and "'Be brief.'" in notes[2]
+    assert distilled_otherwise(tmp_path / "no-manifest", other, smollm2_tokenizer) == []
