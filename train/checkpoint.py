@@ -18,15 +18,14 @@ import yaml
 from train.config import RecipeError, recipe_to_dict, save_recipe
 
 STATE_NAME = "trainer_state.json"
-# What a resumed run must share with its checkpoint: the base, the heads' shapes, the data and
-# the order of the batches. Anything else (epochs, max_steps, logging, eval and save steps) may
-# change between a run and its resumption.
+# What a resumed run must share with its checkpoint: the base, the heads, the data and the order
+# of the batches. Anything else (epochs, max_steps, learning rate, logging, eval and save steps,
+# where the data folder lies) may change between a run and its resumption.
 RESUME_FIXED = (
     "model.name_or_path",
     "heads",
     "data.sources",
     "data.limit",
-    "data.output_dir",
     "training.mode",
     "training.micro_batch_size",
     "training.gradient_accumulation_steps",
@@ -100,16 +99,17 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
     saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else None
     now = recipe_to_dict(recipe)
     diffs = []
+    # A key the saved recipe lacks came with a later headstart: not a difference of the run.
     for key in RESUME_FIXED if saved is not None else ():
         was, new = _lookup(saved, key), _lookup(now, key)
         if isinstance(new, dict):  # a whole section: name the fields that differ
             was = was if isinstance(was, dict) else {}
             diffs += [
-                f"{key}.{k}: {was.get(k)!r} there, {v!r} now"
+                f"{key}.{k}: {was[k]!r} there, {v!r} now"
                 for k, v in new.items()
-                if was.get(k) != v
+                if k in was and was[k] != v
             ]
-        elif was != new:
+        elif was is not _MISSING and was != new:
             diffs.append(f"{key}: {was!r} there, {new!r} now")
     if saved_processes is not None and saved_processes != processes:
         diffs.append(f"processes: {saved_processes} there, {processes} now")
@@ -121,9 +121,12 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
         )
 
 
+_MISSING = object()
+
+
 def _lookup(tree: dict, key: str):
     for part in key.split("."):
-        tree = tree.get(part) if isinstance(tree, dict) else None
+        tree = tree.get(part, _MISSING) if isinstance(tree, dict) else _MISSING
     return tree
 
 
