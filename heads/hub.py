@@ -21,7 +21,8 @@ def _usage(config) -> tuple[str, str, str, str]:
             "eagle3",
             '"num_speculative_tokens": 5',
             "# SGLang counts EAGLE-3's aux layer ids one lower than vLLM: rewrite them first\n"
-            "python scripts/export.py REPO --to sglang --out draft-sglang   # headstart\n"
+            'python -c "from heads.export import export_heads; '
+            "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
             f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE3 "
             "--speculative-draft-model-path draft-sglang --speculative-num-steps 5 "
             "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
@@ -107,7 +108,7 @@ def push_folder(
             card.read_text()
             .replace('"REPO"', f'"{repo_id}"')
             .replace("path REPO", f"path {repo_id}")
-            .replace("export.py REPO", f"export.py {repo_id}")
+            .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
         )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)

@@ -334,6 +334,10 @@ class SpeculativeGenerator:
             if options and arm != current_arm:
                 self.drafter.configure(**options)
                 current_arm = arm
+            nodes = 1 if options is None else self.drafter.max_nodes
+            if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
+                # the tree no longer fits the context but a token does: plain steps to the end
+                options, nodes, arm = None, 1, None
             if options is not None and after_plain:
                 # Feeding the plain steps' tokens to a drafter with its own cache costs more the
                 # longer the run of plain steps: not a cost of this step's setting.
@@ -342,10 +346,6 @@ class SpeculativeGenerator:
                 timings["draft"] += time.perf_counter() - t0
             after_plain = options is None
             t_step = t0 = time.perf_counter()
-            nodes = 1 if options is None else self.drafter.max_nodes
-            if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
-                # the tree no longer fits the context but a token does: plain steps to the end
-                options, nodes, after_plain, arm = None, 1, True, None
             if prefix + nodes + 1 > max_positions:
                 warnings.warn(
                     f"generation stopped at the base's context length ({max_positions} positions) "

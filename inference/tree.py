@@ -140,6 +140,11 @@ def choice_value(accuracies: Sequence[Sequence[float]], choice: Sequence[int]) -
     return math.prod(accuracies[k][r] for k, r in enumerate(choice))
 
 
+def static_tree_capacity(accuracies: Sequence[Sequence[float]]) -> int:
+    """The most nodes (root included) a static tree over these heads' ranks can hold."""
+    return 1 + sum(math.prod(len(a) for a in accuracies[:d]) for d in range(1, len(accuracies) + 1))
+
+
 def build_static_tree(accuracies: Sequence[Sequence[float]], num_nodes: int) -> list[Choice]:
     """Medusa's greedy tree construction (Cai et al. 2024, sec. 2.1.2).
 
@@ -149,9 +154,9 @@ def build_static_tree(accuracies: Sequence[Sequence[float]], num_nodes: int) -> 
     the shallower, then lexicographically smaller choice. With accuracies <= 1 a child is never
     worth more than its parent, so this maximises `expected_accept_length` for the node count.
     """
-    capacity = sum(math.prod(len(a) for a in accuracies[:d]) for d in range(1, len(accuracies) + 1))
-    if not 1 <= num_nodes <= capacity + 1:
-        raise ValueError(f"num_nodes must be in [1, {capacity + 1}] for these heads: {num_nodes}")
+    capacity = static_tree_capacity(accuracies)
+    if not 1 <= num_nodes <= capacity:
+        raise ValueError(f"num_nodes must be in [1, {capacity}] for these heads: {num_nodes}")
     frontier: list[tuple[float, int, Choice]] = []
 
     def push_children(parent: Choice) -> None:

@@ -8,6 +8,7 @@ mid-save leaves the previous checkpoint as the latest.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import shutil
@@ -22,10 +23,9 @@ STATE_NAME = "trainer_state.json"
 # of the batches. Anything else (epochs, max_steps, learning rate, logging, eval and save steps,
 # where the data folder lies) may change between a run and its resumption.
 RESUME_FIXED = (
-    "model.name_or_path",
     "heads",
-    "data.sources",
-    "data.limit",
+    "data.chat_template",
+    "data.system_prompt",
     "training.mode",
     "training.micro_batch_size",
     "training.gradient_accumulation_steps",
@@ -67,7 +67,11 @@ def save_checkpoint(
     accelerator.save_state(str(tmp))
     accelerator.wait_for_everyone()  # every process has written its part before the rename
     if accelerator.is_main_process:
-        state = {**state, "num_processes": accelerator.num_processes}
+        state = {
+            **state,
+            "num_processes": accelerator.num_processes,
+            "data": data_fingerprint(recipe.data.output_dir),
+        }
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
         save_recipe(recipe, tmp / "recipe.yaml")
         shutil.rmtree(final, ignore_errors=True)
@@ -94,7 +98,8 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
         RecipeError: they differ on a `RESUME_FIXED` key or in processes: resuming would not
             continue that run.
     """
-    saved_processes = json.loads((path / STATE_NAME).read_text()).get("num_processes")
+    state = json.loads((path / STATE_NAME).read_text())
+    saved_processes = state.get("num_processes")
     saved_file = path / "recipe.yaml"
     saved = yaml.safe_load(saved_file.read_text()) if saved_file.is_file() else None
     now = recipe_to_dict(recipe)
@@ -111,8 +116,17 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
             ]
         elif was is not _MISSING and was != new:
             diffs.append(f"{key}: {was!r} there, {new!r} now")
+    if saved is not None:  # the same base, however it is named: a Hub id, an alias, a path
+        was, new = _lookup(saved, "model.name_or_path"), recipe.model.name_or_path
+        if was is not _MISSING and Path(str(was)).name.lower() != Path(new).name.lower():
+            diffs.append(f"model.name_or_path: {was!r} there, {new!r} now")
     if saved_processes is not None and saved_processes != processes:
         diffs.append(f"processes: {saved_processes} there, {processes} now")
+    if state.get("data") and state["data"] != data_fingerprint(recipe.data.output_dir):
+        diffs.append(
+            f"the answers in data.output_dir={recipe.data.output_dir!r} are not those it trained "
+            "on (other shards or sizes)"
+        )
     if diffs:
         raise RecipeError(
             f"the checkpoint {path} belongs to another run ({'; '.join(diffs)}). Rerun with its "
@@ -122,6 +136,14 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
 
 
 _MISSING = object()
+
+
+def data_fingerprint(output_dir: str | Path) -> str:
+    """The distilled shards' names and sizes, hashed: the same answers wherever the folder lies,
+    and another fingerprint once distill adds answers or the folder holds other ones."""
+    shards = sorted(Path(output_dir).glob("*.jsonl"))
+    listing = "\n".join(f"{p.name} {p.stat().st_size}" for p in shards)
+    return hashlib.sha1(listing.encode()).hexdigest()[:16]
 
 
 def _lookup(tree: dict, key: str):

@@ -18,6 +18,7 @@ from inference.tree import (
     build_static_tree,
     chain_choices,
     get_preset,
+    static_tree_capacity,
     tree_from_choices,
 )
 
@@ -60,6 +61,8 @@ class MedusaDrafter(Drafter):
         K = self.heads.config.num_heads
         accuracies = DEFAULT_ACCURACIES[:K]
         sizes = (8,) if device.type == "cpu" else (32, 64)
+        # one head holds at most 11 nodes (its top 10 and the root)
+        sizes = sorted({min(n, static_tree_capacity(accuracies)) for n in sizes})
         trees = [build_static_tree(accuracies, n) for n in sizes]
         if device.type == "cpu":
             # On 2 CPU cores a base forward over 6 nodes cost ~1.2x a 1-token one, over 8 up to

@@ -212,7 +212,7 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
     assert "base_model: tiny-llama-0" in card and "EAGLE-3" in card
     assert '"model": "me/tiny-eagle3"' in card  # vLLM reads the repo as is
     # SGLang counts aux layer ids one lower: the card exports first, then serves the export
-    assert "export.py me/tiny-eagle3 --to sglang --out draft-sglang" in card
+    assert "export_heads('me/tiny-eagle3', 'sglang', 'draft-sglang')" in card
     assert "--speculative-draft-model-path draft-sglang" in card
     assert 'return_dict=True)["input_ids"]' in card  # transformers 5's apply_chat_template
 

@@ -242,3 +242,17 @@ def test_medusa_sized_presets_fit_two_heads_and_chains_say_what_they_need():
     assert (drafter.tree.num_nodes, drafter.tree.depth) == (16, 2)
     with pytest.raises(ValueError, match="tree depth 3 needs 3 heads, these have 2"):
         drafter.configure(choices="chain-3")
+
+
+@pytest.mark.parametrize("num_heads", [1, 2, 4])
+def test_medusa_gpu_arms_fit_the_heads(num_heads):
+    from inference.drafters.medusa import MedusaDrafter
+
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=num_heads))
+    drafter = MedusaDrafter(heads.init_from_base(base))
+    sizes = []
+    for options in drafter.default_arms(torch.device("cuda"))[2:]:  # the trees after the chain
+        drafter.configure(**options)
+        sizes.append(drafter.tree.num_nodes)
+    assert sizes == ([11] if num_heads == 1 else [32, 64])  # one head's top 10 at most

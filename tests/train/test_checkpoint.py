@@ -1,17 +1,23 @@
 """Resume's check of a checkpoint against the recipe (the runs themselves: test_recipes.py)."""
 
 import json
+import shutil
 
 import pytest
 import yaml
 
-from train.checkpoint import STATE_NAME, check_same_run
+from train.checkpoint import STATE_NAME, check_same_run, data_fingerprint
 from train.config import RecipeError, load_recipe, recipe_to_dict
 
 
 def _checkpoint(path, recipe, processes=1, drop=()):
     path.mkdir()
-    (path / STATE_NAME).write_text(json.dumps({"step": 4, "num_processes": processes}))
+    state = {
+        "step": 4,
+        "num_processes": processes,
+        "data": data_fingerprint(recipe.data.output_dir),
+    }
+    (path / STATE_NAME).write_text(json.dumps(state))
     saved = recipe_to_dict(recipe)
     for section, key in drop:  # a recipe written before these keys existed
         del saved[section][key]
@@ -19,29 +25,52 @@ def _checkpoint(path, recipe, processes=1, drop=()):
     return path
 
 
+def _answers(folder, *sizes):
+    folder.mkdir(parents=True)
+    for i, n in enumerate(sizes):
+        (folder / f"shard-r000-{i:05d}.jsonl").write_text("x" * n)
+    return folder
+
+
 def test_what_may_change_on_resume_and_what_may_not(tmp_path):
-    recipe = load_recipe(None, ["training.seed=3", "data.limit=100"])
+    data = _answers(tmp_path / "distill", 10, 20)
+    recipe = load_recipe(None, ["training.seed=3", f"data.output_dir={data}"])
     ckpt = _checkpoint(tmp_path / "a", recipe)
-    # epochs, learning rate, logging and the data folder's place may change
+    moved = shutil.copytree(data, tmp_path / "elsewhere" / "distill")
+    # epochs, learning rate, logging, the data folder's place and the base's spelling may change
     check_same_run(
         ckpt,
         load_recipe(
             None,
             [
                 "training.seed=3",
-                "data.limit=100",
+                f"data.output_dir={moved}",
                 "training.epochs=9",
                 "training.learning_rate=0.5",
                 "logging.log_every_steps=1",
-                "data.output_dir=/elsewhere/distill",
+                "model.name_or_path=HuggingFaceTB/SmolLM2-135M-Instruct",
             ],
         ),
         processes=1,
     )
-    with pytest.raises(RecipeError, match=r"data.limit: 100 there, 200 now.*resume=never"):
-        check_same_run(ckpt, load_recipe(None, ["training.seed=3", "data.limit=200"]), 1)
+    changed = {
+        "data.system_prompt=Be brief.": r"data.system_prompt: None there, 'Be brief.' now",
+        "training.micro_batch_size=3": "training.micro_batch_size: 8 there, 3 now",
+        "model.name_or_path=meta-llama/Llama-3.2-1B": "model.name_or_path: 'smollm2-135m-instruct'",
+    }
+    for override, message in changed.items():
+        with pytest.raises(RecipeError, match=rf"{message}.*resume=never"):
+            check_same_run(
+                ckpt, load_recipe(None, ["training.seed=3", f"data.output_dir={data}", override]), 1
+            )
     with pytest.raises(RecipeError, match="processes: 1 there, 2 now"):
         check_same_run(ckpt, recipe, processes=2)
+    # distill added answers since (or the folder holds others): not the data it trained on
+    (data / "shard-r000-00002.jsonl").write_text("more")
+    with pytest.raises(
+        RecipeError, match="answers in data.output_dir=.* are not those it trained on"
+    ):
+        check_same_run(ckpt, recipe, processes=1)
 
 
 def test_keys_newer_than_the_checkpoint_and_old_checkpoints_pass(tmp_path):
@@ -49,5 +78,5 @@ def test_keys_newer_than_the_checkpoint_and_old_checkpoints_pass(tmp_path):
     ckpt = _checkpoint(tmp_path / "a", recipe, drop=[("heads", "num_heads"), ("training", "seed")])
     check_same_run(ckpt, load_recipe(None, ["heads.num_heads=5", "training.seed=7"]), 1)
     (ckpt / "recipe.yaml").unlink()
-    (ckpt / STATE_NAME).write_text(json.dumps({"step": 4}))  # before either was recorded
+    (ckpt / STATE_NAME).write_text(json.dumps({"step": 4}))  # before any of it was recorded
     check_same_run(ckpt, recipe, processes=4)

@@ -163,6 +163,9 @@ def test_a_new_section_is_just_a_dataclass_field(monkeypatch):
         ("training.eval_every_steps=-5", "eval_every_steps >= 0"),
         ("training.save_every_steps=-1", "save_every_steps >= 0"),
         ("training.max_grad_norm=0", "max_grad_norm > 0"),
+        ("training.max_length=1", "max_length >= 2"),
+        ("training.weight_decay=-0.1", "weight_decay >= 0"),
+        ("training.text_max_tokens=-1", r"text_max_tokens >= 0 \(0: all of the text corpus\)"),
         ("logging.log_every_steps=0", "log_every_steps >= 1, got 0"),
     ],
 )
@@ -172,4 +175,4 @@ def test_counts_that_would_break_a_run_are_refused_up_front(override, message):
     with pytest.raises(RecipeError, match=message):
         load_recipe(None, [override])
     field = override.split("=")[0]
-    assert load_recipe(None, [f"{field}=1"]) is not None  # the smallest sane value loads
+    assert load_recipe(None, [f"{field}=2"]) is not None  # a sane value loads

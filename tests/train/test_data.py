@@ -250,3 +250,14 @@ def test_training_says_when_the_answers_were_distilled_otherwise(smollm2_tokeniz
     assert "base 'HuggingFaceTB/SmolLM2-135M-Instruct'" in notes[0] and "Llama-3.1" in notes[0]
     assert "another chat template" in notes[1] and "'Be brief.'" in notes[2]
     assert distilled_otherwise(tmp_path / "no-manifest", other, smollm2_tokenizer) == []
+    # training says so as it reads the answers (and still trains: data from elsewhere is allowed)
+    from tests.train.conftest import write_distilled
+    from train.features import load_examples
+
+    write_distilled(tmp_path)
+    by_llama = load_recipe(
+        None, ["model.name_or_path=meta-llama/Llama-3.1-8B-Instruct", f"data.output_dir={tmp_path}"]
+    )
+    with pytest.warns(UserWarning, match="distilled with base .* unless this is meant"):
+        distilled, _ = load_examples(by_llama, smollm2_tokenizer)
+    assert distilled
