@@ -6,7 +6,9 @@ layer on the current frontier (top_k nodes by cumulative log-probability) in one
 tree mask and give each frontier node its top_k children. Reranking: keep the `total_tokens - 1`
 candidates with the highest cumulative log-probability (a child never scores above its parent,
 so the kept set contains its ancestors). Every node is a point mass (top-k), which the lossless
-verifier handles with the point-mass rule.
+verifier handles with the point-mass rule. A static tree (`choices`, Medusa-style paths of ranks,
+as EAGLE-1 drafted) instead gives node `c` the rank-`c[-1]` token of the draft's forward at its
+parent: one draft forward per level over the nodes that have children.
 
 The draft layer keeps its own KV cache over the accepted sequence: after each verify step the
 tree entries are cropped and the accepted tokens are fed with the base's true features (EAGLE-1:
@@ -20,7 +22,7 @@ from torch import nn
 
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import tree_from_parents
+from inference.tree import get_preset, tree_from_choices, tree_from_parents
 
 
 class EagleDrafter(Drafter):
@@ -32,6 +34,8 @@ class EagleDrafter(Drafter):
         top_k: children per expanded node and frontier width.
         depth: draft steps (tree depth below the root).
         total_tokens: tree size including the root. top_k=1 gives a chain of `depth` tokens.
+        choices: a static tree instead (paths of ranks such as `[(0,), (1,), (0, 0)]`, or a
+            preset name of `inference.tree.PRESETS`); top_k, depth and total_tokens then unused.
     """
 
     def __init__(
@@ -41,15 +45,26 @@ class EagleDrafter(Drafter):
         top_k: int = 4,
         depth: int = 4,
         total_tokens: int = 12,
+        choices=None,
     ) -> None:
         self.draft = draft
         self.embed = base.get_input_embeddings()
         self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
-        self.configure(top_k, depth, total_tokens)
+        self.configure(top_k, depth, total_tokens, choices)
         self.reset()
 
-    def configure(self, top_k: int, depth: int, total_tokens: int) -> None:
+    def configure(
+        self, top_k: int = 4, depth: int = 4, total_tokens: int = 12, choices=None
+    ) -> None:
+        self.static = None
+        if choices is not None:  # a static tree
+            choices = get_preset(choices) if isinstance(choices, str) else choices
+            device = self.draft.fc.weight.device
+            self.static = tree_from_choices([tuple(c) for c in choices], device=device)
+            self.depth = self.static.depth
+            self.max_nodes = self.total_tokens = self.static.num_nodes
+            return
         if top_k < 1 or depth < 0 or total_tokens < 1:
             raise ValueError("need top_k >= 1, depth >= 0, total_tokens >= 1")
         self.top_k, self.depth = top_k, depth
@@ -130,8 +145,9 @@ class EagleDrafter(Drafter):
                 root,
                 torch.zeros(1, dtype=torch.bool, device=dev),
             )
+        if self.static is not None:
+            return self._propose_static(root)
         k = self.top_k
-        prefix = self.cache.get_seq_length()  # pairs fed so far; the root's pair is the last
         # Candidate nodes, in creation order (parents before children): token, parent, score.
         lp, ids = self._log_probs(self._root_hidden[None]).topk(k, dim=-1)  # (1,k)
         tokens = [self.draft.to_base_ids(ids[0])]
@@ -143,31 +159,9 @@ class EagleDrafter(Drafter):
         for d in range(1, self.depth):
             all_tokens = torch.cat(tokens)
             all_parents = torch.cat(parents)
-            F = frontier.numel()
-            # Mask: the real prefix, the frontier's ancestors already in the cache, itself.
-            entry_of = {c: prefix + i for i, c in enumerate(cached)}
-            mask = torch.full(
-                (F, prefix + len(cached) + F),
-                torch.finfo(self._dtype).min,
-                device=dev,
-                dtype=self._dtype,
-            )
-            mask[:, :prefix] = 0
-            for row, c in enumerate(frontier.tolist()):
-                mask[row, prefix + len(cached) + row] = 0
-                p = int(all_parents[c]) - 1
-                while p >= 0:
-                    mask[row, entry_of[p]] = 0
-                    p = int(all_parents[p]) - 1
-            pos = torch.full((1, F), prefix - 1 + d, device=dev)
-            out = self.draft(
-                self.embed(all_tokens[frontier])[None],
-                frontier_hidden[None],
-                pos,
-                attention_mask=mask[None, None],
-                cache=self.cache,
-            )[0]  # (F,H)
-            cached.extend(frontier.tolist())
+            out = self._forward_frontier(
+                d, frontier, all_tokens, all_parents, frontier_hidden, cached
+            )  # (F,H)
             lp, ids = self._log_probs(out).topk(k, dim=-1)  # (F,k)
             child_scores = (torch.cat(scores)[frontier][:, None] + lp).flatten()  # (F*k,)
             first = all_tokens.numel()
@@ -181,6 +175,71 @@ class EagleDrafter(Drafter):
         if cached:
             self.cache.crop(-len(cached))
         return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+
+    def _forward_frontier(
+        self, d, frontier, all_tokens, all_parents, frontier_hidden, cached
+    ) -> torch.Tensor:
+        """The draft's forward over the frontier (candidate indices at depth `d`), each paired
+        with its parent's draft output, attending to the accepted sequence and its ancestors
+        already in the draft cache; appends the frontier to `cached`. Returns (F,H).
+
+        `all_parents` holds each candidate's parent as candidate index + 1 (0 = the root)."""
+        prefix = self.cache.get_seq_length() - len(cached)  # pairs of the accepted sequence
+        F, dev = frontier.numel(), frontier.device
+        entry_of = {c: prefix + i for i, c in enumerate(cached)}
+        mask = torch.full(
+            (F, prefix + len(cached) + F),
+            torch.finfo(self._dtype).min,
+            device=dev,
+            dtype=self._dtype,
+        )
+        mask[:, :prefix] = 0
+        for row, c in enumerate(frontier.tolist()):
+            mask[row, prefix + len(cached) + row] = 0
+            p = int(all_parents[c]) - 1
+            while p >= 0:
+                mask[row, entry_of[p]] = 0
+                p = int(all_parents[p]) - 1
+        pos = torch.full((1, F), prefix - 1 + d, device=dev)
+        out = self.draft(
+            self.embed(all_tokens[frontier])[None],
+            frontier_hidden[None],
+            pos,
+            attention_mask=mask[None, None],
+            cache=self.cache,
+        )[0]
+        cached.extend(frontier.tolist())
+        return out
+
+    def _propose_static(self, root: torch.Tensor) -> Draft:
+        """Fill the static tree level by level: node c takes the rank-c[-1] token of the draft's
+        forward at its parent (the root's is the last fed pair)."""
+        tree = self.static
+        parents, depths, ranks = tree.parents[1:], tree.depths[1:], tree.ranks[1:]
+        tokens = torch.empty_like(parents)  # candidate i is tree node i + 1
+        top = int(ranks.max()) + 1
+        level = (depths == 1).nonzero().flatten()
+        ids = self._log_probs(self._root_hidden[None]).topk(top, dim=-1).indices  # (1,top)
+        tokens[level] = self.draft.to_base_ids(ids[0, ranks[level]])
+        frontier_hidden = self._root_hidden[None]
+        row_of = torch.zeros(parents.numel() + 1, dtype=torch.long, device=parents.device)
+        cached: list[int] = []
+        for d in range(1, self.depth):
+            has_child = torch.zeros_like(depths, dtype=torch.bool)
+            has_child[parents[depths == d + 1] - 1] = True
+            frontier = ((depths == d) & has_child).nonzero().flatten()
+            out = self._forward_frontier(
+                d, frontier, tokens, parents, frontier_hidden[row_of[parents[frontier]]], cached
+            )  # (F,H)
+            row_of[frontier + 1] = torch.arange(frontier.numel(), device=frontier.device)
+            ids = self._log_probs(out).topk(top, dim=-1).indices  # (F,top)
+            level = (depths == d + 1).nonzero().flatten()
+            tokens[level] = self.draft.to_base_ids(ids[row_of[parents[level]], ranks[level]])
+            frontier_hidden = out
+        if cached:
+            self.cache.crop(-len(cached))
+        all_tokens = torch.cat([root, tokens])
+        return Draft(tree, all_tokens, torch.zeros_like(all_tokens, dtype=torch.bool))
 
     def _rerank(self, root, tokens, parents, scores) -> Draft:
         """Keep the best `total_tokens - 1` candidates, in creation order (parents first)."""

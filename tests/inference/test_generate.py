@@ -32,6 +32,8 @@ DRAFTERS = [  # the names `_drafter` knows
     "eagle3",
     "eagle3-chain",
     "eagle3-wide",
+    "eagle3-static",
+    "eagle1-static",
     "draft-model",
     "self-draft",
     "ngram",
@@ -60,6 +62,15 @@ def _drafters(base):
         "eagle3": (eagle3, {"top_k": 2, "depth": 4, "total_tokens": 10}),
         "eagle3-chain": (eagle3, {"top_k": 1, "depth": 3, "total_tokens": 4}),
         "eagle3-wide": (eagle3, {"top_k": 4, "depth": 1, "total_tokens": 5}),  # one level
+        # static trees: three levels, a node with two children, a leaf beside a deeper branch
+        "eagle3-static": (
+            eagle3,
+            {"choices": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 1, 0)]},
+        ),
+        "eagle1-static": (
+            EagleDraft(EagleConfig.from_base(base.config, version=1)),
+            {"choices": "cpu-8"},
+        ),
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
         "ngram": (None, {"num_tokens": 4}),
@@ -267,3 +278,39 @@ def test_a_tree_that_no_longer_fits_the_context_gives_way_to_plain_steps():
 
 def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
+
+
+def test_eagle_static_tree_drafts_what_the_dynamic_tree_ranks_there():
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    draft.set_vocab_map(torch.arange(0, 256, 4))
+    torch.manual_seed(3)
+    for p in draft.parameters():  # a draft with opinions, so that ranks differ
+        p.data.normal_(0, 0.5)
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    drafts = []
+    propose = EagleDrafter.propose
+
+    def first_draft(**options):
+        drafts.clear()
+        with pytest.MonkeyPatch.context() as mp:
+            mp.setattr(
+                EagleDrafter,
+                "propose",
+                lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1],
+            )
+            SpeculativeGenerator(base, draft, **options).generate(prompt, max_new_tokens=2)
+        return drafts[0]
+
+    dynamic = first_draft(top_k=3, depth=2, total_tokens=13)  # every candidate kept
+    assert dynamic.tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
+    static = first_draft(choices=[(0,), (1,), (2,), (0, 0), (0, 2), (1, 0), (2, 1)])
+    assert static.tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2, 3]
+    # node c holds the rank-c[-1] token of its parent's draft forward
+    assert static.tokens.tolist() == dynamic.tokens[[0, 1, 2, 3, 4, 6, 7, 11]].tolist()
+    chain = first_draft(top_k=1, depth=3, total_tokens=4)
+    static_chain = first_draft(choices="chain-3")
+    assert torch.equal(static_chain.tokens, chain.tokens)
+    assert torch.equal(static_chain.tree.parents, chain.tree.parents)
