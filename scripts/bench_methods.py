@@ -206,6 +206,8 @@ def _heads_method(
         raise BenchError(f"EAGLE options for {folder}: {e}") from e
     drafter = gen.drafter
     options = {"top_k": drafter.top_k, "depth": drafter.depth, "total_tokens": drafter.total_tokens}
+    if drafter.static is not None:  # a static tree: its size and depth
+        options = {"nodes": drafter.max_nodes, "depth": drafter.depth}
     kind = f"eagle{heads.config.version}"
     return Method(
         name, kind, _spec_runner(gen, settings), device, greedy, options, drafter.depth, folder

@@ -42,27 +42,42 @@ class EagleDrafter(Drafter):
         self,
         draft: EagleDraft,
         base: nn.Module,
-        top_k: int = 4,
-        depth: int = 4,
-        total_tokens: int = 12,
+        top_k: int | None = None,
+        depth: int | None = None,
+        total_tokens: int | None = None,
         choices=None,
     ) -> None:
         self.draft = draft
         self.embed = base.get_input_embeddings()
         self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
+        if choices is None:  # the dynamic tree's defaults
+            top_k, depth = top_k or 4, 4 if depth is None else depth
+            total_tokens = total_tokens or 12
         self.configure(top_k, depth, total_tokens, choices)
         self.reset()
 
     def configure(
-        self, top_k: int = 4, depth: int = 4, total_tokens: int = 12, choices=None
+        self,
+        top_k: int | None = None,
+        depth: int | None = None,
+        total_tokens: int | None = None,
+        choices=None,
     ) -> None:
+        """A dynamic tree (all of top_k, depth, total_tokens) or a static one (choices alone)."""
+        given = [x is not None for x in (top_k, depth, total_tokens)]
+        if any(given) if choices is not None else not all(given):
+            raise ValueError(
+                "give EAGLE either top_k, depth and total_tokens (a dynamic tree) or choices "
+                f"alone (a static tree); got top_k={top_k}, depth={depth}, "
+                f"total_tokens={total_tokens}, choices={choices!r}"
+            )
         self.static = None
         if choices is not None:  # a static tree
             choices = get_preset(choices) if isinstance(choices, str) else choices
             device = self.draft.fc.weight.device
             self.static = tree_from_choices([tuple(c) for c in choices], device=device)
-            self.depth = self.static.depth
+            self.top_k, self.depth = None, self.static.depth
             self.max_nodes = self.total_tokens = self.static.num_nodes
             return
         if top_k < 1 or depth < 0 or total_tokens < 1:

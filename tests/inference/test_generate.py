@@ -280,7 +280,9 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def test_eagle_static_tree_drafts_what_the_dynamic_tree_ranks_there():
+def test_eagle_static_tree_nodes_hold_their_parents_ranked_tokens():
+    import copy
+
     from inference.drafters.eagle import EagleDrafter
 
     base = make_tiny_llama()
@@ -289,28 +291,64 @@ def test_eagle_static_tree_drafts_what_the_dynamic_tree_ranks_there():
     torch.manual_seed(3)
     for p in draft.parameters():  # a draft with opinions, so that ranks differ
         p.data.normal_(0, 0.5)
-    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
-    drafts = []
+    # three levels; (2,) and (0, 1) are leaves beside branches, so level 2's frontier is partial
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)]
+    seen = []  # (draft cache and root output before the proposal, the draft, cache length after)
     propose = EagleDrafter.propose
 
-    def first_draft(**options):
-        drafts.clear()
-        with pytest.MonkeyPatch.context() as mp:
-            mp.setattr(
-                EagleDrafter,
-                "propose",
-                lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1],
-            )
-            SpeculativeGenerator(base, draft, **options).generate(prompt, max_new_tokens=2)
-        return drafts[0]
+    def spy(self, sequence, sampling):
+        self.catch_up(sequence)
+        before = (copy.deepcopy(self.cache), self._root_hidden.clone())
+        out = propose(self, sequence, sampling)
+        seen.append((before, out, self.cache.get_seq_length()))
+        return out
 
-    dynamic = first_draft(top_k=3, depth=2, total_tokens=13)  # every candidate kept
-    assert dynamic.tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 1, 2, 2, 2, 3, 3, 3]
-    static = first_draft(choices=[(0,), (1,), (2,), (0, 0), (0, 2), (1, 0), (2, 1)])
-    assert static.tree.parents.tolist() == [-1, 0, 0, 0, 1, 1, 2, 3]
-    # node c holds the rank-c[-1] token of its parent's draft forward
-    assert static.tokens.tolist() == dynamic.tokens[[0, 1, 2, 3, 4, 6, 7, 11]].tolist()
-    chain = first_draft(top_k=1, depth=3, total_tokens=4)
-    static_chain = first_draft(choices="chain-3")
-    assert torch.equal(static_chain.tokens, chain.tokens)
-    assert torch.equal(static_chain.tree.parents, chain.tree.parents)
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleDrafter, "propose", spy)
+        gen = SpeculativeGenerator(base, draft, choices=choices)
+        gen.generate(prompt, max_new_tokens=12)
+    drafter = gen.drafter
+    assert len(seen) >= 3
+    ordered = sorted(choices, key=lambda c: (len(c), c))  # the tree's node order
+    for (cache, root_hidden), proposal, length_after in seen[:3]:
+        prefix = cache.get_seq_length()
+        assert length_after == prefix  # the tree's entries were cropped from the draft cache
+        # Reference: each node's path fed causally, one token at a time, on a copy of the cache.
+        token = {(): proposal.tokens[0]}
+        for c in ordered:
+            h, path_cache = root_hidden, copy.deepcopy(cache)
+            for i in range(1, len(c)):
+                pos = torch.tensor([[prefix - 1 + i]])
+                h = draft(
+                    drafter.embed(token[c[:i]])[None, None], h[None, None], pos, cache=path_cache
+                )[0, -1]
+            ranked = drafter._log_probs(h[None]).topk(c[-1] + 1, dim=-1).indices[0]
+            token[c] = draft.to_base_ids(ranked[c[-1]])
+        assert proposal.tokens.tolist() == [int(token[c]) for c in [(), *ordered]]
+    assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3  # the ranks name different tokens
+    # a static chain drafts what EAGLE-2's top_k=1 chain does
+    drafts = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            EagleDrafter, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
+        )
+        SpeculativeGenerator(base, draft, choices="chain-3").generate(prompt, max_new_tokens=2)
+        SpeculativeGenerator(base, draft, top_k=1, depth=3, total_tokens=4).generate(
+            prompt, max_new_tokens=2
+        )
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
+
+
+def test_eagle_options_are_a_dynamic_or_a_static_tree():
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    drafter = EagleDrafter(EagleDraft(EagleConfig.from_base(base.config, version=1)), base)
+    assert (drafter.top_k, drafter.depth, drafter.total_tokens) == (4, 4, 12)  # the defaults
+    drafter.configure(choices=[(0,), (0, 0)])
+    assert (drafter.top_k, drafter.depth, drafter.max_nodes) == (None, 2, 3)
+    for mixed in ({"choices": "chain-2", "top_k": 2}, {"depth": 2}, {}):
+        with pytest.raises(ValueError, match="either top_k, depth and total_tokens .* or choices"):
+            drafter.configure(**mixed)
