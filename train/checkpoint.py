@@ -16,7 +16,7 @@ from pathlib import Path
 
 import yaml
 
-from train.config import RecipeError, recipe_to_dict, save_recipe
+from train.config import RecipeError, recipe_to_dict, same_base, save_recipe
 
 STATE_NAME = "trainer_state.json"
 # What a resumed run must share with its checkpoint: the base, the heads, the data and the order
@@ -118,7 +118,7 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
             diffs.append(f"{key}: {was!r} there, {new!r} now")
     if saved is not None:  # the same base, however it is named: a Hub id, an alias, a path
         was, new = _lookup(saved, "model.name_or_path"), recipe.model.name_or_path
-        if was is not _MISSING and Path(str(was)).name.lower() != Path(new).name.lower():
+        if was is not _MISSING and not same_base(was, new):
             diffs.append(f"model.name_or_path: {was!r} there, {new!r} now")
     if saved_processes is not None and saved_processes != processes:
         diffs.append(f"processes: {saved_processes} there, {processes} now")

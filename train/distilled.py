@@ -9,6 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
+from train.config import same_base
 from train.data import resolve_chat_template, with_system_prompt
 from train.prompts import Message, conversation_id
 
@@ -134,7 +135,8 @@ def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
     settings = manifest.get("settings") or {}
     notes = []
     named = recipe.model.name_or_path
-    if named not in {settings.get("base_model"), manifest.get("base_model")}:
+    recorded = [n for n in (settings.get("base_model"), manifest.get("base_model")) if n]
+    if recorded and not any(same_base(named, n) for n in recorded):
         notes.append(f"base {manifest.get('base_model')!r} (this recipe trains for {named!r})")
     template = resolve_chat_template(tokenizer, recipe.data.chat_template)
     sha1 = manifest.get("chat_template_sha1")
