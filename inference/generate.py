@@ -124,7 +124,8 @@ class SpeculativeGenerator:
             sampling, the same seed reproduces the same text only with fixed settings (arm
             choices follow timings).
         **drafter_options: e.g. `choices="cpu-8"` (Medusa), `top_k=4, depth=4, total_tokens=12`
-            (EAGLE), `num_tokens=4` (draft model, n-gram).
+            (EAGLE), `num_tokens=4` (draft model, n-gram), `choices=[[0], [1], [0, 0]]`
+            (a draft model's static tree).
     """
 
     def __init__(

@@ -5,7 +5,7 @@ python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [
     [--draft-model M] [--max-new-tokens N]
     [--limit K] [--per-category K] [--exclude DISTILL_DIR] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
-    [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N] [--threads N] [--device D] [--out DIR]
+    [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N | --draft-tree T] [--threads N] [--device D] [--out DIR]
 
 Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
 run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per
@@ -282,6 +282,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="answers (JSONL file or folder, e.g. the distill output) for the *+corpus methods",
     )
     add("--draft-tokens", type=int, default=4, help="draft-model chain length")
+    add(
+        "--draft-tree",
+        default=None,
+        help="draft-model static tree instead: preset or JSON choices, e.g. '[[0],[1],[0,0]]'",
+    )
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
     add("--out", default="runs/bench")
@@ -304,6 +309,8 @@ def main(argv: list[str] | None = None) -> int:
         names = bench_methods.parse_methods(
             args.methods, args.heads, args.draft_model, args.lookup_corpus
         )
+        if args.draft_tree is not None and "draft" not in names:
+            raise BenchError("--draft-tree is the 'draft' method's tree: give --draft-model too")
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
         if args.per_category:

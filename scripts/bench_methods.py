@@ -152,13 +152,21 @@ def build_methods(names: list[str], args: argparse.Namespace):
                 methods.append(method)
         elif name == "draft":
             model = _load_draft_model(args.draft_model, base, tokenizer)
-            gen = SpeculativeGenerator(base, model, num_tokens=args.draft_tokens)
-            options = {"num_tokens": args.draft_tokens}
+            if args.draft_tree is None:
+                gen = SpeculativeGenerator(base, model, num_tokens=args.draft_tokens)
+                options, depth = {"num_tokens": args.draft_tokens}, args.draft_tokens
+            else:
+                choices = _medusa_choices(args.draft_tree, "--draft-tree")
+                try:
+                    gen = SpeculativeGenerator(base, model, choices=choices)
+                except ValueError as e:
+                    raise BenchError(f"--draft-tree: {e}") from e
+                tree = gen.drafter.static
+                options = {"tree": args.draft_tree, "nodes": tree.num_nodes, "depth": tree.depth}
+                depth = tree.depth
             run = _spec_runner(gen, settings)
             methods.append(
-                Method(
-                    name, name, run, device, greedy, options, args.draft_tokens, args.draft_model
-                )
+                Method(name, name, run, device, greedy, options, depth, args.draft_model)
             )
     return base, tokenizer, methods
 
@@ -268,13 +276,13 @@ def _eagle_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _medusa_choices(tree: str):
-    """--tree as a preset name or JSON choices."""
+def _medusa_choices(tree: str, flag: str = "--tree"):
+    """--tree (or --draft-tree) as a preset name or JSON choices."""
     if tree.lstrip().startswith("["):
         try:
             return [tuple(c) for c in json.loads(tree)]
         except (json.JSONDecodeError, TypeError) as e:
-            raise BenchError(f"--tree: not a JSON list of choices: {e}") from e
+            raise BenchError(f"{flag}: not a JSON list of choices: {e}") from e
     return tree
 
 

@@ -2,10 +2,14 @@
 Transformers via Speculative Decoding"; Chen et al. 2023, "Accelerating Large Language Model
 Decoding with Speculative Sampling").
 
-It proposes a chain of `num_tokens` tokens: greedy (point masses) at temperature 0, otherwise
-sampled from its own warped distribution q (the verifier then applies min(1, p/q)). Its KV cache
-follows the accepted sequence: entries past the longest prefix it shares with the sequence are
-cropped, the missing tokens are fed, then the chain is drafted.
+A chain (`num_tokens`): greedy (point masses) at temperature 0, otherwise sampled from the draft's
+own warped distribution q (the verifier then applies min(1, p/q)). A static tree (`choices`,
+Medusa-style paths of ranks, or a preset name; SpecInfer, Miao et al. 2024, drafts token trees
+from small models): node `c` holds the rank-`c[-1]` token of the draft's distribution at its
+parent, a point mass at any temperature; one forward of the draft model per level, over that
+level's nodes that have children, with a tree mask. Its KV cache follows the accepted sequence:
+entries past the longest prefix it shares with the sequence are cropped, the missing tokens are
+fed, then the draft is made (a tree's entries are cropped again after it).
 """
 
 from __future__ import annotations
@@ -15,29 +19,64 @@ from transformers import DynamicCache, PreTrainedModel
 
 from inference.acceptance import warp_probs
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import tree_from_parents
+from inference.tree import (
+    DEFAULT_ACCURACIES,
+    Tree,
+    build_static_tree,
+    get_preset,
+    tree_from_choices,
+    tree_from_parents,
+)
 
 
 class ModelDrafter(Drafter):
-    """Chain drafter from a small causal LM with the base's vocabulary."""
+    """Chain or static-tree drafter from a small causal LM with the base's vocabulary.
 
-    def __init__(self, model: PreTrainedModel, num_tokens: int = 4) -> None:
-        if num_tokens < 1:
-            raise ValueError("num_tokens must be >= 1")
-        self.model, self.num_tokens = model, num_tokens
-        self.max_nodes = 1 + num_tokens
+    Args:
+        model: the draft model.
+        num_tokens: drafted tokens of a chain (the default: 4).
+        choices: a static tree instead (paths of ranks such as `[(0,), (1,), (0, 0)]`, or a
+            preset name of `inference.tree.PRESETS`); give one of num_tokens and choices.
+    """
+
+    def __init__(self, model: PreTrainedModel, num_tokens: int | None = None, choices=None) -> None:
+        self.model = model
+        if num_tokens is None and choices is None:
+            num_tokens = 4
+        self.configure(num_tokens, choices)
         self.reset()
 
-    def configure(self, num_tokens: int) -> None:
+    def configure(self, num_tokens: int | None = None, choices=None) -> None:
+        """A chain of `num_tokens` or a static tree (`choices`), not both."""
+        if (num_tokens is None) == (choices is None):
+            raise ValueError(
+                "give a draft model either num_tokens (a chain) or choices (a static tree); got "
+                f"num_tokens={num_tokens}, choices={choices!r}"
+            )
+        self.static: Tree | None = None
+        if choices is not None:
+            choices = get_preset(choices) if isinstance(choices, str) else choices
+            device = self.model.get_input_embeddings().weight.device
+            self.static = tree_from_choices([tuple(c) for c in choices], device=device)
+            self._levels = _tree_levels(self.static)
+            self._top = int(self.static.ranks.max()) + 1  # the deepest rank any node takes
+            self.num_tokens, self.max_nodes = None, self.static.num_nodes
+            return
+        if num_tokens < 1:
+            raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.num_tokens, self.max_nodes = num_tokens, 1 + num_tokens
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
-        return [None, {"num_tokens": 2}, {"num_tokens": 4}, {"num_tokens": 6}]
+        arms: list[dict | None] = [None, {"num_tokens": 2}, {"num_tokens": 4}, {"num_tokens": 6}]
+        if device.type != "cpu":
+            # A 16-node tree costs the draft as many forwards as the 4-chain (one per level, a
+            # level's width nearly free on a GPU) and the base one forward of 16 tokens.
+            arms.append({"choices": build_static_tree(DEFAULT_ACCURACIES, 16)})
+        return arms
 
     def reset(self) -> None:
         self.cache = DynamicCache(config=self.model.config)
         self._fed: list[int] = []  # tokens whose keys/values are in self.cache
-        self._last_logits: torch.Tensor | None = None
 
     def _feed(self, tokens: list[int], device) -> torch.Tensor:
         ids = torch.tensor([tokens], device=device)
@@ -71,6 +110,8 @@ class ModelDrafter(Drafter):
         seq = sequence.tolist()
         common = self._sync(seq)
         logits = self._feed(seq[common:], sequence.device)
+        if self.static is not None:
+            return self._propose_static(sequence[-1:], logits)
         chain, rows = [], []
         for i in range(self.num_tokens):
             if sampling.greedy:
@@ -92,3 +133,52 @@ class ModelDrafter(Drafter):
         sampled = torch.ones(n, dtype=torch.bool, device=sequence.device)
         sampled[0] = False
         return Draft(tree, tokens, sampled, probs)
+
+    def _propose_static(self, root: torch.Tensor, root_logits: torch.Tensor) -> Draft:
+        """Fill the static tree level by level from the draft's ranked tokens at each parent
+        (the root's from `root_logits`); the tree's cache entries are cropped afterwards."""
+        tree, dev = self.static, root.device
+        tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=dev)
+        tokens[0] = root[0]
+        # ranked[i, r]: the draft's rank-r token after node i (filled for nodes with children)
+        ranked = torch.empty(tree.num_nodes, self._top, dtype=torch.long, device=dev)
+        ranked[0] = root_logits.topk(self._top).indices
+        prefix = len(self._fed)  # the accepted sequence, root included
+        dtype = self.model.get_input_embeddings().weight.dtype
+        cached = torch.empty(0, dtype=torch.long, device=dev)  # tree nodes in the draft cache
+        for depth, level, frontier in self._levels:
+            tokens[level] = ranked[tree.parents[level], tree.ranks[level]]
+            if frontier.numel() == 0:
+                continue
+            # Each frontier node attends to the sequence, its ancestors cached and itself.
+            columns = torch.cat([cached, frontier])
+            mask = torch.zeros(frontier.numel(), prefix + columns.numel(), dtype=dtype, device=dev)
+            mask[:, prefix:].masked_fill_(
+                ~tree.ancestors[frontier][:, columns], torch.finfo(dtype).min
+            )
+            logits = self.model(
+                input_ids=tokens[frontier][None],
+                attention_mask=mask[None, None],
+                position_ids=torch.full((1, frontier.numel()), prefix - 1 + depth, device=dev),
+                cache=self.cache,
+                use_cache=True,
+            ).logits[0]
+            ranked[frontier] = logits.topk(self._top, dim=-1).indices
+            cached = columns
+        if cached.numel():
+            self.cache.crop(-cached.numel())
+        return Draft(tree, tokens, torch.zeros(tree.num_nodes, dtype=torch.bool, device=dev))
+
+
+def _tree_levels(tree: Tree) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
+    """Per depth 1, 2, ...: (the depth, its nodes, those of them that have children)."""
+    has_child = torch.zeros(tree.num_nodes, dtype=torch.bool, device=tree.parents.device)
+    has_child[tree.parents[1:]] = True
+    return [
+        (
+            d,
+            (tree.depths == d).nonzero().flatten(),
+            ((tree.depths == d) & has_child).nonzero().flatten(),
+        )
+        for d in range(1, tree.depth + 1)
+    ]

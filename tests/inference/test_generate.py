@@ -35,7 +35,9 @@ DRAFTERS = [  # the names `_drafter` knows
     "eagle3-static",
     "eagle1-static",
     "draft-model",
+    "draft-model-static",
     "self-draft",
+    "self-draft-static",
     "ngram",
     "ngram-corpus",
     "medusa+ngram",
@@ -72,7 +74,16 @@ def _drafters(base):
             {"choices": "cpu-8"},
         ),
         "draft-model": (make_tiny_llama(seed=1), {"num_tokens": 3}),
+        # a static tree drafted with the base's attention (a tree mask on eager and sdpa)
+        "draft-model-static": (
+            make_tiny_llama(seed=1, attn=base.config._attn_implementation),
+            {"choices": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 1, 0)]},
+        ),
         "self-draft": (base, {"num_tokens": 4}),  # a perfect draft model
+        "self-draft-static": (
+            base,
+            {"choices": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (0, 0, 0, 0)]},
+        ),
         "ngram": (None, {"num_tokens": 4}),
         # Unions: fixed settings (drafter objects), and adaptive over the union's arms.
         "medusa+ngram": ([MedusaDrafter(medusa, "cpu-8"), NgramDrafter(num_tokens=4)], {}),
@@ -162,8 +173,8 @@ def check_greedy_equals_base(
         assert out.sequences.device == base.device
         assert torch.equal(out.sequences, ref), f"{name} seed {seed}"
         assert sum(out.accepted_lengths) + 1 == out.sequences.shape[1] - prompt.shape[1]
-        if name == "self-draft":
-            assert out.mean_accepted_length > 4.0  # every drafted token is accepted
+        if name.startswith("self-draft"):
+            assert out.mean_accepted_length > 4.0  # every top-1 drafted token is accepted
 
 
 def test_good_tree_drafts_are_accepted_and_exact():
@@ -352,3 +363,72 @@ def test_eagle_options_are_a_dynamic_or_a_static_tree():
     for mixed in ({"choices": "chain-2", "top_k": 2}, {"depth": 2}, {}):
         with pytest.raises(ValueError, match="either top_k, depth and total_tokens .* or choices"):
             drafter.configure(**mixed)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn):
+    from inference.drafters.model import ModelDrafter
+
+    base = make_tiny_llama()
+    small = make_tiny_llama(seed=1, attn=attn)
+    torch.manual_seed(3)
+    for p in small.parameters():  # sharp attention, so that positions and masks matter
+        if p.dim() == 2:
+            p.data.normal_(0, 0.3)
+    # three levels; (2,) and (0, 1) are leaves beside branches, so level 2's frontier is partial
+    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)]
+    seen = []  # (the sequence, the draft, the draft cache's length after it)
+    propose = ModelDrafter.propose
+
+    def spy(self, sequence, sampling):
+        out = propose(self, sequence, sampling)
+        seen.append((sequence.clone(), out, self.cache.get_seq_length(), list(self._fed)))
+        return out
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelDrafter, "propose", spy)
+        gen = SpeculativeGenerator(base, small, choices=choices)
+        gen.generate(prompt, max_new_tokens=12)
+    assert len(seen) >= 3
+    ordered = sorted(choices, key=lambda c: (len(c), c))  # the tree's node order
+    for sequence, proposal, length_after, fed in seen[:3]:
+        # the tree's entries were cropped: the cache holds the sequence, root included
+        assert length_after == sequence.numel() and fed == sequence.tolist()
+        # Reference: each node's parent path fed causally from scratch, no cache.
+        token = {(): int(sequence[-1])}
+        for c in ordered:
+            path = [token[c[:i]] for i in range(1, len(c))]
+            ids = torch.tensor([sequence.tolist() + path])
+            token[c] = int(small(ids).logits[0, -1].topk(c[-1] + 1).indices[c[-1]])
+        assert proposal.tokens.tolist() == [token[c] for c in [(), *ordered]]
+        assert not proposal.sampled.any()  # point masses, at any temperature
+    assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3  # the ranks name different tokens
+    # a static chain drafts what the greedy chain does
+    drafts = []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            ModelDrafter, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
+        )
+        SpeculativeGenerator(base, small, choices="chain-3").generate(prompt, max_new_tokens=2)
+        SpeculativeGenerator(base, small, num_tokens=3).generate(prompt, max_new_tokens=2)
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
+
+
+def test_draft_model_options_are_a_chain_or_a_static_tree():
+    from inference.drafters.model import ModelDrafter
+
+    drafter = ModelDrafter(make_tiny_llama(seed=1))
+    assert (drafter.num_tokens, drafter.max_nodes) == (4, 5)  # the default chain
+    drafter.configure(choices="cpu-8")
+    assert (drafter.num_tokens, drafter.max_nodes) == (None, 8)
+    drafter.configure(num_tokens=2)
+    assert (drafter.static, drafter.max_nodes) == (None, 3)
+    for mixed in ({"choices": "chain-2", "num_tokens": 2}, {}):
+        with pytest.raises(ValueError, match="either num_tokens .* or choices"):
+            drafter.configure(**mixed)
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        drafter.configure(num_tokens=0)
+    with pytest.raises(ValueError, match="needs its prefix"):
+        drafter.configure(choices=[(0, 0)])

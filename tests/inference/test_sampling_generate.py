@@ -92,6 +92,10 @@ def _gen(kind, lazy_logits=None):
         return base, SpeculativeGenerator(base, draft, top_k=2, depth=2, total_tokens=5)
     if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
         return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
+    if kind == "draft-model-tree":  # point masses: the draft's ranked tokens on a static tree
+        return base, SpeculativeGenerator(
+            base, peaky_tiny(seed=3), choices=[(0,), (1,), (0, 0), (1, 0)]
+        )
     if kind == "ngram-corpus":  # point-mass chains from a table of the base's greedy answers
         prompts = torch.randint(
             3, base.config.vocab_size, (8, 3), generator=torch.Generator().manual_seed(5)
@@ -112,7 +116,14 @@ def _gen(kind, lazy_logits=None):
 
 @pytest.mark.parametrize(
     "kind",
-    ["medusa-topk", "eagle-topk", "draft-model-sampled", "ngram-corpus", "union-sampled+topk"],
+    [
+        "medusa-topk",
+        "eagle-topk",
+        "draft-model-sampled",
+        "draft-model-tree",
+        "ngram-corpus",
+        "union-sampled+topk",
+    ],
 )
 def test_speculative_sampling_matches_base_law(kind):
     base, gen = _gen(kind)

@@ -123,6 +123,21 @@ def test_all_methods_greedy_identical(folders, tmp_path):
         assert (out / png).stat().st_size > 1000
 
 
+def test_draft_model_static_tree(folders, tmp_path):
+    prompts = _jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT)
+    tree = ["--draft-tree", "[[0], [1], [0, 0], [0, 0, 0]]"]
+    extra = ["--methods", "draft", "--draft-model", str(folders["base"]), *tree]
+    results = _run(folders, tmp_path, prompts, *extra)
+    draft = results["methods"][-1]
+    assert (draft["kind"], draft["draft_depth"]) == ("draft", 3)
+    assert draft["options"] == {"tree": tree[1], "nodes": 5, "depth": 3}
+    assert all(r["identical"] for r in results["records"])
+    # The base drafting for itself accepts its top-1 path of 3: after the prefill's token, a step
+    # of 3 + bonus, then the last step is cut to the 3 tokens left of max_new_tokens=8.
+    summary = results["summary"]["overall"]["draft"]
+    assert summary["tau"] == 3.5 and summary["accept_at_least"] == [1.0, 1.0, 0.5]
+
+
 def test_multi_turn_categories_and_runs(folders, tmp_path):
     prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH)
     extra = ["--turns", "all", "--runs", "2", "--methods", "ngram,heads,heads+ngram"]
@@ -202,6 +217,8 @@ def test_summary_counts_steps_not_prompts():
         ("other-vocab", "does not share the base's tokenizer"),
         ("unknown-method", "unknown methods ['medusa']"),
         ("draft-without-model", "needs --draft-model"),
+        ("draft-tree-without-model", "--draft-tree is the 'draft' method's tree"),
+        ("draft-tree-malformed", "needs its prefix (0,)"),
         ("union-without-heads", "'heads+ngram' needs --heads"),
         ("corpus-method-without-corpus", "'ngram+corpus' needs --lookup-corpus"),
         ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
@@ -220,6 +237,8 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
         "other-vocab": ["--draft-model", str(folders["small"])],
         "unknown-method": ["--methods", "baseline,medusa"],
         "draft-without-model": ["--methods", "draft"],
+        "draft-tree-without-model": ["--draft-tree", "cpu-8"],
+        "draft-tree-malformed": ["--draft-model", str(folders["base"]), "--draft-tree", "[[0, 0]]"],
         "union-without-heads": ["--methods", "ngram,heads+ngram"],
         "corpus-method-without-corpus": ["--methods", "ngram+corpus"],
         "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
