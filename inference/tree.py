@@ -127,6 +127,20 @@ def tree_from_choices(
     return Tree(tree.parents, tree.depths, tree.ancestors, tree.paths, ranks)
 
 
+def tree_levels(tree: Tree) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Per depth 1, 2, ...: (its nodes, those of them that have children), for drafters that
+    fill a static tree level by level with one forward over each level's parents."""
+    has_child = torch.zeros(tree.num_nodes, dtype=torch.bool, device=tree.parents.device)
+    has_child[tree.parents[1:]] = True
+    return [
+        (
+            (tree.depths == d).nonzero().flatten(),
+            ((tree.depths == d) & has_child).nonzero().flatten(),
+        )
+        for d in range(1, tree.depth + 1)
+    ]
+
+
 def chain_choices(depth: int) -> list[Choice]:
     """A chain of `depth` top-1 drafts, `[(0,), (0, 0), ...]` (Leviathan et al. 2023)."""
     return [(0,) * d for d in range(1, depth + 1)]

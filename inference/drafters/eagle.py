@@ -22,7 +22,7 @@ from torch import nn
 
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import get_preset, tree_from_choices, tree_from_parents
+from inference.tree import get_preset, tree_from_choices, tree_from_parents, tree_levels
 
 
 class EagleDrafter(Drafter):
@@ -77,6 +77,8 @@ class EagleDrafter(Drafter):
             choices = get_preset(choices) if isinstance(choices, str) else choices
             device = self.draft.fc.weight.device
             self.static = tree_from_choices([tuple(c) for c in choices], device=device)
+            self._levels = tree_levels(self.static)
+            self._top = int(self.static.ranks.max()) + 1  # the deepest rank any node takes
             self.top_k, self.depth = None, self.static.depth
             self.max_nodes = self.total_tokens = self.static.num_nodes
             return
@@ -228,27 +230,24 @@ class EagleDrafter(Drafter):
 
     def _propose_static(self, root: torch.Tensor) -> Draft:
         """Fill the static tree level by level: node c takes the rank-c[-1] token of the draft's
-        forward at its parent (the root's is the last fed pair)."""
+        forward at its parent (the root's is the last fed pair). Candidate i is tree node i + 1."""
         tree = self.static
-        parents, depths, ranks = tree.parents[1:], tree.depths[1:], tree.ranks[1:]
-        tokens = torch.empty_like(parents)  # candidate i is tree node i + 1
-        top = int(ranks.max()) + 1
-        level = (depths == 1).nonzero().flatten()
-        ids = self._log_probs(self._root_hidden[None]).topk(top, dim=-1).indices  # (1,top)
+        parents, ranks = tree.parents[1:], tree.ranks[1:]
+        tokens = torch.empty_like(parents)
+        level = self._levels[0][0] - 1
+        ids = self._log_probs(self._root_hidden[None]).topk(self._top, dim=-1).indices  # (1,top)
         tokens[level] = self.draft.to_base_ids(ids[0, ranks[level]])
         frontier_hidden = self._root_hidden[None]
         row_of = torch.zeros(parents.numel() + 1, dtype=torch.long, device=parents.device)
         cached: list[int] = []
         for d in range(1, self.depth):
-            has_child = torch.zeros_like(depths, dtype=torch.bool)
-            has_child[parents[depths == d + 1] - 1] = True
-            frontier = ((depths == d) & has_child).nonzero().flatten()
+            frontier = self._levels[d - 1][1] - 1
             out = self._forward_frontier(
                 d, frontier, tokens, parents, frontier_hidden[row_of[parents[frontier]]], cached
             )  # (F,H)
             row_of[frontier + 1] = torch.arange(frontier.numel(), device=frontier.device)
-            ids = self._log_probs(out).topk(top, dim=-1).indices  # (F,top)
-            level = (depths == d + 1).nonzero().flatten()
+            ids = self._log_probs(out).topk(self._top, dim=-1).indices  # (F,top)
+            level = self._levels[d][0] - 1
             tokens[level] = self.draft.to_base_ids(ids[row_of[parents[level]], ranks[level]])
             frontier_hidden = out
         if cached:

@@ -26,6 +26,7 @@ from inference.tree import (
     get_preset,
     tree_from_choices,
     tree_from_parents,
+    tree_levels,
 )
 
 
@@ -58,7 +59,7 @@ class ModelDrafter(Drafter):
             choices = get_preset(choices) if isinstance(choices, str) else choices
             device = self.model.get_input_embeddings().weight.device
             self.static = tree_from_choices([tuple(c) for c in choices], device=device)
-            self._levels = _tree_levels(self.static)
+            self._levels = tree_levels(self.static)
             self._top = int(self.static.ranks.max()) + 1  # the deepest rank any node takes
             self.num_tokens, self.max_nodes = None, self.static.num_nodes
             return
@@ -146,7 +147,7 @@ class ModelDrafter(Drafter):
         prefix = len(self._fed)  # the accepted sequence, root included
         dtype = self.model.get_input_embeddings().weight.dtype
         cached = torch.empty(0, dtype=torch.long, device=dev)  # tree nodes in the draft cache
-        for depth, level, frontier in self._levels:
+        for depth, (level, frontier) in enumerate(self._levels, start=1):
             tokens[level] = ranked[tree.parents[level], tree.ranks[level]]
             if frontier.numel() == 0:
                 continue
@@ -168,17 +169,3 @@ class ModelDrafter(Drafter):
         if cached.numel():
             self.cache.crop(-cached.numel())
         return Draft(tree, tokens, torch.zeros(tree.num_nodes, dtype=torch.bool, device=dev))
-
-
-def _tree_levels(tree: Tree) -> list[tuple[int, torch.Tensor, torch.Tensor]]:
-    """Per depth 1, 2, ...: (the depth, its nodes, those of them that have children)."""
-    has_child = torch.zeros(tree.num_nodes, dtype=torch.bool, device=tree.parents.device)
-    has_child[tree.parents[1:]] = True
-    return [
-        (
-            d,
-            (tree.depths == d).nonzero().flatten(),
-            ((tree.depths == d) & has_child).nonzero().flatten(),
-        )
-        for d in range(1, tree.depth + 1)
-    ]
