@@ -32,7 +32,7 @@ class Draft:
 
     @classmethod
     def chain(cls, root: int, continuation: list[int], device) -> Draft:
-        """A point-mass chain root -> continuation[0] -> ... (n-gram and greedy draft models)."""
+        """A point-mass chain root -> continuation[0] -> ... (the n-gram drafter)."""
         from inference.tree import tree_from_parents
 
         n = 1 + len(continuation)

@@ -141,6 +141,25 @@ def tree_levels(tree: Tree) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+@dataclass(frozen=True)
+class StaticTree:
+    """A static tree as the drafters that fill it level by level use it (EAGLE, draft model):
+    node `c` takes the rank-`c[-1]` token of the drafter's distribution at its parent."""
+
+    tree: Tree
+    levels: list[tuple[torch.Tensor, torch.Tensor]]  # see `tree_levels`
+    top: int  # the most ranks any parent needs (the largest rank + 1)
+
+    @classmethod
+    def build(
+        cls, choices: str | Sequence[Sequence[int]], device: torch.device | str | None = None
+    ) -> StaticTree:
+        """From choices (paths of ranks) or a preset name of `PRESETS`."""
+        choices = get_preset(choices) if isinstance(choices, str) else choices
+        tree = tree_from_choices([tuple(c) for c in choices], device=device)
+        return cls(tree, tree_levels(tree), int(tree.ranks.max()) + 1)
+
+
 def chain_choices(depth: int) -> list[Choice]:
     """A chain of `depth` top-1 drafts, `[(0,), (0, 0), ...]` (Leviathan et al. 2023)."""
     return [(0,) * d for d in range(1, depth + 1)]

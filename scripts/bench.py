@@ -281,8 +281,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="answers (JSONL file or folder, e.g. the distill output) for the *+corpus methods",
     )
-    add("--draft-tokens", type=int, default=4, help="draft-model chain length")
-    add(
+    draft_shape = parser.add_mutually_exclusive_group()
+    draft_shape.add_argument(
+        "--draft-tokens", type=int, default=None, help="draft-model chain length (default 4)"
+    )
+    draft_shape.add_argument(
         "--draft-tree",
         default=None,
         help="draft-model static tree instead: preset or JSON choices, e.g. '[[0],[1],[0,0]]'",
@@ -309,8 +312,11 @@ def main(argv: list[str] | None = None) -> int:
         names = bench_methods.parse_methods(
             args.methods, args.heads, args.draft_model, args.lookup_corpus
         )
-        if args.draft_tree is not None and "draft" not in names:
-            raise BenchError("--draft-tree is the 'draft' method's tree: give --draft-model too")
+        draft_shape = args.draft_tree is not None or args.draft_tokens is not None
+        if draft_shape and "draft" not in names:
+            raise BenchError(
+                "--draft-tokens / --draft-tree shape the 'draft' method: give --draft-model too"
+            )
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
         if args.per_category:

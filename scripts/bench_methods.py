@@ -153,17 +153,21 @@ def build_methods(names: list[str], args: argparse.Namespace):
         elif name == "draft":
             model = _load_draft_model(args.draft_model, base, tokenizer)
             if args.draft_tree is None:
-                gen = SpeculativeGenerator(base, model, num_tokens=args.draft_tokens)
-                options, depth = {"num_tokens": args.draft_tokens}, args.draft_tokens
+                flag = "--draft-tokens"
+                shape = {"num_tokens": 4 if args.draft_tokens is None else args.draft_tokens}
             else:
-                choices = _medusa_choices(args.draft_tree, "--draft-tree")
-                try:
-                    gen = SpeculativeGenerator(base, model, choices=choices)
-                except ValueError as e:
-                    raise BenchError(f"--draft-tree: {e}") from e
-                tree = gen.drafter.static
-                options = {"tree": args.draft_tree, "nodes": tree.num_nodes, "depth": tree.depth}
-                depth = tree.depth
+                flag = "--draft-tree"
+                shape = {"choices": _tree_choices(args.draft_tree, flag)}
+            try:
+                drafter = make_drafter(base, model, **shape)
+            except ValueError as e:
+                raise BenchError(f"{flag}: {e}") from e
+            gen = SpeculativeGenerator(base, drafter, adaptive=False)
+            if drafter.static is None:
+                options, depth = {"num_tokens": drafter.num_tokens}, drafter.num_tokens
+            else:
+                depth = drafter.static.tree.depth
+                options = {"tree": args.draft_tree, "nodes": drafter.max_nodes, "depth": depth}
             run = _spec_runner(gen, settings)
             methods.append(
                 Method(name, name, run, device, greedy, options, depth, args.draft_model)
@@ -200,7 +204,7 @@ def _heads_method(
             options = {"tree": "adaptive", "arms": gen.arms}
         else:
             try:
-                gen = SpeculativeGenerator(base, heads, choices=_medusa_choices(args.tree))
+                gen = SpeculativeGenerator(base, heads, choices=_tree_choices(args.tree))
             except ValueError as e:
                 raise BenchError(f"--tree for {folder}: {e}") from e
             tree = gen.drafter.tree
@@ -232,7 +236,7 @@ def _union_method(
     medusa = isinstance(heads, MedusaHeads)
     if medusa:
         kind = "medusa+ngram"
-        fixed = {} if args.tree is None else {"choices": _medusa_choices(args.tree)}
+        fixed = {} if args.tree is None else {"choices": _tree_choices(args.tree)}
     else:
         kind, fixed = f"eagle{heads.config.version}+ngram", _eagle_options(args)
     try:
@@ -276,7 +280,7 @@ def _eagle_options(args: argparse.Namespace) -> dict:
     return {k: v for k, v in given.items() if v is not None}
 
 
-def _medusa_choices(tree: str, flag: str = "--tree"):
+def _tree_choices(tree: str, flag: str = "--tree"):
     """--tree (or --draft-tree) as a preset name or JSON choices."""
     if tree.lstrip().startswith("["):
         try:

@@ -17,12 +17,14 @@ the last hidden state; EAGLE-3: the fused aux layers).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import get_preset, tree_from_choices, tree_from_parents, tree_levels
+from inference.tree import StaticTree, tree_from_parents
 
 
 class EagleDrafter(Drafter):
@@ -62,7 +64,7 @@ class EagleDrafter(Drafter):
         top_k: int | None = None,
         depth: int | None = None,
         total_tokens: int | None = None,
-        choices=None,
+        choices: str | Sequence[Sequence[int]] | None = None,
     ) -> None:
         """A dynamic tree (all of top_k, depth, total_tokens) or a static one (choices alone)."""
         given = [x is not None for x in (top_k, depth, total_tokens)]
@@ -74,13 +76,9 @@ class EagleDrafter(Drafter):
             )
         self.static = None
         if choices is not None:  # a static tree
-            choices = get_preset(choices) if isinstance(choices, str) else choices
-            device = self.draft.fc.weight.device
-            self.static = tree_from_choices([tuple(c) for c in choices], device=device)
-            self._levels = tree_levels(self.static)
-            self._top = int(self.static.ranks.max()) + 1  # the deepest rank any node takes
-            self.top_k, self.depth = None, self.static.depth
-            self.max_nodes = self.total_tokens = self.static.num_nodes
+            self.static = StaticTree.build(choices, device=self.draft.fc.weight.device)
+            self.top_k, self.depth = None, self.static.tree.depth
+            self.max_nodes = self.total_tokens = self.static.tree.num_nodes
             return
         if top_k < 1 or depth < 0 or total_tokens < 1:
             raise ValueError("need top_k >= 1, depth >= 0, total_tokens >= 1")
@@ -231,23 +229,23 @@ class EagleDrafter(Drafter):
     def _propose_static(self, root: torch.Tensor) -> Draft:
         """Fill the static tree level by level: node c takes the rank-c[-1] token of the draft's
         forward at its parent (the root's is the last fed pair). Candidate i is tree node i + 1."""
-        tree = self.static
+        tree, levels, top = self.static.tree, self.static.levels, self.static.top
         parents, ranks = tree.parents[1:], tree.ranks[1:]
         tokens = torch.empty_like(parents)
-        level = self._levels[0][0] - 1
-        ids = self._log_probs(self._root_hidden[None]).topk(self._top, dim=-1).indices  # (1,top)
+        level = levels[0][0] - 1
+        ids = self._log_probs(self._root_hidden[None]).topk(top, dim=-1).indices  # (1,top)
         tokens[level] = self.draft.to_base_ids(ids[0, ranks[level]])
         frontier_hidden = self._root_hidden[None]
         row_of = torch.zeros(parents.numel() + 1, dtype=torch.long, device=parents.device)
         cached: list[int] = []
         for d in range(1, self.depth):
-            frontier = self._levels[d - 1][1] - 1
+            frontier = levels[d - 1][1] - 1
             out = self._forward_frontier(
                 d, frontier, tokens, parents, frontier_hidden[row_of[parents[frontier]]], cached
             )  # (F,H)
             row_of[frontier + 1] = torch.arange(frontier.numel(), device=frontier.device)
-            ids = self._log_probs(out).topk(self._top, dim=-1).indices  # (F,top)
-            level = self._levels[d][0] - 1
+            ids = self._log_probs(out).topk(top, dim=-1).indices  # (F,top)
+            level = levels[d][0] - 1
             tokens[level] = self.draft.to_base_ids(ids[row_of[parents[level]], ranks[level]])
             frontier_hidden = out
         if cached:

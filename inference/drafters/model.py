@@ -14,20 +14,14 @@ fed, then the draft is made (a tree's entries are cropped again after it).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.acceptance import warp_probs
 from inference.draft import Draft, Drafter, Sampling
-from inference.tree import (
-    DEFAULT_ACCURACIES,
-    Tree,
-    build_static_tree,
-    get_preset,
-    tree_from_choices,
-    tree_from_parents,
-    tree_levels,
-)
+from inference.tree import DEFAULT_ACCURACIES, StaticTree, build_static_tree, tree_from_parents
 
 
 class ModelDrafter(Drafter):
@@ -40,28 +34,39 @@ class ModelDrafter(Drafter):
             preset name of `inference.tree.PRESETS`); give one of num_tokens and choices.
     """
 
-    def __init__(self, model: PreTrainedModel, num_tokens: int | None = None, choices=None) -> None:
+    def __init__(
+        self,
+        model: PreTrainedModel,
+        num_tokens: int | None = None,
+        choices: str | Sequence[Sequence[int]] | None = None,
+    ) -> None:
         self.model = model
         if num_tokens is None and choices is None:
             num_tokens = 4
         self.configure(num_tokens, choices)
         self.reset()
 
-    def configure(self, num_tokens: int | None = None, choices=None) -> None:
+    def configure(
+        self, num_tokens: int | None = None, choices: str | Sequence[Sequence[int]] | None = None
+    ) -> None:
         """A chain of `num_tokens` or a static tree (`choices`), not both."""
         if (num_tokens is None) == (choices is None):
             raise ValueError(
                 "give a draft model either num_tokens (a chain) or choices (a static tree); got "
                 f"num_tokens={num_tokens}, choices={choices!r}"
             )
-        self.static: Tree | None = None
+        self.static: StaticTree | None = None
         if choices is not None:
-            choices = get_preset(choices) if isinstance(choices, str) else choices
+            attn = self.model.config._attn_implementation
+            if attn not in ("sdpa", "eager"):
+                raise ValueError(
+                    f"a draft model's tree needs sdpa or eager attention (4D tree masks); this "
+                    f"one runs {attn!r}: load it with attn_implementation='sdpa', or draft a "
+                    "chain (num_tokens)"
+                )
             device = self.model.get_input_embeddings().weight.device
-            self.static = tree_from_choices([tuple(c) for c in choices], device=device)
-            self._levels = tree_levels(self.static)
-            self._top = int(self.static.ranks.max()) + 1  # the deepest rank any node takes
-            self.num_tokens, self.max_nodes = None, self.static.num_nodes
+            self.static = StaticTree.build(choices, device=device)
+            self.num_tokens, self.max_nodes = None, self.static.tree.num_nodes
             return
         if num_tokens < 1:
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
@@ -138,33 +143,33 @@ class ModelDrafter(Drafter):
     def _propose_static(self, root: torch.Tensor, root_logits: torch.Tensor) -> Draft:
         """Fill the static tree level by level from the draft's ranked tokens at each parent
         (the root's from `root_logits`); the tree's cache entries are cropped afterwards."""
-        tree, dev = self.static, root.device
+        tree, top, dev = self.static.tree, self.static.top, root.device
         tokens = torch.empty(tree.num_nodes, dtype=torch.long, device=dev)
         tokens[0] = root[0]
         # ranked[i, r]: the draft's rank-r token after node i (filled for nodes with children)
-        ranked = torch.empty(tree.num_nodes, self._top, dtype=torch.long, device=dev)
-        ranked[0] = root_logits.topk(self._top).indices
+        ranked = torch.empty(tree.num_nodes, top, dtype=torch.long, device=dev)
+        ranked[0] = root_logits.topk(top).indices
         prefix = len(self._fed)  # the accepted sequence, root included
         dtype = self.model.get_input_embeddings().weight.dtype
         cached = torch.empty(0, dtype=torch.long, device=dev)  # tree nodes in the draft cache
-        for depth, (level, frontier) in enumerate(self._levels, start=1):
+        for depth, (level, frontier) in enumerate(self.static.levels, start=1):
             tokens[level] = ranked[tree.parents[level], tree.ranks[level]]
             if frontier.numel() == 0:
                 continue
-            # Each frontier node attends to the sequence, its ancestors cached and itself.
+            # Each frontier node attends to the sequence, its cached ancestors and itself; the
+            # columns follow the cache: the sequence, the tree nodes cached, this frontier.
             columns = torch.cat([cached, frontier])
+            blocked = ~tree.ancestors[frontier][:, columns]  # (F, C)
             mask = torch.zeros(frontier.numel(), prefix + columns.numel(), dtype=dtype, device=dev)
-            mask[:, prefix:].masked_fill_(
-                ~tree.ancestors[frontier][:, columns], torch.finfo(dtype).min
-            )
+            mask[:, prefix:].masked_fill_(blocked, torch.finfo(dtype).min)  # (F, prefix + C)
             logits = self.model(
                 input_ids=tokens[frontier][None],
                 attention_mask=mask[None, None],
                 position_ids=torch.full((1, frontier.numel()), prefix - 1 + depth, device=dev),
                 cache=self.cache,
                 use_cache=True,
-            ).logits[0]
-            ranked[frontier] = logits.topk(self._top, dim=-1).indices
+            ).logits[0]  # (F, V)
+            ranked[frontier] = logits.topk(top, dim=-1).indices
             cached = columns
         if cached.numel():
             self.cache.crop(-cached.numel())

@@ -12,6 +12,7 @@ from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
     MedusaDrafter,
+    ModelDrafter,
     NgramDrafter,
     NgramTable,
     SpeculativeGenerator,
@@ -20,6 +21,7 @@ from inference import (
 from inference.generate import DENSE_LOGITS_MAX_NODES
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
+from inference.tree import DEFAULT_ACCURACIES, build_static_tree
 from tests.conftest import make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -42,6 +44,7 @@ DRAFTERS = [  # the names `_drafter` knows
     "ngram-corpus",
     "medusa+ngram",
     "eagle3+ngram",
+    "draft-model-static+ngram",
 ]
 
 
@@ -88,6 +91,10 @@ def _drafters(base):
         # Unions: fixed settings (drafter objects), and adaptive over the union's arms.
         "medusa+ngram": ([MedusaDrafter(medusa, "cpu-8"), NgramDrafter(num_tokens=4)], {}),
         "eagle3+ngram": ([eagle3, None], {}),
+        "draft-model-static+ngram": (
+            [ModelDrafter(base, choices=[(0,), (1,), (0, 0)]), NgramDrafter(num_tokens=4)],
+            {},
+        ),
     }
 
 
@@ -365,31 +372,50 @@ def test_eagle_options_are_a_dynamic_or_a_static_tree():
             drafter.configure(**mixed)
 
 
-@pytest.mark.parametrize("attn", ["sdpa", "eager"])
-def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn):
-    from inference.drafters.model import ModelDrafter
+DRAFT_TREES = {
+    # (2,) and (0, 1) are leaves beside branches, so level 2's frontier is partial
+    "three-levels": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)],
+    # frontiers of 2, 1 and 1 nodes: level 3 attends past cached non-ancestors of two depths
+    "four-levels": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)],
+    "one-level": [(0,), (1,), (2,)],
+}
 
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("shape", DRAFT_TREES)
+def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn, shape):
     base = make_tiny_llama()
     small = make_tiny_llama(seed=1, attn=attn)
     torch.manual_seed(3)
     for p in small.parameters():  # sharp attention, so that positions and masks matter
         if p.dim() == 2:
             p.data.normal_(0, 0.3)
-    # three levels; (2,) and (0, 1) are leaves beside branches, so level 2's frontier is partial
-    choices = [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)]
-    seen = []  # (the sequence, the draft, the draft cache's length after it)
+    choices = DRAFT_TREES[shape]
+    seen = []  # (the sequence, the draft, the draft cache's length after it, the tokens fed)
+    widths = []  # tokens per forward of the draft model
+    per_proposal = []  # the widths of each proposal's forwards
     propose = ModelDrafter.propose
 
     def spy(self, sequence, sampling):
+        start = len(widths)
         out = propose(self, sequence, sampling)
         seen.append((sequence.clone(), out, self.cache.get_seq_length(), list(self._fed)))
+        per_proposal.append(widths[start:])
         return out
+
+    hook = small.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
 
     prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(ModelDrafter, "propose", spy)
         gen = SpeculativeGenerator(base, small, choices=choices)
         gen.generate(prompt, max_new_tokens=12)
+    hook.remove()
+    # the new tokens fed, then one forward per level over the nodes that have children
+    levels = {"three-levels": [2, 2], "four-levels": [2, 1, 1], "one-level": []}[shape]
+    assert all(w[1:] == levels for w in per_proposal), per_proposal
     assert len(seen) >= 3
     ordered = sorted(choices, key=lambda c: (len(c), c))  # the tree's node order
     for sequence, proposal, length_after, fed in seen[:3]:
@@ -403,7 +429,8 @@ def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn):
             token[c] = int(small(ids).logits[0, -1].topk(c[-1] + 1).indices[c[-1]])
         assert proposal.tokens.tolist() == [token[c] for c in [(), *ordered]]
         assert not proposal.sampled.any()  # point masses, at any temperature
-    assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3  # the ranks name different tokens
+    drafted = seen[0][1].tokens[1:]
+    assert len({int(t) for t in drafted}) > min(3, len(drafted) - 1)  # ranks name other tokens
     # a static chain drafts what the greedy chain does
     drafts = []
     with pytest.MonkeyPatch.context() as mp:
@@ -417,8 +444,6 @@ def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn):
 
 
 def test_draft_model_options_are_a_chain_or_a_static_tree():
-    from inference.drafters.model import ModelDrafter
-
     drafter = ModelDrafter(make_tiny_llama(seed=1))
     assert (drafter.num_tokens, drafter.max_nodes) == (4, 5)  # the default chain
     drafter.configure(choices="cpu-8")
@@ -432,3 +457,20 @@ def test_draft_model_options_are_a_chain_or_a_static_tree():
         drafter.configure(num_tokens=0)
     with pytest.raises(ValueError, match="needs its prefix"):
         drafter.configure(choices=[(0, 0)])
+
+
+def test_draft_model_arms_switch_between_chains_and_a_tree():
+    """The GPU arms (chains of 2, 4, 6 tokens, a 16-node tree), run on the CPU with the base as
+    its own perfect draft: after every switch each arm drafts from a clean cache, so each step
+    gains exactly its depth + 1 tokens, and the output is the base's."""
+    base = make_tiny_llama()
+    arms = ModelDrafter(base).default_arms(torch.device("cuda"))
+    assert arms[-1]["choices"] == build_static_tree(DEFAULT_ACCURACIES, 16)
+    gen = SpeculativeGenerator(base, base, adaptive=arms)
+    for seed in range(4):
+        prompt = torch.randint(3, 256, (1, 8), generator=_seeded(seed))
+        ref = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert torch.equal(gen.generate(prompt, max_new_tokens=40, eos_token_id=[]).sequences, ref)
+    summary = gen.policy.summary()
+    assert all(a["steps"] >= gen.policy.warmup for a in summary)
+    assert [a["tokens_per_step"] for a in summary] == pytest.approx([1, 3, 5, 7, 5])
