@@ -457,6 +457,11 @@ def test_draft_model_options_are_a_chain_or_a_static_tree():
         drafter.configure(num_tokens=0)
     with pytest.raises(ValueError, match="needs its prefix"):
         drafter.configure(choices=[(0, 0)])
+    flex = make_tiny_llama(seed=1)
+    flex.config._attn_implementation = "flex_attention"  # takes no additive 4D float mask
+    assert ModelDrafter(flex, num_tokens=3).max_nodes == 4  # a chain needs no mask
+    with pytest.raises(ValueError, match="needs sdpa or eager attention"):
+        ModelDrafter(flex, choices="chain-2")
 
 
 def test_draft_model_arms_switch_between_chains_and_a_tree():
