@@ -6,6 +6,7 @@ import torch
 from inference.tree import (
     DEFAULT_ACCURACIES,
     PRESETS,
+    StaticTree,
     build_static_tree,
     chain_choices,
     expected_accept_length,
@@ -43,6 +44,15 @@ def test_tree_from_choices_hand_drawn():
     # one path per leaf, leaves (4, 5, 6) in index order
     assert tree.paths.tolist() == [[0, 1, 4, -1], [0, 2, 5, -1], [0, 1, 3, 6]]
     assert tree.children(0) == [1, 2] and tree.children(1) == [3, 4] and tree.children(6) == []
+
+
+def test_static_tree_levels_hand_drawn():
+    plan = StaticTree.build(CHOICES)
+    levels = [(nodes.tolist(), frontier.tolist()) for nodes, frontier in plan.levels]
+    # depth 1: nodes 1, 2, both with children; depth 2: 3, 4, 5, of which only 3 has a child
+    assert levels == [([1, 2], [1, 2]), ([3, 4, 5], [3]), ([6], [])]
+    assert plan.top == 2  # ranks 0 and 1
+    assert StaticTree.build("chain-2").levels[-1][1].numel() == 0  # a leaf level has no frontier
 
 
 def test_tree_from_parents_matches_choices_and_keeps_dtype_device():
