@@ -40,3 +40,18 @@ def tree_position_ids(tree: Tree, prefix_len: int) -> torch.Tensor:
     their own causal sequences.
     """
     return (prefix_len + tree.depths).unsqueeze(0)
+
+
+def frontier_attention_mask(
+    allowed: torch.Tensor, prefix_len: int, dtype: torch.dtype
+) -> torch.Tensor:
+    """Additive mask (1, 1, F, prefix_len + C) for a drafter's forward over a tree level's
+    frontier (F nodes) whose keys follow `prefix_len` cached sequence entries and C tree
+    entries: the tree nodes already cached, then the frontier itself (EAGLE and draft-model
+    trees, drafted level by level). `allowed` (F, C) bool: frontier node f may attend to tree
+    entry c (its cached ancestors and itself); every sequence position is open.
+    """
+    F, C = allowed.shape
+    mask = torch.zeros(F, prefix_len + C, dtype=dtype, device=allowed.device)
+    mask[:, prefix_len:].masked_fill_(~allowed, torch.finfo(dtype).min)
+    return mask[None, None]

@@ -141,13 +141,13 @@ def tree_levels(tree: Tree) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class StaticTree:
     """A static tree as the drafters that fill it level by level use it (EAGLE, draft model):
     node `c` takes the rank-`c[-1]` token of the drafter's distribution at its parent."""
 
     tree: Tree
-    levels: list[tuple[torch.Tensor, torch.Tensor]]  # see `tree_levels`
+    levels: tuple[tuple[torch.Tensor, torch.Tensor], ...]  # see `tree_levels`
     top: int  # the most ranks any parent needs (the largest rank + 1)
 
     @classmethod
@@ -157,7 +157,7 @@ class StaticTree:
         """From choices (paths of ranks) or a preset name of `PRESETS`."""
         choices = get_preset(choices) if isinstance(choices, str) else choices
         tree = tree_from_choices([tuple(c) for c in choices], device=device)
-        return cls(tree, tree_levels(tree), int(tree.ranks.max()) + 1)
+        return cls(tree, tuple(tree_levels(tree)), int(tree.ranks.max()) + 1)
 
 
 def chain_choices(depth: int) -> list[Choice]:

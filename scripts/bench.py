@@ -309,14 +309,10 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     command = shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
     try:
-        names = bench_methods.parse_methods(
-            args.methods, args.heads, args.draft_model, args.lookup_corpus
-        )
         draft_shape = args.draft_tree is not None or args.draft_tokens is not None
-        if draft_shape and "draft" not in names:
-            raise BenchError(
-                "--draft-tokens / --draft-tree shape the 'draft' method: give --draft-model too"
-            )
+        names = bench_methods.parse_methods(
+            args.methods, args.heads, args.draft_model, args.lookup_corpus, draft_shape
+        )
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
         if args.per_category:

@@ -67,10 +67,15 @@ class Method:
 
 
 def parse_methods(
-    spec: str | None, heads: list[str], draft_model: str | None, corpus: str | None = None
+    spec: str | None,
+    heads: list[str],
+    draft_model: str | None,
+    corpus: str | None = None,
+    draft_shape: bool = False,
 ) -> list[str]:
     """Method names to run, baseline first. `spec=None` means every method the options allow
-    (each heads folder alone, not with the lookup)."""
+    (each heads folder alone, not with the lookup). `draft_shape`: --draft-tokens or
+    --draft-tree was given."""
     if spec is None:
         names = [
             n
@@ -105,6 +110,10 @@ def parse_methods(
         raise BenchError("method 'draft' needs --draft-model")
     if draft_model and "draft" not in names:
         raise BenchError("--draft-model given but 'draft' is not in --methods")
+    if draft_shape and "draft" not in names:
+        raise BenchError(
+            "--draft-tokens / --draft-tree shape the 'draft' method: give --draft-model too"
+        )
     # The baseline is the reference for every speedup and identity check: always run, first.
     return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
 
@@ -153,8 +162,8 @@ def build_methods(names: list[str], args: argparse.Namespace):
         elif name == "draft":
             model = _load_draft_model(args.draft_model, base, tokenizer)
             if args.draft_tree is None:
-                flag = "--draft-tokens"
-                shape = {"num_tokens": 4 if args.draft_tokens is None else args.draft_tokens}
+                flag = "--draft-tokens"  # the drafter's default chain when not given
+                shape = {} if args.draft_tokens is None else {"num_tokens": args.draft_tokens}
             else:
                 flag = "--draft-tree"
                 shape = {"choices": _tree_choices(args.draft_tree, flag)}

@@ -24,6 +24,7 @@ from torch import nn
 
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
+from inference.mask import frontier_attention_mask
 from inference.tree import StaticTree, tree_from_parents
 
 
@@ -201,26 +202,21 @@ class EagleDrafter(Drafter):
         `all_parents` holds each candidate's parent as candidate index + 1 (0 = the root)."""
         prefix = self.cache.get_seq_length() - len(cached)  # pairs of the accepted sequence
         F, dev = frontier.numel(), frontier.device
-        entry_of = {c: prefix + i for i, c in enumerate(cached)}
-        mask = torch.full(
-            (F, prefix + len(cached) + F),
-            torch.finfo(self._dtype).min,
-            device=dev,
-            dtype=self._dtype,
-        )
-        mask[:, :prefix] = 0
+        column_of = {c: i for i, c in enumerate(cached)}
+        allowed = torch.zeros(F, len(cached) + F, dtype=torch.bool)  # (F, C), built on the host
         for row, c in enumerate(frontier.tolist()):
-            mask[row, prefix + len(cached) + row] = 0
+            allowed[row, len(cached) + row] = True
             p = int(all_parents[c]) - 1
             while p >= 0:
-                mask[row, entry_of[p]] = 0
+                allowed[row, column_of[p]] = True
                 p = int(all_parents[p]) - 1
+        mask = frontier_attention_mask(allowed.to(dev), prefix, self._dtype)
         pos = torch.full((1, F), prefix - 1 + d, device=dev)
         out = self.draft(
             self.embed(all_tokens[frontier])[None],
             frontier_hidden[None],
             pos,
-            attention_mask=mask[None, None],
+            attention_mask=mask,
             cache=self.cache,
         )[0]
         cached.extend(frontier.tolist())

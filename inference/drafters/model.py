@@ -21,6 +21,7 @@ from transformers import DynamicCache, PreTrainedModel
 
 from inference.acceptance import warp_probs
 from inference.draft import Draft, Drafter, Sampling
+from inference.mask import frontier_attention_mask
 from inference.tree import DEFAULT_ACCURACIES, StaticTree, build_static_tree, tree_from_parents
 
 
@@ -57,12 +58,11 @@ class ModelDrafter(Drafter):
             )
         self.static: StaticTree | None = None
         if choices is not None:
-            attn = self.model.config._attn_implementation
-            if attn not in ("sdpa", "eager"):
+            if not self._takes_tree_masks():
                 raise ValueError(
-                    f"a draft model's tree needs sdpa or eager attention (4D tree masks); this "
-                    f"one runs {attn!r}: load it with attn_implementation='sdpa', or draft a "
-                    "chain (num_tokens)"
+                    "a draft model's tree needs sdpa or eager attention (4D tree masks); this "
+                    f"one runs {self.model.config._attn_implementation!r}: load it with "
+                    "attn_implementation='sdpa', or draft a chain (num_tokens)"
                 )
             device = self.model.get_input_embeddings().weight.device
             self.static = StaticTree.build(choices, device=device)
@@ -72,9 +72,12 @@ class ModelDrafter(Drafter):
             raise ValueError(f"num_tokens must be >= 1, got {num_tokens}")
         self.num_tokens, self.max_nodes = num_tokens, 1 + num_tokens
 
+    def _takes_tree_masks(self) -> bool:
+        return self.model.config._attn_implementation in ("sdpa", "eager")
+
     def default_arms(self, device: torch.device) -> list[dict | None]:
         arms: list[dict | None] = [None, {"num_tokens": 2}, {"num_tokens": 4}, {"num_tokens": 6}]
-        if device.type != "cpu":
+        if device.type != "cpu" and self._takes_tree_masks():
             # A 16-node tree costs the draft as many forwards as the 4-chain (one per level, a
             # level's width nearly free on a GPU) and the base one forward of 16 tokens.
             arms.append({"choices": build_static_tree(DEFAULT_ACCURACIES, 16)})
@@ -159,12 +162,10 @@ class ModelDrafter(Drafter):
             # Each frontier node attends to the sequence, its cached ancestors and itself; the
             # columns follow the cache: the sequence, the tree nodes cached, this frontier.
             columns = torch.cat([cached, frontier])
-            blocked = ~tree.ancestors[frontier][:, columns]  # (F, C)
-            mask = torch.zeros(frontier.numel(), prefix + columns.numel(), dtype=dtype, device=dev)
-            mask[:, prefix:].masked_fill_(blocked, torch.finfo(dtype).min)  # (F, prefix + C)
+            mask = frontier_attention_mask(tree.ancestors[frontier][:, columns], prefix, dtype)
             logits = self.model(
                 input_ids=tokens[frontier][None],
-                attention_mask=mask[None, None],
+                attention_mask=mask,
                 position_ids=torch.full((1, frontier.numel()), prefix - 1 + depth, device=dev),
                 cache=self.cache,
                 use_cache=True,

@@ -7,8 +7,9 @@ little, the trained heads and n-gram prompt lookup add up: the heads guess new t
 copies text the prompt or the answer already holds (extraction, code edits, long lists).
 
 Lossless at every temperature: point-mass nodes (top-k, static trees, n-gram) are merged freely;
-sampled nodes (a draft model's chain at temperature > 0) come from one drafter only, which goes first, and
-are never merged with another drafter's node, so each sampled node keeps the q it was drawn from.
+sampled nodes (a draft model's chain at temperature > 0) come from one drafter only, which goes
+first, and are never merged with another drafter's node, so each sampled node keeps the q it was
+drawn from.
 The verifier's per-child rule (DESIGN.md, Inference) is exact for any mix of such children.
 """
 

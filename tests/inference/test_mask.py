@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import DynamicCache
 
-from inference.mask import tree_attention_mask, tree_position_ids
+from inference.mask import frontier_attention_mask, tree_attention_mask, tree_position_ids
 from inference.tree import tree_from_choices, tree_from_parents
 from tests.conftest import make_tiny_llama
 
@@ -27,6 +27,16 @@ def test_mask_root_ab_a_c():
     assert torch.equal(mask[0, 0], expected)
     assert tree_position_ids(tree, prefix_len=2).tolist() == [[2, 3, 3, 4]]
     assert tree.paths.tolist() == [[0, 2, -1], [0, 1, 3]]
+
+
+def test_frontier_mask_opens_the_sequence_and_the_allowed_tree_entries():
+    # 2 cached sequence entries; tree entries: a cached node, then a frontier of two nodes, the
+    # first a child of the cached node, the second not
+    allowed = torch.tensor([[True, True, False], [False, False, True]])
+    mask = frontier_attention_mask(allowed, 2, torch.float32)
+    blocked = torch.finfo(torch.float32).min
+    expected = torch.tensor([[0, 0, 0, 0, blocked], [0, 0, blocked, blocked, 0]])
+    assert mask.shape == (1, 1, 2, 5) and torch.equal(mask[0, 0], expected)
 
 
 def test_mask_chain_is_causal_and_batched():

@@ -255,6 +255,14 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
     assert not (tmp_path / "out" / "results.json").exists()
 
 
+def test_draft_chain_and_tree_flags_exclude_each_other(folders, tmp_path, capsys):
+    argv = ["--prompts", "embedded", "--draft-model", str(folders["base"]), "--out", str(tmp_path)]
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*argv, "--draft-tokens", "3", "--draft-tree", "chain-2"])
+    assert stop.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
 def test_per_category_takes_the_first_k_of_each(tmp_path):
     records = [{"question_id": i, "category": "ab"[i % 2], "turns": [f"Q{i}?"]} for i in range(7)]
     prompts = bench.read_prompts(str(_jsonl(tmp_path / "q.jsonl", records)))
