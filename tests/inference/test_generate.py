@@ -298,17 +298,18 @@ def _seeded(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def _first_proposals(drafter_cls, prompt, *generators) -> list:
-    """The first draft each generator's drafter (of `drafter_cls`) proposes for `prompt`."""
+def _assert_same_first_draft(drafter_cls, prompt, first, second) -> None:
+    """The two generators' drafters (of `drafter_cls`) propose the same first tree for `prompt`."""
     propose, drafts = drafter_cls.propose, []
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(
             drafter_cls, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
         )
-        for gen in generators:
+        for gen in (first, second):
             gen.generate(prompt, max_new_tokens=2)  # the prefill's token, then one step
-    assert len(drafts) == len(generators)
-    return drafts
+    assert len(drafts) == 2
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
 
 
 DRAFT_TREES = {
@@ -369,14 +370,12 @@ def test_eagle_static_tree_nodes_hold_their_parents_ranked_tokens(shape):
     if shape != "one-level":  # ranks at different parents name different tokens
         assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3
     # a static chain drafts what EAGLE-2's top_k=1 chain does
-    static, chain = _first_proposals(
+    _assert_same_first_draft(
         EagleDrafter,
         prompt,
         SpeculativeGenerator(base, draft, choices="chain-3"),
         SpeculativeGenerator(base, draft, top_k=1, depth=3, total_tokens=4),
     )
-    assert torch.equal(static.tokens, chain.tokens)
-    assert torch.equal(static.tree.parents, chain.tree.parents)
 
 
 def test_eagle_options_are_a_dynamic_or_a_static_tree():
@@ -443,14 +442,12 @@ def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn, sh
     if shape != "one-level":  # ranks at different parents name different tokens
         assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3
     # a static chain drafts what the greedy chain does
-    static, chain = _first_proposals(
+    _assert_same_first_draft(
         ModelDrafter,
         prompt,
         SpeculativeGenerator(base, small, choices="chain-3"),
         SpeculativeGenerator(base, small, num_tokens=3),
     )
-    assert torch.equal(static.tokens, chain.tokens)
-    assert torch.equal(static.tree.parents, chain.tree.parents)
 
 
 def test_draft_model_options_are_a_chain_or_a_static_tree():
