@@ -16,12 +16,28 @@ best (under `backoff_below` of its rate) waits twice as long before its next try
 found close to the best (a lookup that found nothing this time costs what a plain step does, and
 pays in bursts) keeps the base interval. Every arm is lossless, so choosing among them never
 changes the output distribution (greedy output stays identical to the base's).
+
+Static trees under greedy decoding share their measurements. A static tree's node is a path of
+ranks (`(0, 1)`: the drafter's top-1 token, then its top-2 after it), the same token in every
+tree of that drafter that holds the path; under greedy verification it is accepted iff its
+parent is and its token is the base's argmax there. So the policy keeps, per path, the rate at
+which it was accepted when its parent was (sampled on every step whose tree holds it, whatever
+the arm), and a static arm's expected tokens per step is 1 + the sum over its nodes of the
+product of those rates along the node's path (Medusa's expected acceptance length, Cai et al.
+2024, with measured rates). Two nested trees then differ only by their extra nodes' terms:
+comparing them no longer sets one arm's noisy tokens-per-step average against another's, and a
+small tree's tokens are measured on every step of a larger one. Costs (seconds per step) stay
+per arm. Sampling (temperature > 0), dynamic trees and unions keep the per-arm average: there a
+node's acceptance depends on its siblings or the draft chose the shape.
 """
 
 from __future__ import annotations
 
 import copy
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+
+from inference.tree import Choice
 
 
 @dataclass
@@ -34,10 +50,8 @@ class Arm:
     tries: int = 0
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
-
-    @property
-    def rate(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+    # A static tree's nodes as paths of ranks (learnt from its first greedy step), else None.
+    nodes: frozenset[Choice] | None = None
 
 
 @dataclass
@@ -55,7 +69,9 @@ class AdaptivePolicy:
         backoff_below: a re-tried arm whose rate is under this fraction of the best arm's
             waits twice as long for its next try; otherwise it waits `explore_every`.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
-            an arm, which are averaged).
+            an arm, which are averaged); also of each path's acceptance rate.
+        pooled: estimate static trees' tokens per step from per-path acceptance rates on greedy
+            steps (see the module's doc); False keeps every arm's own average.
     """
 
     arms: list[Arm]
@@ -65,7 +81,12 @@ class AdaptivePolicy:
     max_explore_every: int = 512
     backoff_below: float = 0.9
     smoothing: float = 0.05
+    pooled: bool = True
+    # Greedy decoding: the generator sets it per call; the pooled estimates serve only then.
+    greedy: bool = field(default=False, init=False)
     step: int = field(default=0, init=False)
+    # Per path of ranks: [rate at which it was accepted when its parent was, samples].
+    _accepted: dict[Choice, list] = field(default_factory=dict, init=False, repr=False)
     # The arm of the re-try in progress and its steps left.
     _retry: int | None = field(default=None, init=False, repr=False)
     _retry_steps_left: int = field(default=0, init=False, repr=False)
@@ -81,9 +102,28 @@ class AdaptivePolicy:
         # Copies: a caller's dict changed in place later is a new arm, not this one.
         return cls([Arm(copy.deepcopy(o)) for o in options], **kwargs)
 
+    def tokens(self, index: int) -> float:
+        """Estimated tokens per step of an arm: pooled over paths for a static tree on greedy
+        steps, else the arm's own average."""
+        arm = self.arms[index]
+        if not (self.pooled and self.greedy and arm.nodes is not None):
+            return arm.tokens
+        total = 1.0  # the bonus token
+        for node in arm.nodes:
+            p = 1.0
+            for depth in range(1, len(node) + 1):
+                p *= self._accepted.get(node[:depth], (0.0,))[0]
+            total += p
+        return total
+
+    def rate(self, index: int) -> float:
+        """Estimated tokens per second of an arm."""
+        seconds = self.arms[index].seconds
+        return self.tokens(index) / seconds if seconds > 0 else 0.0
+
     def best(self) -> int:
         """Index of the arm with the highest measured rate."""
-        return max(range(len(self.arms)), key=lambda i: self.arms[i].rate)
+        return max(range(len(self.arms)), key=self.rate)
 
     def choose(self) -> int:
         """Index of the arm to use for the next step."""
@@ -104,12 +144,30 @@ class AdaptivePolicy:
             return self._retry
         return best
 
-    def update(self, index: int, tokens: int, seconds: float) -> None:
+    def update(
+        self,
+        index: int,
+        tokens: int,
+        seconds: float,
+        drafted: Sequence[Choice] | None = None,
+        accepted: Choice = (),
+    ) -> None:
+        """Record a step of arm `index`: the tokens it gained and its seconds. For a static
+        tree on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
+        and `accepted` (the deepest accepted node's path; () when none was)."""
         arm = self.arms[index]
         arm.tries += 1
         a = max(self.smoothing, 1.0 / arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
+        if drafted is not None:
+            arm.nodes = frozenset(drafted)
+            for node in drafted:
+                if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted
+                    stat = self._accepted.setdefault(node, [0.0, 0])
+                    stat[1] += 1
+                    b = max(self.smoothing, 1.0 / stat[1])
+                    stat[0] += b * (float(accepted[: len(node)] == node) - stat[0])
         arm.last_step = self.step
         self.step += 1
         retried = index == self._retry
@@ -118,7 +176,7 @@ class AdaptivePolicy:
             if self._retry_steps_left > 0:
                 return  # judged when its re-try ends
             self._retry = None
-        if arm.rate >= self.backoff_below * self.arms[self.best()].rate:
+        if self.rate(index) >= self.backoff_below * self.rate(self.best()):
             arm.interval = self.explore_every
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)
@@ -127,10 +185,10 @@ class AdaptivePolicy:
         return [
             {
                 "options": a.options,
-                "tokens_per_step": a.tokens,
+                "tokens_per_step": self.tokens(i),
                 "seconds_per_step": a.seconds,
-                "tokens_per_s": a.rate,
+                "tokens_per_s": self.rate(i),
                 "steps": a.tries,
             }
-            for a in self.arms
+            for i, a in enumerate(self.arms)
         ]

@@ -36,7 +36,7 @@ from inference.adaptive import AdaptivePolicy
 from inference.draft import Draft, Drafter, Sampling
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
-from inference.tree import tree_from_parents
+from inference.tree import rank_paths, tree_from_parents
 
 # A CPU reads the whole lm_head weight once per call whatever its rows: SmolLM2's (49k x 576,
 # prepacked) took 4.2-5.9 ms for 1 to 16 rows, 10.6 ms for 32 and 18.9 ms for 64 (2 cores,
@@ -326,7 +326,10 @@ class SpeculativeGenerator:
         ):  # first call, or the caller changed `.arms`: measure afresh
             self.policy = AdaptivePolicy.from_options(self.arms)
         policy = self.policy if self.arms else None
+        if policy:
+            policy.greedy = sampling.greedy
         current_arm = -1
+        paths_of, paths = None, None  # the latest static tree's nodes as paths of ranks
         after_plain = True  # the prefill, like a plain step, leaves the drafter to catch up
         while not done:
             prefix = cache.get_seq_length()
@@ -381,7 +384,14 @@ class SpeculativeGenerator:
             timings["draft"] += time.perf_counter() - t0
             new = accepted[1:].tolist() + [acc.bonus_token]
             if policy and arm is not None:
-                policy.update(arm, len(new), time.perf_counter() - t_step)
+                seconds = time.perf_counter() - t_step
+                drafted, deepest = None, ()
+                if sampling.greedy and options is not None:  # a static tree's paths, if any
+                    if draft.tree is not paths_of:
+                        paths_of, paths = draft.tree, rank_paths(draft.tree)
+                    if paths is not None:
+                        drafted, deepest = paths[1:], paths[int(acc.nodes[-1])]
+                policy.update(arm, len(new), seconds, drafted, deepest)
             new, done = finish(new)
             stats["accepted_lengths"].append(len(new))
             generated.extend(new)

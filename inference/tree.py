@@ -127,6 +127,18 @@ def tree_from_choices(
     return Tree(tree.parents, tree.depths, tree.ancestors, tree.paths, ranks)
 
 
+def rank_paths(tree: Tree) -> list[Choice] | None:
+    """Each node's path of ranks (`()` for the root; the choices a static tree was built from),
+    or None for a tree without ranks (dynamic trees, chains, unions)."""
+    if tree.ranks is None:
+        return None
+    ranks, parents = tree.ranks.tolist(), tree.parents.tolist()
+    paths: list[Choice] = [()]
+    for i in range(1, len(parents)):
+        paths.append(paths[parents[i]] + (ranks[i],))
+    return paths
+
+
 def tree_levels(tree: Tree) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """Per depth 1, 2, ...: (its nodes, those of them that have children), for drafters that
     fill a static tree level by level with one forward over each level's parents."""

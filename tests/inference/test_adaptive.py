@@ -158,6 +158,61 @@ def test_an_arm_averages_its_first_steps_then_smooths():
     assert policy.arms[0].tokens == 3.0
 
 
+def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
+    """Per path of ranks, the rate at which it was accepted when its parent was; an arm's tokens
+    per step are 1 + the sum over its nodes of the rates' products along the path."""
+    small, big = [(0,)], [(0,), (1,), (0, 0)]
+    policy = AdaptivePolicy.from_options([None, {"t": 1}, {"t": 2}], smoothing=1e-9)
+    policy.greedy = True
+    policy.update(2, 3, 1.0, big, (0, 0))  # (0,) then (0, 0) accepted; (1,) not
+    policy.update(2, 1, 1.0, big, ())  # nothing: (0,) and (1,) sampled, (0, 0) not
+    assert policy.arms[1].nodes is None and policy.tokens(1) == 0.0  # not run yet: no shape
+    policy.update(1, 2, 1.0, small, (0,))
+    assert policy.arms[1].nodes == frozenset(small)
+    # (0,): accepted 2 of 3 times; (1,): 0 of 2; (0, 0): 1 of 1 when (0,) was accepted.
+    assert policy.tokens(1) == pytest.approx(1 + 2 / 3)
+    assert policy.tokens(2) == pytest.approx(1 + 2 / 3 + 0 + 2 / 3 * 1)
+    assert policy.arms[2].tokens == pytest.approx(2.0)  # its own average, for sampling
+    policy.greedy = False
+    assert policy.tokens(1) == pytest.approx(2.0) and policy.tokens(2) == pytest.approx(2.0)
+    assert policy.rate(2) == pytest.approx(2.0)
+    unpooled = AdaptivePolicy.from_options([None, {"t": 2}], pooled=False)
+    unpooled.greedy = True
+    unpooled.update(1, 3, 1.0, big, (0, 0))
+    unpooled.update(1, 1, 1.0, big, ())
+    assert unpooled.tokens(1) == pytest.approx(2.0)
+
+
+def test_greedy_generation_feeds_the_paths_of_a_static_tree():
+    """On one static arm with plain running means, the pooled estimate telescopes to the arm's
+    own tokens per step (P(path accepted) = the product of its conditional rates), which a
+    wrong rule for "the parent was accepted" or for the node keys would break; sampling feeds
+    no paths."""
+    base = make_tiny_llama()
+    draft = make_tiny_llama()
+    torch.manual_seed(0)
+    with torch.no_grad():  # a draft that is right about half the time at each level
+        lm_head = draft.get_output_embeddings().weight
+        lm_head.add_(0.01 * torch.randn_like(lm_head))
+    choices = [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]
+    gen = SpeculativeGenerator(base, draft, adaptive=[{"choices": choices}])
+    gen.policy = AdaptivePolicy.from_options(gen.arms, smoothing=1e-9)
+    for seed in range(3):
+        torch.manual_seed(seed)
+        prompt = torch.randint(3, 256, (1, 8))
+        out = gen.generate(prompt, max_new_tokens=40)
+        assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=40, do_sample=False))
+    policy = gen.policy
+    rates = {path: stat[0] for path, stat in policy._accepted.items()}
+    assert set(rates) == {tuple(c) for c in choices}
+    assert 0.3 < rates[(0,)] < 0.8 and 0.3 < rates[(0, 0)] < 0.8  # accepted and rejected paths
+    assert policy.greedy and policy.tokens(0) == pytest.approx(policy.arms[0].tokens)
+    assert 1.5 < policy.tokens(0) < 4
+    gen.policy = AdaptivePolicy.from_options(gen.arms)
+    gen.generate(prompt, max_new_tokens=16, temperature=0.8)
+    assert not gen.policy.greedy and not gen.policy._accepted and gen.policy.arms[0].nodes is None
+
+
 def test_a_model_drafter_caught_up_proposes_as_without():
     drafter = ModelDrafter(make_tiny_llama(seed=2), num_tokens=3)
     sequence = torch.randint(3, 256, (12,))

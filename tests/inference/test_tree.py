@@ -11,6 +11,7 @@ from inference.tree import (
     chain_choices,
     expected_accept_length,
     get_preset,
+    rank_paths,
     tree_from_choices,
     tree_from_parents,
 )
@@ -20,6 +21,12 @@ from inference.tree import (
 # │          └─ 4 (0,1)
 # └── 2 (1,) ── 5 (1,0)
 CHOICES = [(0, 1), (1,), (0,), (0, 0, 0), (1, 0), (0, 0)]  # deliberately unsorted
+
+
+def test_rank_paths_give_back_the_choices_of_a_static_tree_only():
+    tree = tree_from_choices(CHOICES)
+    assert rank_paths(tree) == [(), (0,), (1,), (0, 0), (0, 1), (1, 0), (0, 0, 0)]
+    assert rank_paths(tree_from_parents([-1, 0, 0, 1])) is None  # a dynamic tree has no ranks
 
 
 def test_tree_from_choices_hand_drawn():
