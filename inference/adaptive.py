@@ -50,7 +50,7 @@ class Arm:
     tries: int = 0
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
-    # A static tree's nodes as paths of ranks (learnt from its first greedy step), else None.
+    # A static tree's nodes as paths of ranks (from its greedy steps), else None.
     nodes: frozenset[Choice] | None = None
 
 
@@ -84,9 +84,11 @@ class AdaptivePolicy:
     pooled: bool = True
     # Greedy decoding: the generator sets it per call; the pooled estimates serve only then.
     greedy: bool = field(default=False, init=False)
+    # A list to record every update in, as (arm, tokens, seconds, drafted, accepted); None: off.
+    log: list[tuple] | None = field(default=None, init=False, repr=False)
     step: int = field(default=0, init=False)
     # Per path of ranks: [rate at which it was accepted when its parent was, samples].
-    _accepted: dict[Choice, list] = field(default_factory=dict, init=False, repr=False)
+    _paths: dict[Choice, list[float]] = field(default_factory=dict, init=False, repr=False)
     # The arm of the re-try in progress and its steps left.
     _retry: int | None = field(default=None, init=False, repr=False)
     _retry_steps_left: int = field(default=0, init=False, repr=False)
@@ -102,7 +104,7 @@ class AdaptivePolicy:
         # Copies: a caller's dict changed in place later is a new arm, not this one.
         return cls([Arm(copy.deepcopy(o)) for o in options], **kwargs)
 
-    def tokens(self, index: int) -> float:
+    def estimate_tokens(self, index: int) -> float:
         """Estimated tokens per step of an arm: pooled over paths for a static tree on greedy
         steps, else the arm's own average."""
         arm = self.arms[index]
@@ -112,18 +114,18 @@ class AdaptivePolicy:
         for node in arm.nodes:
             p = 1.0
             for depth in range(1, len(node) + 1):
-                p *= self._accepted.get(node[:depth], (0.0,))[0]
+                p *= self._paths.get(node[:depth], (0.0,))[0]
             total += p
         return total
 
-    def rate(self, index: int) -> float:
+    def estimate_rate(self, index: int) -> float:
         """Estimated tokens per second of an arm."""
         seconds = self.arms[index].seconds
-        return self.tokens(index) / seconds if seconds > 0 else 0.0
+        return self.estimate_tokens(index) / seconds if seconds > 0 else 0.0
 
     def best(self) -> int:
         """Index of the arm with the highest measured rate."""
-        return max(range(len(self.arms)), key=self.rate)
+        return max(range(len(self.arms)), key=self.estimate_rate)
 
     def choose(self) -> int:
         """Index of the arm to use for the next step."""
@@ -155,19 +157,22 @@ class AdaptivePolicy:
         """Record a step of arm `index`: the tokens it gained and its seconds. For a static
         tree on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
         and `accepted` (the deepest accepted node's path; () when none was)."""
+        if self.log is not None:
+            self.log.append((index, tokens, seconds, drafted and list(drafted), accepted))
         arm = self.arms[index]
         arm.tries += 1
-        a = max(self.smoothing, 1.0 / arm.tries)
+        a = self._weight(arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         if drafted is not None:
             arm.nodes = frozenset(drafted)
             for node in drafted:
                 if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted
-                    stat = self._accepted.setdefault(node, [0.0, 0])
+                    stat = self._paths.setdefault(node, [0.0, 0])
                     stat[1] += 1
-                    b = max(self.smoothing, 1.0 / stat[1])
-                    stat[0] += b * (float(accepted[: len(node)] == node) - stat[0])
+                    stat[0] += self._weight(stat[1]) * (
+                        float(accepted[: len(node)] == node) - stat[0]
+                    )
         arm.last_step = self.step
         self.step += 1
         retried = index == self._retry
@@ -176,18 +181,24 @@ class AdaptivePolicy:
             if self._retry_steps_left > 0:
                 return  # judged when its re-try ends
             self._retry = None
-        if self.rate(index) >= self.backoff_below * self.rate(self.best()):
+        if self.estimate_rate(index) >= self.backoff_below * self.estimate_rate(self.best()):
             arm.interval = self.explore_every
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)
 
+    def _weight(self, samples: int) -> float:
+        """Weight of the newest of `samples` measurements: their mean, then an EMA."""
+        return max(self.smoothing, 1.0 / samples)
+
     def summary(self) -> list[dict]:
+        """Per arm: its options, estimated tokens per step and per second, seconds per step and
+        steps run."""
         return [
             {
                 "options": a.options,
-                "tokens_per_step": self.tokens(i),
+                "tokens_per_step": self.estimate_tokens(i),
                 "seconds_per_step": a.seconds,
-                "tokens_per_s": self.rate(i),
+                "tokens_per_s": self.estimate_rate(i),
                 "steps": a.tries,
             }
             for i, a in enumerate(self.arms)

@@ -2,7 +2,7 @@
 
 python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl [--per-category 1] [--limit K]
     [--arms JSON] [--max-new-tokens 128] [--base smollm2-135m-instruct] [--device D]
-    [--threads N] [--out runs/bench-arms]
+    [--threads N] [--out runs/bench-arms] [--record]
 
 Per prompt, in turn, every setting decodes with `SpeculativeGenerator(base, heads,
 adaptive=[setting])`: plain decoding through our loop (the reference, always first), then each
@@ -15,7 +15,8 @@ the base's and the drafting's milliseconds per step, tokens/s, its ratio to plai
 (median of the per-prompt ratios / overall) and whether every output is plain decoding's.
 `scripts/bench.py` times whole methods against HF `generate`; this script is for choosing the
 settings themselves (what a level of a tree costs in drafting, what a wider level gains).
-Writes OUT/arms.json.
+Writes OUT/arms.json; with `--record`, also OUT/steps.json: every fixed setting's steps (tokens,
+seconds, accepted path), on which `scripts/replay_policy.py` replays adaptive policies.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from bench import per_category, prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
+from inference.adaptive import AdaptivePolicy  # noqa: E402
 from inference.generate import make_drafter  # noqa: E402
 from train.data import ChatTemplateError  # noqa: E402
 from train.prompts import PromptSourceError  # noqa: E402
@@ -67,15 +69,31 @@ def build_generator(base, heads, arm: Arm) -> SpeculativeGenerator:
 
 
 def time_arms(
-    base, heads, arms: list[Arm], ids: list[torch.Tensor], max_new_tokens: int
+    base,
+    heads,
+    arms: list[Arm],
+    ids: list[torch.Tensor],
+    max_new_tokens: int,
+    record: dict | None = None,
 ) -> list[dict]:
-    """Decode every prompt with every setting, interleaved per prompt; arms[0] is plain (None)."""
+    """Decode every prompt with every setting, interleaved per prompt; arms[0] is plain (None).
+
+    `record`, when given, receives every fixed setting's steps for `scripts/replay_policy.py`:
+    "arms" (the fixed settings) and "prompts" (per prompt, per setting, its steps as [position,
+    tokens, seconds, drafted, accepted]; drafted / accepted are paths of ranks on a static tree's
+    greedy steps, else null / [])."""
     if not arms or arms[0] is not None:
         raise ValueError("the first setting must be null (plain decoding): the reference")
     gens = [build_generator(base, heads, arm) for arm in arms]
     for gen in gens:  # untimed: first-call allocations and lazy inits, then a fresh policy
         gen.generate(ids[0], max_new_tokens=min(16, max_new_tokens))
         gen.policy = None
+    logged = [i for i, arm in enumerate(arms) if arm is None or isinstance(arm, dict)]
+    if record is not None:
+        record.update(arms=[arms[i] for i in logged], prompts=[])
+        for i in logged:  # a fixed setting's one-arm policy, recording its steps
+            gens[i].policy = AdaptivePolicy.from_options(gens[i].arms)
+            gens[i].policy.log = []
     rows = [
         {"arm": arm, "tokens": 0, "steps": 0, "base_s": 0.0, "draft_s": 0.0, "total_s": 0.0}
         for arm in arms
@@ -94,6 +112,8 @@ def time_arms(
             for key in ("base", "draft", "total"):
                 row[f"{key}_s"] += out.timings[key]
             rates[i].append(tokens / out.timings["total"] if out.timings["total"] else 0.0)
+        if record is not None:
+            record["prompts"].append([_take_steps(gens[i].policy.log) for i in logged])
     plain_rate = rows[0]["tokens"] / rows[0]["total_s"] if rows[0]["total_s"] else 0.0
     for row, rate, n_same in zip(rows, rates, same):
         steps = max(row["steps"], 1)
@@ -107,6 +127,16 @@ def time_arms(
         row["vs_plain"] = row["tokens_per_s"] / plain_rate if plain_rate else None
         row["identical"] = n_same / len(ids)
     return rows
+
+
+def _take_steps(log: list[tuple]) -> list[list]:
+    """Empty a policy's log into steps [position, tokens, seconds, drafted, accepted]."""
+    steps, position = [], 0
+    for _, tokens, seconds, drafted, accepted in log:
+        steps.append([position, tokens, seconds, drafted, list(accepted)])
+        position += tokens
+    log.clear()
+    return steps
 
 
 def render_markdown(rows: list[dict]) -> str:
@@ -143,6 +173,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="default: cuda when available, else cpu")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--out", default="runs/bench-arms")
+    add(
+        "--record",
+        action="store_true",
+        help="also write OUT/steps.json, every fixed setting's steps, for scripts/replay_policy.py",
+    )
     args = parser.parse_args(argv)
     if args.arms is not None:
         try:
@@ -195,7 +230,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bench_arms failed: {e}", file=sys.stderr)
         return 2
     print(f"{len(ids)} prompts, {len(arms)} settings (plain decoding first)", file=sys.stderr)
-    rows = time_arms(base, heads, arms, ids, args.max_new_tokens)
+    record = {} if args.record else None
+    rows = time_arms(base, heads, arms, ids, args.max_new_tokens, record)
     results = {
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": bench_report.machine_info(),
@@ -208,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "arms.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
+    if record is not None:
+        (out / "steps.json").write_text(json.dumps(record) + "\n", encoding="utf-8")
     print(render_markdown(rows))
     print(f"wrote {out / 'arms.json'}")
     return 0

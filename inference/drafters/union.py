@@ -15,6 +15,7 @@ The verifier's per-child rule (DESIGN.md, Inference) is exact for any mix of suc
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -85,7 +86,11 @@ class UnionDrafter(Drafter):
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         drafts = [d.propose(sequence, sampling) for d, on in zip(self.drafters, self.enabled) if on]
         if len(drafts) == 1:
-            return drafts[0]
+            # Without its ranks: another arm of this union may enable another drafter, whose
+            # paths of ranks hold other tokens (the adaptive policy shares rates by path).
+            return dataclasses.replace(
+                drafts[0], tree=dataclasses.replace(drafts[0].tree, ranks=None)
+            )
         return merge_drafts(drafts)
 
 

@@ -49,7 +49,7 @@ def test_policy_follows_a_change_in_acceptance():
     )
     # The drafter stops being accepted at step 30.
     drive(policy, 60, lambda step, arm: ((3 if step < 30 else 1), 1.5) if arm == 1 else (1, 1.0))
-    assert policy.choose() == 0 or policy.arms[0].rate > policy.arms[1].rate
+    assert policy.choose() == 0 or policy.estimate_rate(0) > policy.estimate_rate(1)
 
 
 def test_with_the_defaults_a_drafter_that_stops_paying_is_left_within_a_few_dozen_steps():
@@ -166,21 +166,47 @@ def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
     policy.greedy = True
     policy.update(2, 3, 1.0, big, (0, 0))  # (0,) then (0, 0) accepted; (1,) not
     policy.update(2, 1, 1.0, big, ())  # nothing: (0,) and (1,) sampled, (0, 0) not
-    assert policy.arms[1].nodes is None and policy.tokens(1) == 0.0  # not run yet: no shape
+    assert (
+        policy.arms[1].nodes is None and policy.estimate_tokens(1) == 0.0
+    )  # not run yet: no shape
     policy.update(1, 2, 1.0, small, (0,))
     assert policy.arms[1].nodes == frozenset(small)
     # (0,): accepted 2 of 3 times; (1,): 0 of 2; (0, 0): 1 of 1 when (0,) was accepted.
-    assert policy.tokens(1) == pytest.approx(1 + 2 / 3)
-    assert policy.tokens(2) == pytest.approx(1 + 2 / 3 + 0 + 2 / 3 * 1)
+    assert policy.estimate_tokens(1) == pytest.approx(1 + 2 / 3)
+    assert policy.estimate_tokens(2) == pytest.approx(1 + 2 / 3 + 0 + 2 / 3 * 1)
     assert policy.arms[2].tokens == pytest.approx(2.0)  # its own average, for sampling
     policy.greedy = False
-    assert policy.tokens(1) == pytest.approx(2.0) and policy.tokens(2) == pytest.approx(2.0)
-    assert policy.rate(2) == pytest.approx(2.0)
-    unpooled = AdaptivePolicy.from_options([None, {"t": 2}], pooled=False)
+    assert policy.estimate_tokens(1) == pytest.approx(2.0) and policy.estimate_tokens(
+        2
+    ) == pytest.approx(2.0)
+    assert policy.estimate_rate(2) == pytest.approx(2.0)
+    unpooled = AdaptivePolicy.from_options([None, {"t": 1}, {"t": 2}], pooled=False)
     unpooled.greedy = True
-    unpooled.update(1, 3, 1.0, big, (0, 0))
-    unpooled.update(1, 1, 1.0, big, ())
-    assert unpooled.tokens(1) == pytest.approx(2.0)
+    unpooled.update(2, 3, 1.0, big, (0, 0))
+    unpooled.update(2, 1, 1.0, big, ())
+    unpooled.update(1, 2, 1.0, small, (0,))
+    assert unpooled.estimate_tokens(1) == pytest.approx(2.0)  # each arm's own average
+    assert unpooled.estimate_tokens(2) == pytest.approx(2.0)
+
+
+def test_the_shared_rates_choose_between_nested_trees():
+    """A small tree's one unlucky step against a larger tree's many: its own average says 1
+    token a step, the paths it shares with the larger tree say ~1.6, and at nearly the cost of
+    plain decoding that makes it the best arm; the larger tree stays best without pooling."""
+    small, big = [(0,)], [(0,), (1,), (0, 0), (1, 0)]
+    rng = random.Random(0)
+    for pooled, best in ((True, 1), (False, 2)):
+        policy = AdaptivePolicy.from_options(
+            [None, {"t": 1}, {"t": 2}], warmup=1, pooled=pooled, smoothing=0.01
+        )
+        policy.greedy = True
+        policy.update(0, 1, 1.0)
+        policy.update(1, 1, 1.05, small, ())  # (0,) rejected on its one step
+        for _ in range(200):  # (0,) right 60% of the time, (0, 0) after it 50%
+            first = (0,) if rng.random() < 0.6 else ((1,) if rng.random() < 0.25 else ())
+            path = first + (0,) if first and rng.random() < 0.5 else first
+            policy.update(2, 1 + len(path), 1.6, big, path)
+        assert policy.best() == best
 
 
 def test_greedy_generation_feeds_the_paths_of_a_static_tree():
@@ -203,14 +229,14 @@ def test_greedy_generation_feeds_the_paths_of_a_static_tree():
         out = gen.generate(prompt, max_new_tokens=40)
         assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=40, do_sample=False))
     policy = gen.policy
-    rates = {path: stat[0] for path, stat in policy._accepted.items()}
+    rates = {path: stat[0] for path, stat in policy._paths.items()}
     assert set(rates) == {tuple(c) for c in choices}
     assert 0.3 < rates[(0,)] < 0.8 and 0.3 < rates[(0, 0)] < 0.8  # accepted and rejected paths
-    assert policy.greedy and policy.tokens(0) == pytest.approx(policy.arms[0].tokens)
-    assert 1.5 < policy.tokens(0) < 4
+    assert policy.greedy and policy.estimate_tokens(0) == pytest.approx(policy.arms[0].tokens)
+    assert 1.5 < policy.estimate_tokens(0) < 4
     gen.policy = AdaptivePolicy.from_options(gen.arms)
     gen.generate(prompt, max_new_tokens=16, temperature=0.8)
-    assert not gen.policy.greedy and not gen.policy._accepted and gen.policy.arms[0].nodes is None
+    assert not gen.policy.greedy and not gen.policy._paths and gen.policy.arms[0].nodes is None
 
 
 def test_a_model_drafter_caught_up_proposes_as_without():

@@ -10,6 +10,7 @@ from inference import (
     MedusaDrafter,
     ModelDrafter,
     NgramDrafter,
+    Sampling,
     SpeculativeGenerator,
     UnionDrafter,
     tree_from_parents,
@@ -116,3 +117,21 @@ def test_the_right_branch_is_accepted_whichever_drafter_proposed_it():
     out = gen.generate(prompt, max_new_tokens=24)
     assert torch.equal(out.sequences, ref)
     assert out.mean_accepted_length > 4.0  # the perfect draft model's chain, past the junk
+
+
+def test_a_union_with_one_drafter_on_passes_its_draft_without_ranks():
+    """Paths of ranks name tokens of one drafter: a union's arms may enable different ones, so
+    its drafts carry no ranks for the adaptive policy to share rates by."""
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    union = UnionDrafter([MedusaDrafter(heads, [[0], [1], [0, 0]]), NgramDrafter()])
+    union.configure(parts=[{}, None])
+    sequence = torch.randint(3, 256, (12,))
+    union.reset()
+    hidden = base.model(input_ids=sequence[None]).last_hidden_state[0]
+    union.observe(sequence, hidden, None, int(sequence[-1]))
+    draft = union.propose(sequence, Sampling())
+    alone = union.drafters[0].propose(sequence, Sampling())
+    assert alone.tree.ranks is not None and draft.tree.ranks is None
+    assert torch.equal(draft.tokens, alone.tokens)
+    assert torch.equal(draft.tree.parents, alone.tree.parents)

@@ -1,5 +1,6 @@
 """scripts/bench.py end to end on a tiny random Llama that uses the embedded tokenizer."""
 
+import itertools
 import json
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
+import replay_policy  # noqa: E402
 
 from train.prompts import conversation_id  # noqa: E402
 
@@ -334,7 +336,7 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     medusa = ["--heads", str(folders["medusa"])]
     custom = '[{"choices": "chain-2"}, [null, {"choices": [[0], [1], [0, 0]]}], "adaptive"]'
     out = tmp_path / "custom"
-    assert bench_arms.main([*argv, *medusa, "--arms", custom, "--out", str(out)]) == 0
+    assert bench_arms.main([*argv, *medusa, "--arms", custom, "--out", str(out), "--record"]) == 0
     rows = json.loads((out / "arms.json").read_text())["arms"]
     assert [r["arm"] for r in rows] == [
         None,
@@ -343,6 +345,20 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
         "adaptive",
     ]
     assert all(r["identical"] == 1.0 for r in rows)
+    # --record: every fixed setting's steps per prompt, for scripts/replay_policy.py
+    record = json.loads((out / "steps.json").read_text())
+    assert record["arms"] == [None, {"choices": "chain-2"}]
+    assert len(record["prompts"]) == len(MT_BENCH)
+    for plain, chain in record["prompts"]:
+        assert [s[:2] for s in plain] == [[i, 1] for i in range(len(plain))]
+        assert all(s[3] is None and s[4] == [] for s in plain)
+        assert [s[0] for s in chain] == [0, *itertools.accumulate(s[1] for s in chain[:-1])]
+        for _, tokens, seconds, drafted, accepted in chain:  # greedy steps of a static tree
+            assert drafted == [[0], [0, 0]] and accepted in ([], [0], [0, 0])
+            assert tokens == 1 + len(accepted) and seconds > 0
+    capsys.readouterr()
+    assert replay_policy.main([str(out / "steps.json"), "--orders", "2"]) == 0
+    assert "adaptive, shared path rates (default)" in capsys.readouterr().out
 
     # A setting the heads cannot take fails before any timing, naming it; nothing is written.
     capsys.readouterr()

@@ -1,0 +1,131 @@
+"""Replay the adaptive policy on recorded steps: how close it comes to the best fixed setting.
+
+python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl --per-category 2 --record \
+    --arms '[{"choices": "chain-2"}, {"choices": [[0], [1], [2], [3], [0, 0]]}]'
+python scripts/replay_policy.py runs/bench-arms/steps.json [--subset 0,1,2 ...] [--orders 10]
+
+One bench run cannot tell two policies apart: their difference is a few percent, and so is the
+noise between two runs of one setting. A replay holds the text and the machine still. The record
+holds, per prompt, every fixed setting's steps (tokens, seconds, and on a static tree's greedy
+steps the nodes drafted and the path accepted). A policy decodes each prompt again: at each
+step the setting it chooses gives its recorded step that covers the current position (a step that
+began earlier counts its tokens from here on), so text that one setting drafts well pays every
+setting that tries there. Prompts run in `--orders` shuffled orders (the policy kept across
+prompts, as in a generator's life); reported per subset of the settings (indices into the
+record's settings; the default is all of them): each setting's rate fixed and each policy's mean
+rate over the orders, as a fraction of the best fixed setting in the subset.
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import random
+import statistics
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from inference.adaptive import AdaptivePolicy
+
+POLICIES: dict[str, Callable[[list], AdaptivePolicy]] = {
+    "per-arm averages": lambda options: AdaptivePolicy.from_options(options, pooled=False),
+    "shared path rates (default)": lambda options: AdaptivePolicy.from_options(options),
+}
+
+
+def fixed_rate(record: dict, arm: int) -> float:
+    """Tokens per second of setting `arm` fixed over every recorded prompt."""
+    steps = [s for per_arm in record["prompts"] for s in per_arm[arm]]
+    seconds = sum(s[2] for s in steps)
+    return sum(s[1] for s in steps) / seconds if seconds else 0.0
+
+
+def replay(record: dict, policy: AdaptivePolicy, subset: list[int], order: list[int]) -> float:
+    """Tokens per second of `policy` (over the settings `subset`) decoding prompts `order`."""
+    policy.greedy = True
+    tokens = seconds = 0.0
+    for p in order:
+        per_arm = [record["prompts"][p][i] for i in subset]
+        starts = [[s[0] for s in steps] for steps in per_arm]
+        end = sum(s[1] for s in per_arm[0])
+        position = 0
+        while position < end:
+            k = policy.choose()
+            j = max(bisect.bisect_right(starts[k], position) - 1, 0)
+            start, n, s, drafted, accepted = per_arm[k][j]
+            n = max(1, n - (position - start))
+            paths = None if drafted is None else [tuple(c) for c in drafted]
+            policy.update(k, n, s, paths, tuple(accepted))
+            position += n
+            tokens += n
+            seconds += s
+    return tokens / seconds if seconds else 0.0
+
+
+def compare(record: dict, subset: list[int], orders: int) -> dict:
+    """Each setting's fixed rate and each policy's mean replayed rate, over the subset."""
+    fixed = {i: fixed_rate(record, i) for i in subset}
+    best = max(fixed.values())
+    count = len(record["prompts"])
+    shuffles = [random.Random(seed).sample(range(count), count) for seed in range(orders)]
+    options = [record["arms"][i] for i in subset]
+    policies = {
+        name: statistics.mean(replay(record, make(options), subset, o) for o in shuffles)
+        for name, make in POLICIES.items()
+    }
+    return {"fixed": fixed, "best": best, "policies": policies}
+
+
+def render(record: dict, subset: list[int], result: dict) -> str:
+    best = result["best"]
+    lines = [f"settings {subset}:"]
+    for i, rate in result["fixed"].items():
+        lines.append(
+            f"  fixed {json.dumps(record['arms'][i])}: {rate:.2f} tok/s ({rate / best:.3f})"
+        )
+    for name, rate in result["policies"].items():
+        lines.append(f"  adaptive, {name}: {rate:.2f} tok/s ({rate / best:.3f} of the best)")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("record", help="steps.json of `scripts/bench_arms.py --record`")
+    parser.add_argument(
+        "--subset", action="append", default=None, help="settings by index, e.g. 0,2,3 (repeatable)"
+    )
+    parser.add_argument("--orders", type=int, default=10, help="shuffled prompt orders")
+    args = parser.parse_args(argv)
+    if args.orders < 1:
+        parser.error("--orders must be >= 1")
+    try:
+        record = json.loads(Path(args.record).read_text(encoding="utf-8"))
+        n = len(record["arms"])
+        if not record["prompts"]:
+            raise ValueError("it holds no prompts")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        print(
+            f"replay_policy failed: {args.record} is not a record of `scripts/bench_arms.py "
+            f"--record` ({e})",
+            file=sys.stderr,
+        )
+        return 2
+    subsets = [list(range(n))]
+    if args.subset:
+        try:
+            subsets = [[int(i) for i in s.split(",")] for s in args.subset]
+        except ValueError:
+            parser.error("--subset takes indices separated by commas, e.g. 0,2,3")
+        if any(not 0 <= i < n for s in subsets for i in s):
+            parser.error(f"--subset indices must be in 0..{n - 1} (the record's settings)")
+    for subset in subsets:
+        print(render(record, subset, compare(record, subset, args.orders)))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,73 @@
+"""scripts/replay_policy.py on hand-made records: fixed settings replay to their own rate, a
+policy over a slow and a fast setting ends near the fast one, and bad input is a clear error."""
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+import replay_policy  # noqa: E402  (scripts/ is not a package)
+
+
+def steps(gains: list[int], seconds: float, drafted=None) -> list[list]:
+    """Recorded steps gaining `gains` tokens each; `drafted` a static chain's paths."""
+    out, position = [], 0
+    for n in gains:
+        accepted = [0] * (n - 1) if drafted else []
+        out.append([position, n, seconds, drafted, accepted])
+        position += n
+    return out
+
+
+def record(prompts: int = 6) -> dict:
+    """Plain decoding (1 token, 1 s) and a 2-node chain gaining 1 or 3 tokens (1.2 s): 2 tokens
+    a step on average, 1.67 tok/s against plain's 1."""
+    chain = [[0], [0, 0]]
+    per_prompt = []
+    for _ in range(prompts):
+        gains = [1, 3] * 20
+        per_prompt.append([steps([1] * sum(gains), 1.0), steps(gains, 1.2, chain)])
+    return {"arms": [None, {"choices": chain}], "prompts": per_prompt}
+
+
+def test_a_fixed_setting_replays_to_its_own_rate():
+    rec = record()
+    assert replay_policy.fixed_rate(rec, 0) == pytest.approx(1.0)
+    assert replay_policy.fixed_rate(rec, 1) == pytest.approx(2 / 1.2)
+    for arm in (0, 1):  # a one-setting policy takes the recorded steps as they are
+        policy = replay_policy.POLICIES["per-arm averages"]([rec["arms"][arm]])
+        rate = replay_policy.replay(rec, policy, [arm], list(range(6)))
+        assert rate == pytest.approx(replay_policy.fixed_rate(rec, arm))
+
+
+def test_a_policy_over_both_ends_near_the_faster_setting(tmp_path, capsys):
+    rec = record()
+    result = replay_policy.compare(rec, [0, 1], orders=3)
+    assert result["best"] == pytest.approx(2 / 1.2)
+    for rate in result["policies"].values():  # warmup and re-tries of plain decoding only
+        assert 0.9 * result["best"] < rate <= result["best"]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(rec))
+    assert replay_policy.main([str(path), "--subset", "0,1", "--subset", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "settings [0, 1]:" in out and "settings [1]:" in out
+    assert "adaptive, per-arm averages: 1.67 tok/s (1.000 of the best)" in out  # [1] alone
+
+
+def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
+    path = tmp_path / "steps.json"
+    path.write_text('{"arms": [null]}')
+    assert replay_policy.main([str(path)]) == 2
+    assert "not a record of `scripts/bench_arms.py --record`" in capsys.readouterr().err
+    assert replay_policy.main([str(tmp_path / "missing.json")]) == 2
+    path.write_text(json.dumps(record(1)))
+    for bad, message in [
+        (["--subset", "0,2"], "--subset indices must be in 0..1"),
+        (["--subset", "a"], "--subset takes indices"),
+        (["--orders", "0"], "--orders must be >= 1"),
+    ]:
+        with pytest.raises(SystemExit) as e:
+            replay_policy.main([str(path), *bad])
+        assert e.value.code == 2 and message in capsys.readouterr().err
