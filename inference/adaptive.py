@@ -84,8 +84,6 @@ class AdaptivePolicy:
     pooled: bool = True
     # Greedy decoding: the generator sets it per call; the pooled estimates serve only then.
     greedy: bool = field(default=False, init=False)
-    # A list to record every update in, as (arm, tokens, seconds, drafted, accepted); None: off.
-    log: list[tuple] | None = field(default=None, init=False, repr=False)
     step: int = field(default=0, init=False)
     # Per path of ranks: [rate at which it was accepted when its parent was, samples].
     _paths: dict[Choice, list[float]] = field(default_factory=dict, init=False, repr=False)
@@ -157,8 +155,6 @@ class AdaptivePolicy:
         """Record a step of arm `index`: the tokens it gained and its seconds. For a static
         tree on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
         and `accepted` (the deepest accepted node's path; () when none was)."""
-        if self.log is not None:
-            self.log.append((index, tokens, seconds, drafted and list(drafted), accepted))
         arm = self.arms[index]
         arm.tries += 1
         a = self._weight(arm.tries)

@@ -88,12 +88,13 @@ def time_arms(
     for gen in gens:  # untimed: first-call allocations and lazy inits, then a fresh policy
         gen.generate(ids[0], max_new_tokens=min(16, max_new_tokens))
         gen.policy = None
-    logged = [i for i, arm in enumerate(arms) if arm is None or isinstance(arm, dict)]
+    logs: dict[int, list] = {}  # fixed setting -> its steps of the current prompt
     if record is not None:
-        record.update(arms=[arms[i] for i in logged], prompts=[])
-        for i in logged:  # a fixed setting's one-arm policy, recording its steps
-            gens[i].policy = AdaptivePolicy.from_options(gens[i].arms)
-            gens[i].policy.log = []
+        for i, arm in enumerate(arms):
+            if arm is None or isinstance(arm, dict):
+                gens[i].policy = AdaptivePolicy.from_options(gens[i].arms)  # kept by generate
+                logs[i] = _record_steps(gens[i].policy)
+        record.update(arms=[arms[i] for i in logs], prompts=[])
     rows = [
         {"arm": arm, "tokens": 0, "steps": 0, "base_s": 0.0, "draft_s": 0.0, "total_s": 0.0}
         for arm in arms
@@ -113,7 +114,9 @@ def time_arms(
                 row[f"{key}_s"] += out.timings[key]
             rates[i].append(tokens / out.timings["total"] if out.timings["total"] else 0.0)
         if record is not None:
-            record["prompts"].append([_take_steps(gens[i].policy.log) for i in logged])
+            record["prompts"].append([list(log) for log in logs.values()])
+            for log in logs.values():
+                log.clear()
     plain_rate = rows[0]["tokens"] / rows[0]["total_s"] if rows[0]["total_s"] else 0.0
     for row, rate, n_same in zip(rows, rates, same):
         steps = max(row["steps"], 1)
@@ -129,13 +132,18 @@ def time_arms(
     return rows
 
 
-def _take_steps(log: list[tuple]) -> list[list]:
-    """Empty a policy's log into steps [position, tokens, seconds, drafted, accepted]."""
-    steps, position = [], 0
-    for _, tokens, seconds, drafted, accepted in log:
+def _record_steps(policy: AdaptivePolicy) -> list[list]:
+    """Make `policy` append each step it is told of to the returned list, as [position, tokens,
+    seconds, drafted, accepted] (position: tokens of the generation's steps before it)."""
+    steps: list[list] = []
+    update = policy.update
+
+    def record(index, tokens, seconds, drafted=None, accepted=()) -> None:
+        position = steps[-1][0] + steps[-1][1] if steps else 0
         steps.append([position, tokens, seconds, drafted, list(accepted)])
-        position += tokens
-    log.clear()
+        update(index, tokens, seconds, drafted, accepted)
+
+    policy.update = record
     return steps
 
 

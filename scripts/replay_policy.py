@@ -9,8 +9,9 @@ noise between two runs of one setting. A replay holds the text and the machine s
 holds, per prompt, every fixed setting's steps (tokens, seconds, and on a static tree's greedy
 steps the nodes drafted and the path accepted). A policy decodes each prompt again: at each
 step the setting it chooses gives its recorded step that covers the current position (a step that
-began earlier counts its tokens from here on), so text that one setting drafts well pays every
-setting that tries there. Prompts run in `--orders` shuffled orders (the policy kept across
+began earlier counts its tokens from here on and its whole time, which penalises switching, and
+feeds no paths), so text that one setting drafts well pays every setting that tries there. Rates
+count the steps' time only (no prefill or catch-up), unlike the tokens/s of arms.json. Prompts run in `--orders` shuffled orders (the policy kept across
 prompts, as in a generator's life); reported per subset of the settings (indices into the
 record's settings; the default is all of them): each setting's rate fixed and each policy's mean
 rate over the orders, as a fraction of the best fixed setting in the subset.
@@ -49,15 +50,19 @@ def replay(record: dict, policy: AdaptivePolicy, subset: list[int], order: list[
     for p in order:
         per_arm = [record["prompts"][p][i] for i in subset]
         starts = [[s[0] for s in steps] for steps in per_arm]
-        end = sum(s[1] for s in per_arm[0])
+        end = min(sum(s[1] for s in steps) for steps in per_arm)  # the last step may be cut
         position = 0
         while position < end:
             k = policy.choose()
-            j = max(bisect.bisect_right(starts[k], position) - 1, 0)
+            j = bisect.bisect_right(starts[k], position) - 1
             start, n, s, drafted, accepted = per_arm[k][j]
+            paths = None
+            if start == position and drafted is not None:
+                paths = [tuple(c) for c in drafted]
+            # A step that began earlier: its tokens from here on, its whole time; its paths say
+            # nothing of a step beginning here.
             n = max(1, n - (position - start))
-            paths = None if drafted is None else [tuple(c) for c in drafted]
-            policy.update(k, n, s, paths, tuple(accepted))
+            policy.update(k, n, s, paths, tuple(accepted) if paths is not None else ())
             position += n
             tokens += n
             seconds += s
@@ -79,7 +84,7 @@ def compare(record: dict, subset: list[int], orders: int) -> dict:
 
 
 def render(record: dict, subset: list[int], result: dict) -> str:
-    best = result["best"]
+    best = result["best"] or float("inf")  # no tokens recorded: every share 0
     lines = [f"settings {subset}:"]
     for i, rate in result["fixed"].items():
         lines.append(

@@ -166,9 +166,8 @@ def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
     policy.greedy = True
     policy.update(2, 3, 1.0, big, (0, 0))  # (0,) then (0, 0) accepted; (1,) not
     policy.update(2, 1, 1.0, big, ())  # nothing: (0,) and (1,) sampled, (0, 0) not
-    assert (
-        policy.arms[1].nodes is None and policy.estimate_tokens(1) == 0.0
-    )  # not run yet: no shape
+    assert policy.arms[1].nodes is None  # not run yet: no shape, its own (empty) average
+    assert policy.estimate_tokens(1) == 0.0
     policy.update(1, 2, 1.0, small, (0,))
     assert policy.arms[1].nodes == frozenset(small)
     # (0,): accepted 2 of 3 times; (1,): 0 of 2; (0, 0): 1 of 1 when (0,) was accepted.
@@ -176,9 +175,8 @@ def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
     assert policy.estimate_tokens(2) == pytest.approx(1 + 2 / 3 + 0 + 2 / 3 * 1)
     assert policy.arms[2].tokens == pytest.approx(2.0)  # its own average, for sampling
     policy.greedy = False
-    assert policy.estimate_tokens(1) == pytest.approx(2.0) and policy.estimate_tokens(
-        2
-    ) == pytest.approx(2.0)
+    assert policy.estimate_tokens(1) == pytest.approx(2.0)
+    assert policy.estimate_tokens(2) == pytest.approx(2.0)
     assert policy.estimate_rate(2) == pytest.approx(2.0)
     unpooled = AdaptivePolicy.from_options([None, {"t": 1}, {"t": 2}], pooled=False)
     unpooled.greedy = True
@@ -236,7 +234,8 @@ def test_greedy_generation_feeds_the_paths_of_a_static_tree():
     assert 1.5 < policy.estimate_tokens(0) < 4
     gen.policy = AdaptivePolicy.from_options(gen.arms)
     gen.generate(prompt, max_new_tokens=16, temperature=0.8)
-    assert not gen.policy.greedy and not gen.policy._paths and gen.policy.arms[0].nodes is None
+    assert not gen.policy.greedy and not gen.policy._paths
+    assert gen.policy.arms[0].nodes is None
 
 
 def test_a_model_drafter_caught_up_proposes_as_without():

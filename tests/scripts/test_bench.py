@@ -349,6 +349,8 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     record = json.loads((out / "steps.json").read_text())
     assert record["arms"] == [None, {"choices": "chain-2"}]
     assert len(record["prompts"]) == len(MT_BENCH)
+    for i in (0, 1):  # every timed step once, the untimed warm-up's none
+        assert sum(len(p[i]) for p in record["prompts"]) == rows[i]["steps"]
     for plain, chain in record["prompts"]:
         assert [s[:2] for s in plain] == [[i, 1] for i in range(len(plain))]
         assert all(s[3] is None and s[4] == [] for s in plain)
