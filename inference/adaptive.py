@@ -161,7 +161,8 @@ class AdaptivePolicy:
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         if drafted is not None:
-            arm.nodes = frozenset(drafted)
+            if arm.nodes is None:  # a static arm's tree is the same on every step
+                arm.nodes = frozenset(drafted)
             for node in drafted:
                 if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted
                     stat = self._paths.setdefault(node, [0.0, 0])
