@@ -329,7 +329,7 @@ class SpeculativeGenerator:
         if policy:
             policy.greedy = sampling.greedy
         current_arm = -1
-        paths_of, paths = None, None  # the latest static tree's nodes as paths of ranks
+        paths_of = paths = tree_nodes = None  # the latest static tree's nodes as paths of ranks
         after_plain = True  # the prefill, like a plain step, leaves the drafter to catch up
         while not done:
             prefix = cache.get_seq_length()
@@ -389,8 +389,9 @@ class SpeculativeGenerator:
                 if sampling.greedy and options is not None:  # a static tree's paths, if any
                     if draft.tree is not paths_of:
                         paths_of, paths = draft.tree, rank_paths(draft.tree)
+                        tree_nodes = paths and paths[1:]  # the drafted nodes, root left out
                     if paths is not None:
-                        drafted, deepest = paths[1:], paths[int(acc.nodes[-1])]
+                        drafted, deepest = tree_nodes, paths[int(acc.nodes[-1])]
                 policy.update(arm, len(new), seconds, drafted, deepest)
             new, done = finish(new)
             stats["accepted_lengths"].append(len(new))
