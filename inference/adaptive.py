@@ -17,21 +17,18 @@ found close to the best (a lookup that found nothing this time costs what a plai
 pays in bursts) keeps the base interval. Every arm is lossless, so choosing among them never
 changes the output distribution (greedy output stays identical to the base's).
 
-Trees of ranks share their measurements under greedy decoding. A node of a static tree, or of
-EAGLE's dynamic tree, is a path of ranks (`(0, 1)`: the drafter's top-1 token, then its top-2
-after it), the same token in every tree of that drafter that holds the path; under greedy
-verification it is accepted iff its parent is and its token is the base's argmax there. So the
-policy keeps, per path, the rate at which it was accepted when its parent was (sampled on every
-step whose tree holds it, whatever the arm), and per arm how often its trees held each path
-(always, for a static tree). An arm's expected tokens per step is then 1 + the sum over paths of
-how often it holds the path times the product of the rates along it (Medusa's expected
-acceptance length, Cai et al. 2024, with measured rates; for a dynamic tree it assumes that
-whether the draft keeps a node does not change how often the node is right). Two nested trees
-then differ only by their extra nodes' terms: comparing them no longer sets one arm's noisy
-tokens-per-step average against another's, and a small tree's tokens are measured on every step
-of a larger one. Costs (seconds per step) stay per arm. Sampling (temperature > 0) and unions
-keep the per-arm average: there a node's acceptance depends on its siblings, or the arms mix
-drafters.
+Static trees under greedy decoding share their measurements. A static tree's node is a path of
+ranks (`(0, 1)`: the drafter's top-1 token, then its top-2 after it), the same token in every
+tree of that drafter that holds the path; under greedy verification it is accepted iff its
+parent is and its token is the base's argmax there. So the policy keeps, per path, the rate at
+which it was accepted when its parent was (sampled on every step whose tree holds it, whatever
+the arm), and a static arm's expected tokens per step is 1 + the sum over its nodes of the
+product of those rates along the node's path (Medusa's expected acceptance length, Cai et al.
+2024, with measured rates). Two nested trees then differ only by their extra nodes' terms:
+comparing them no longer sets one arm's noisy tokens-per-step average against another's, and a
+small tree's tokens are measured on every step of a larger one. Costs (seconds per step) stay
+per arm. Sampling (temperature > 0), dynamic trees and unions keep the per-arm average: there a
+node's acceptance depends on its siblings or the draft chose the shape.
 """
 
 from __future__ import annotations
@@ -53,10 +50,8 @@ class Arm:
     tries: int = 0
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
-    # On its greedy steps whose trees have ranks: how many there were, and how many held each
-    # path of ranks (every one of them, for a static tree).
-    path_steps: int = 0
-    paths: dict[Choice, int] = field(default_factory=dict)
+    # A static tree's nodes as paths of ranks (from its greedy steps), else None.
+    nodes: frozenset[Choice] | None = None
 
 
 @dataclass
@@ -75,9 +70,8 @@ class AdaptivePolicy:
             waits twice as long for its next try; otherwise it waits `explore_every`.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged); also of each path's acceptance rate.
-        pooled: estimate the tokens per step of trees of ranks (static trees, EAGLE's dynamic
-            ones) from per-path acceptance rates on greedy steps (see the module's doc); False
-            keeps every arm's own average.
+        pooled: estimate static trees' tokens per step from per-path acceptance rates on greedy
+            steps (see the module's doc); False keeps every arm's own average.
     """
 
     arms: list[Arm]
@@ -109,14 +103,14 @@ class AdaptivePolicy:
         return cls([Arm(copy.deepcopy(o)) for o in options], **kwargs)
 
     def estimate_tokens(self, index: int) -> float:
-        """Estimated tokens per step of an arm: pooled over paths for a tree of ranks on greedy
+        """Estimated tokens per step of an arm: pooled over paths for a static tree on greedy
         steps, else the arm's own average."""
         arm = self.arms[index]
-        if not (self.pooled and self.greedy and arm.path_steps):
+        if not (self.pooled and self.greedy and arm.nodes is not None):
             return arm.tokens
         total = 1.0  # the bonus token
-        for node, held in arm.paths.items():
-            p = held / arm.path_steps
+        for node in arm.nodes:
+            p = 1.0
             for depth in range(1, len(node) + 1):
                 p *= self._paths.get(node[:depth], (0.0,))[0]
             total += p
@@ -158,8 +152,8 @@ class AdaptivePolicy:
         drafted: Sequence[Choice] | None = None,
         accepted: Choice = (),
     ) -> None:
-        """Record a step of arm `index`: the tokens it gained and its seconds. For a tree of
-        ranks on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
+        """Record a step of arm `index`: the tokens it gained and its seconds. For a static
+        tree on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
         and `accepted` (the deepest accepted node's path; () when none was)."""
         arm = self.arms[index]
         arm.tries += 1
@@ -167,9 +161,9 @@ class AdaptivePolicy:
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         if drafted is not None:
-            arm.path_steps += 1
+            if arm.nodes is None:  # a static arm's tree is the same on every step
+                arm.nodes = frozenset(drafted)
             for node in drafted:
-                arm.paths[node] = arm.paths.get(node, 0) + 1
                 if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted
                     stat = self._paths.setdefault(node, [0.0, 0])
                     stat[1] += 1

@@ -329,7 +329,7 @@ class SpeculativeGenerator:
         if policy:
             policy.greedy = sampling.greedy
         current_arm = -1
-        paths_of = paths = tree_nodes = None  # the latest tree's nodes as paths of ranks
+        paths_of = paths = tree_nodes = None  # the latest static tree's nodes as paths of ranks
         after_plain = True  # the prefill, like a plain step, leaves the drafter to catch up
         while not done:
             prefix = cache.get_seq_length()
@@ -386,7 +386,7 @@ class SpeculativeGenerator:
             if policy and arm is not None:
                 seconds = time.perf_counter() - t_step
                 drafted, deepest = None, ()
-                if sampling.greedy and options is not None:  # its paths of ranks, if any
+                if sampling.greedy and options is not None:  # a static tree's paths, if any
                     if draft.tree is not paths_of:
                         paths_of, paths = draft.tree, rank_paths(draft.tree)
                         tree_nodes = paths and paths[1:]  # the drafted nodes, root left out

@@ -27,9 +27,8 @@ class Tree:
     """A token tree in topological order (SpecInfer, Miao et al. 2024).
 
     `paths` lists every root-to-leaf path (one per leaf, leaves in index order), padded with -1
-    to `depth + 1` columns. `ranks`, where the drafter knows them (static trees from
-    `tree_from_choices`, EAGLE's dynamic trees): the top-k rank of each node's token at its
-    parent (-1 for the root).
+    to `depth + 1` columns. `ranks` is set for static trees only (`tree_from_choices`): the
+    top-k rank of each node's token at its parent (-1 for the root).
     """
 
     parents: torch.Tensor  # (N,) long, parents[0] == -1
@@ -130,7 +129,7 @@ def tree_from_choices(
 
 def rank_paths(tree: Tree) -> list[Choice] | None:
     """Each node's path of ranks (`()` for the root; the choices a static tree was built from),
-    or None for a tree without ranks (n-gram chains, unions)."""
+    or None for a tree without ranks (dynamic trees, n-gram chains, unions)."""
     if tree.ranks is None:
         return None
     ranks, parents = tree.ranks.tolist(), tree.parents.tolist()

@@ -6,9 +6,7 @@ layer on the current frontier (top_k nodes by cumulative log-probability) in one
 tree mask and give each frontier node its top_k children. Reranking: keep the `total_tokens - 1`
 candidates with the highest cumulative log-probability (a child never scores above its parent,
 so the kept set contains its ancestors). Every node is a point mass (top-k), which the lossless
-verifier handles with the point-mass rule. The tree carries each node's rank among its parent's
-top_k: a path of ranks names the same token in every tree of this draft at this step, so the
-adaptive policy can share acceptance between settings (`inference.adaptive`). A static tree (`choices`, Medusa-style paths of ranks,
+verifier handles with the point-mass rule. A static tree (`choices`, Medusa-style paths of ranks,
 as EAGLE-1 drafted) instead gives node `c` the rank-`c[-1]` token of the draft's forward at its
 parent: one draft forward per level over the nodes that have children.
 
@@ -19,7 +17,6 @@ the last hidden state; EAGLE-3: the fused aux layers).
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -193,10 +190,7 @@ class EagleDrafter(Drafter):
                 frontier_hidden = out[best // k]
         if cached:
             self.cache.crop(-len(cached))
-        tokens = torch.cat(tokens)
-        # Every level's candidates are blocks of k children, in rank order.
-        ranks = torch.arange(tokens.numel(), device=dev) % k
-        return self._rerank(root, tokens, torch.cat(parents), torch.cat(scores), ranks)
+        return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores))
 
     def _forward_frontier(
         self, d, frontier, all_tokens, all_parents, frontier_hidden, cached
@@ -255,9 +249,8 @@ class EagleDrafter(Drafter):
         all_tokens = torch.cat([root, tokens])
         return Draft(tree, all_tokens, torch.zeros_like(all_tokens, dtype=torch.bool))
 
-    def _rerank(self, root, tokens, parents, scores, ranks) -> Draft:
-        """Keep the best `total_tokens - 1` candidates, in creation order (parents first); the
-        tree holds each one's rank among its parent's top k."""
+    def _rerank(self, root, tokens, parents, scores) -> Draft:
+        """Keep the best `total_tokens - 1` candidates, in creation order (parents first)."""
         keep = min(self.total_tokens - 1, scores.numel())
         # Stable sort: on equal scores a parent (created first) wins over its child.
         order = torch.sort(-scores, stable=True).indices[:keep]
@@ -268,8 +261,8 @@ class EagleDrafter(Drafter):
         tree_parents = new_index[parents[chosen]]
         if bool((tree_parents < 0).any()):  # ties broke ancestor closure; cannot happen otherwise
             raise RuntimeError("draft tree lost an ancestor while reranking")
-        minus_one = tree_parents.new_tensor([-1])
-        tree = tree_from_parents(torch.cat([minus_one, tree_parents]), device=root.device)
-        tree = dataclasses.replace(tree, ranks=torch.cat([minus_one, ranks[chosen]]))
+        tree = tree_from_parents(
+            torch.cat([tree_parents.new_tensor([-1]), tree_parents]), device=root.device
+        )
         all_tokens = torch.cat([root, tokens[chosen]])
         return Draft(tree, all_tokens, torch.zeros_like(all_tokens, dtype=torch.bool))

@@ -166,10 +166,10 @@ def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
     policy.greedy = True
     policy.update(2, 3, 1.0, big, (0, 0))  # (0,) then (0, 0) accepted; (1,) not
     policy.update(2, 1, 1.0, big, ())  # nothing: (0,) and (1,) sampled, (0, 0) not
-    assert policy.arms[1].path_steps == 0  # not run yet: no shape, its own (empty) average
+    assert policy.arms[1].nodes is None  # not run yet: no shape, its own (empty) average
     assert policy.estimate_tokens(1) == 0.0
     policy.update(1, 2, 1.0, small, (0,))
-    assert policy.arms[1].paths == {(0,): 1}
+    assert policy.arms[1].nodes == frozenset(small)
     # (0,): accepted 2 of 3 times; (1,): 0 of 2; (0, 0): 1 of 1 when (0,) was accepted.
     assert policy.estimate_tokens(1) == pytest.approx(1 + 2 / 3)
     assert policy.estimate_tokens(2) == pytest.approx(1 + 2 / 3 + 0 + 2 / 3 * 1)
@@ -185,26 +185,6 @@ def test_static_trees_share_their_paths_acceptance_on_greedy_steps():
     unpooled.update(1, 2, 1.0, small, (0,))
     assert unpooled.estimate_tokens(1) == pytest.approx(2.0)  # each arm's own average
     assert unpooled.estimate_tokens(2) == pytest.approx(2.0)
-
-
-def test_a_dynamic_tree_weighs_each_path_by_how_often_it_held_it():
-    """EAGLE's dynamic tree changes shape from step to step: a path's term is weighted by the
-    share of the arm's greedy steps whose tree held it, its rates shared with every arm."""
-    policy = AdaptivePolicy.from_options([None, {"top_k": 2}, {"t": 1}], smoothing=1e-9)
-    policy.greedy = True
-    policy.update(1, 2, 1.0, [(0,), (1,)], (0,))
-    policy.update(1, 1, 1.0, [(0,), (0, 0)], ())
-    policy.update(1, 3, 1.0, [(0,), (0, 0)], (0, 0))
-    policy.update(1, 1, 1.0, [(0,), (1,)], ())
-    assert policy.arms[1].path_steps == 4
-    assert policy.arms[1].paths == {(0,): 4, (1,): 2, (0, 0): 2}
-    # On its own steps: (0,) 2 of 4, (1,) 0 of 2, (0, 0) 1 of 1 after (0,): its own average.
-    assert policy.estimate_tokens(1) == pytest.approx(1 + 0.5 + 0 + 0.5 * 0.5 * 1)
-    assert policy.arms[1].tokens == pytest.approx(1.75)
-    policy.update(2, 1, 1.0, [(0,)], ())  # another arm's misses of (0,) count for it too
-    policy.update(2, 1, 1.0, [(0,)], ())
-    assert policy.estimate_tokens(1) == pytest.approx(1 + 1 / 3 + 0 + 0.5 * 1 / 3 * 1)
-    assert policy.arms[1].tokens == pytest.approx(1.75)
 
 
 def test_the_shared_rates_choose_between_nested_trees():
@@ -255,7 +235,7 @@ def test_greedy_generation_feeds_the_paths_of_a_static_tree():
     gen.policy = AdaptivePolicy.from_options(gen.arms)
     gen.generate(prompt, max_new_tokens=16, temperature=0.8)
     assert not gen.policy.greedy and not gen.policy._paths
-    assert gen.policy.arms[0].path_steps == 0 and not gen.policy.arms[0].paths
+    assert gen.policy.arms[0].nodes is None
 
 
 def test_a_model_drafter_caught_up_proposes_as_without():

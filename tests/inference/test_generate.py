@@ -378,38 +378,6 @@ def test_eagle_static_tree_nodes_hold_their_parents_ranked_tokens(shape):
     )
 
 
-def test_eagle_dynamic_tree_nodes_carry_their_ranks():
-    """A node of EAGLE-2's dynamic tree carries its rank among its parent's top k, so a path of
-    ranks names the token that the static tree of that path drafts there (the adaptive policy
-    pools acceptance by path across both kinds of tree)."""
-    from inference.drafters.eagle import EagleDrafter
-    from inference.tree import rank_paths
-
-    base = make_tiny_llama()
-    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
-    draft.set_vocab_map(torch.arange(0, 256, 4))
-    torch.manual_seed(3)
-    for p in draft.parameters():  # a draft with opinions, so that ranks differ
-        p.data.normal_(0, 0.5)
-    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
-    propose, drafts = EagleDrafter.propose, []
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(
-            EagleDrafter, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
-        )
-        SpeculativeGenerator(base, draft, top_k=3, depth=3, total_tokens=12).generate(
-            prompt, max_new_tokens=2
-        )
-        dynamic = drafts[-1]
-        paths = rank_paths(dynamic.tree)
-        assert max(map(len, paths)) == 3 and len({p[-1] for p in paths[1:]}) == 3
-        SpeculativeGenerator(base, draft, choices=paths[1:]).generate(prompt, max_new_tokens=2)
-        static = drafts[-1]
-    by_path = dict(zip(rank_paths(static.tree), static.tokens.tolist()))
-    assert [by_path[p] for p in paths] == dynamic.tokens.tolist()
-    assert len(set(dynamic.tokens.tolist())) > 3
-
-
 def test_eagle_options_are_a_dynamic_or_a_static_tree():
     from inference.drafters.eagle import EagleDrafter
 
