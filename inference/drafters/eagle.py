@@ -91,16 +91,16 @@ class EagleDrafter(Drafter):
     def default_arms(self, device: torch.device) -> list[dict | None]:
         if device.type == "cpu":
             # On 2 CPU cores a base forward over 3-6 tokens cost 1.1-1.2x a 1-token one, and
-            # each level of depth is one more forward of the draft layer (~3-4 ms beside a ~70 ms
-            # base step for SmolLM2-135M): wide and shallow first (the draft's top 4 at one or
-            # two levels), then a chain and a tree for a draft whose deeper steps are right
-            # (docs/bench.md, "CPU arms").
+            # each level of depth is one more forward of the draft layer (~3-4 ms beside a ~60 ms
+            # base step for SmolLM2-135M): the draft's top 4 at one or two levels. A 4-token
+            # chain and a 10-node tree of depth 4 ran 12-20% slower than the best with every
+            # heads measured, and as arms cost 1-3 points of the best rate in re-tries and in
+            # steps on them after an unlucky stretch of the best (docs/bench.md, "CPU arms").
+            # Give deeper arms (`adaptive=[...]`) for a draft whose deeper steps are right.
             return [
                 None,
                 {"top_k": 4, "depth": 1, "total_tokens": 5},
                 {"top_k": 4, "depth": 2, "total_tokens": 6},
-                {"top_k": 1, "depth": 4, "total_tokens": 5},
-                {"top_k": 3, "depth": 4, "total_tokens": 10},
             ]
         return [
             None,
