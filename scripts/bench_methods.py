@@ -208,7 +208,7 @@ def _heads_method(
     device = next(base.parameters()).device
     if isinstance(heads, MedusaHeads):
         K = heads.config.num_heads
-        if args.tree is None:  # the generator's default: adaptive (plain, a chain, a small tree)
+        if args.tree is None:  # the generator's default: adaptive over its arms
             gen = SpeculativeGenerator(base, heads)
             options = {"tree": "adaptive", "arms": gen.arms}
         else:

@@ -92,11 +92,10 @@ class EagleDrafter(Drafter):
         if device.type == "cpu":
             # On 2 CPU cores a base forward over 3-6 tokens cost 1.1-1.2x a 1-token one, and
             # each level of depth is one more forward of the draft layer (~3-4 ms beside a ~60 ms
-            # base step for SmolLM2-135M): the draft's top 4 at one or two levels. A 4-token
-            # chain and a 10-node tree of depth 4 ran 12-20% slower than the best with every
-            # heads measured, and as arms cost 1-3 points of the best rate in re-tries and in
-            # steps on them after an unlucky stretch of the best (docs/bench.md, "CPU arms").
-            # Give deeper arms (`adaptive=[...]`) for a draft whose deeper steps are right.
+            # base step for SmolLM2-135M): the draft's top 4 at one or two levels. Deeper trees
+            # were never the best here and cost the policy its re-tries of them (docs/bench.md,
+            # "CPU arms without the settings that never paid"); a draft whose deeper steps are
+            # right can be given them with `adaptive=[...]`.
             return [
                 None,
                 {"top_k": 4, "depth": 1, "total_tokens": 5},

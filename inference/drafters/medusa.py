@@ -66,12 +66,12 @@ class MedusaDrafter(Drafter):
         trees = [build_static_tree(accuracies, n) for n in sizes]
         if device.type == "cpu":
             # On 2 CPU cores a base forward over 6 nodes cost ~1.2x a 1-token one, over 8 up to
-            # ~1.4x: head 0's top 4 and head 1's top 1 first (docs/bench.md, "CPU arms"). The
-            # chain ran 9-13% slower than that tree with every heads measured, and as an arm
-            # cost 0.4-1.4 points of the best rate in replay: not a CPU arm.
+            # ~1.4x: head 0's top 4 and head 1's top 1 first, and no chain, which was never the
+            # best here (docs/bench.md, "CPU arms" and "... the settings that never paid").
             trees.insert(0, [(rank,) for rank in range(4)] + [(0, 0)][: K - 1])
-            return [None] + [{"choices": t} for t in trees]
-        return [None, {"choices": chain_choices(K)}] + [{"choices": t} for t in trees]
+        else:
+            trees.insert(0, chain_choices(K))
+        return [None] + [{"choices": t} for t in trees]
 
     def reset(self) -> None:
         self._hidden = None
