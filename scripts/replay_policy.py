@@ -11,10 +11,11 @@ steps the nodes drafted and the path accepted). A policy decodes each prompt aga
 step the setting it chooses gives its recorded step that covers the current position (a step that
 began earlier counts its tokens from here on and its whole time, which penalises switching, and
 feeds no paths), so text that one setting drafts well pays every setting that tries there. Rates
-count the steps' time only (no prefill or catch-up), unlike the tokens/s of arms.json. Prompts run in `--orders` shuffled orders (the policy kept across
-prompts, as in a generator's life); reported per subset of the settings (indices into the
-record's settings; the default is all of them): each setting's rate fixed and each policy's mean
-rate over the orders, as a fraction of the best fixed setting in the subset.
+count the steps' time only (no prefill or catch-up), unlike the tokens/s of arms.json. Prompts
+run in `--orders` shuffled orders (the policy kept across prompts, as in a generator's life);
+reported per subset of the settings (indices into the record's settings; the default is all of
+them): each setting's rate fixed and each policy's mean rate over the orders, as a fraction of
+the best fixed setting in the subset.
 """
 
 from __future__ import annotations
