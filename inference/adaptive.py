@@ -28,7 +28,12 @@ product of those rates along the node's path (Medusa's expected acceptance lengt
 comparing them no longer sets one arm's noisy tokens-per-step average against another's, and a
 small tree's tokens are measured on every step of a larger one. Costs (seconds per step) stay
 per arm. Sampling (temperature > 0), dynamic trees and unions keep the per-arm average: there a
-node's acceptance depends on its siblings or the draft chose the shape.
+node's acceptance depends on its siblings or the draft chose the shape. A dynamic tree's step
+still feeds the paths `(0,)` ... `(k-1,)` of its drafter's top k tokens at the root (the base's
+token there says which would have been accepted, in the tree or not), so a one-level static tree
+of them (EAGLE's CPU arm) is measured on every step of a deeper dynamic one: its estimate follows
+the text as the running arm's average does, and a hard stretch that lowers the running arm's
+average lowers it too.
 """
 
 from __future__ import annotations
@@ -151,17 +156,19 @@ class AdaptivePolicy:
         seconds: float,
         drafted: Sequence[Choice] | None = None,
         accepted: Choice = (),
+        static: bool = True,
     ) -> None:
-        """Record a step of arm `index`: the tokens it gained and its seconds. For a static
-        tree on a greedy step, also `drafted` (its nodes as paths of ranks, the root left out)
-        and `accepted` (the deepest accepted node's path; () when none was)."""
+        """Record a step of arm `index`: the tokens it gained and its seconds. On a greedy
+        step, also `drafted` (paths of ranks, the root left out: a static tree's nodes, or with
+        `static=False` the paths a dynamic tree's step measured, which feed the shared rates but
+        are not the arm's shape) and `accepted` (the deepest accepted path; () when none was)."""
         arm = self.arms[index]
         arm.tries += 1
         a = self._weight(arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         if drafted is not None:
-            if arm.nodes is None:  # a static arm's tree is the same on every step
+            if static and arm.nodes is None:  # a static arm's tree is the same on every step
                 arm.nodes = frozenset(drafted)
             for node in drafted:
                 if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted

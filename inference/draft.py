@@ -23,12 +23,17 @@ class Draft:
     sampled: (N,) bool, True where the node's token was drawn from q = draft_probs[parent].
     draft_probs: (N, V) the drafter's distribution after each node, or None when every node is
         a point mass.
+    root_ranking: (k,) a dynamic tree's drafter's top tokens at the root, best first, whether or
+        not the tree holds them (None for other drafts). Under greedy verification the base's
+        token at the root says which of them would have been accepted: the adaptive policy's
+        rates of the paths `(0,)` ... `(k-1,)`, which a one-level static tree of them is made of.
     """
 
     tree: Tree
     tokens: torch.Tensor
     sampled: torch.Tensor
     draft_probs: torch.Tensor | None = None
+    root_ranking: torch.Tensor | None = None
 
     @classmethod
     def chain(cls, root: int, continuation: list[int], device) -> Draft:

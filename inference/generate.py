@@ -385,14 +385,18 @@ class SpeculativeGenerator:
             new = accepted[1:].tolist() + [acc.bonus_token]
             if policy and arm is not None:
                 seconds = time.perf_counter() - t_step
-                drafted, deepest = None, ()
+                drafted, deepest, static = None, (), True
                 if sampling.greedy and options is not None:  # a static tree's paths, if any
                     if draft.tree is not paths_of:
                         paths_of, paths = draft.tree, rank_paths(draft.tree)
                         tree_nodes = paths and paths[1:]  # the drafted nodes, root left out
                     if paths is not None:
                         drafted, deepest = tree_nodes, paths[int(acc.nodes[-1])]
-                policy.update(arm, len(new), seconds, drafted, deepest)
+                    elif draft.root_ranking is not None:  # a dynamic tree: its root's top k
+                        ranking = draft.root_ranking.tolist()  # new[0]: the base's token there
+                        drafted, static = [(j,) for j in range(len(ranking))], False
+                        deepest = (ranking.index(new[0]),) if new[0] in ranking else ()
+                policy.update(arm, len(new), seconds, drafted, deepest, static)
             new, done = finish(new)
             stats["accepted_lengths"].append(len(new))
             generated.extend(new)

@@ -80,8 +80,9 @@ def time_arms(
 
     `record`, when given, receives every fixed setting's steps for `scripts/replay_policy.py`:
     "arms" (the fixed settings) and "prompts" (per prompt, per setting, its steps as [position,
-    tokens, seconds, drafted, accepted]; drafted / accepted are paths of ranks on a static tree's
-    greedy steps, else null / [])."""
+    tokens, seconds, drafted, accepted, static]; drafted / accepted are paths of ranks on a
+    greedy step, a static tree's nodes or (static false) a dynamic tree's root ranking, else
+    null / [])."""
     if not arms or arms[0] is not None:
         raise ValueError("the first setting must be null (plain decoding): the reference")
     gens = [build_generator(base, heads, arm) for arm in arms]
@@ -134,14 +135,14 @@ def time_arms(
 
 def _record_steps(policy: AdaptivePolicy) -> list[list]:
     """Make `policy` append each step it is told of to the returned list, as [position, tokens,
-    seconds, drafted, accepted] (position: tokens of the generation's steps before it)."""
+    seconds, drafted, accepted, static] (position: tokens of the generation's steps before it)."""
     steps: list[list] = []
     update = policy.update
 
-    def record(index, tokens, seconds, drafted=None, accepted=()) -> None:
+    def record(index, tokens, seconds, drafted=None, accepted=(), static=True) -> None:
         position = steps[-1][0] + steps[-1][1] if steps else 0
-        steps.append([position, tokens, seconds, drafted, list(accepted)])
-        update(index, tokens, seconds, drafted, accepted)
+        steps.append([position, tokens, seconds, drafted, list(accepted), static])
+        update(index, tokens, seconds, drafted, accepted, static)
 
     policy.update = record
     return steps

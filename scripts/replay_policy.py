@@ -6,8 +6,9 @@ python scripts/replay_policy.py runs/bench-arms/steps.json [--subset 0,1,2 ...] 
 
 One bench run cannot tell two policies apart: their difference is a few percent, and so is the
 noise between two runs of one setting. A replay holds the text and the machine still. The record
-holds, per prompt, every fixed setting's steps (tokens, seconds, and on a static tree's greedy
-steps the nodes drafted and the path accepted). A policy decodes each prompt again: at each
+holds, per prompt, every fixed setting's steps (tokens, seconds, and on greedy steps the paths
+measured and the one accepted: a static tree's nodes, a dynamic tree's root ranking; records
+made before 2026-12-02 hold static trees' only). A policy decodes each prompt again: at each
 step the setting it chooses gives its recorded step that covers the current position (a step that
 began earlier counts its tokens from here on and its whole time, which penalises switching, and
 feeds no paths), so text that one setting drafts well pays every setting that tries there. Rates
@@ -31,9 +32,11 @@ from pathlib import Path
 
 from inference.adaptive import AdaptivePolicy
 
-POLICIES: dict[str, Callable[[list], AdaptivePolicy]] = {
-    "per-arm averages": lambda options: AdaptivePolicy.from_options(options, pooled=False),
-    "shared path rates (default)": lambda options: AdaptivePolicy.from_options(options),
+# name: (the policy for the settings' options, whether it is told a dynamic tree's paths)
+POLICIES: dict[str, tuple[Callable[[list], AdaptivePolicy], bool]] = {
+    "per-arm averages": (lambda options: AdaptivePolicy.from_options(options, pooled=False), True),
+    "shared path rates of static trees' steps only": (AdaptivePolicy.from_options, False),
+    "shared path rates (default)": (AdaptivePolicy.from_options, True),
 }
 
 
@@ -44,8 +47,15 @@ def fixed_rate(record: dict, arm: int) -> float:
     return sum(s[1] for s in steps) / seconds if seconds else 0.0
 
 
-def replay(record: dict, policy: AdaptivePolicy, subset: list[int], order: list[int]) -> float:
-    """Tokens per second of `policy` (over the settings `subset`) decoding prompts `order`."""
+def replay(
+    record: dict,
+    policy: AdaptivePolicy,
+    subset: list[int],
+    order: list[int],
+    dynamic_paths: bool = True,
+) -> float:
+    """Tokens per second of `policy` (over the settings `subset`) decoding prompts `order`;
+    `dynamic_paths=False` withholds the paths a dynamic tree's steps measured."""
     policy.greedy = True
     tokens = seconds = 0.0
     for p in order:
@@ -56,14 +66,15 @@ def replay(record: dict, policy: AdaptivePolicy, subset: list[int], order: list[
         while position < end:
             k = policy.choose()
             j = bisect.bisect_right(starts[k], position) - 1
-            start, n, s, drafted, accepted = per_arm[k][j]
+            start, n, s, drafted, accepted, *rest = per_arm[k][j]
+            static = rest[0] if rest else True  # records before 2026-12-02: static trees only
             paths = None
-            if start == position and drafted is not None:
+            if start == position and drafted is not None and (static or dynamic_paths):
                 paths = [tuple(c) for c in drafted]
             # A step that began earlier: its tokens from here on, its whole time; its paths say
             # nothing of a step beginning here.
             n = max(1, n - (position - start))
-            policy.update(k, n, s, paths, tuple(accepted) if paths is not None else ())
+            policy.update(k, n, s, paths, tuple(accepted) if paths is not None else (), static)
             position += n
             tokens += n
             seconds += s
@@ -78,8 +89,8 @@ def compare(record: dict, subset: list[int], orders: int) -> dict:
     shuffles = [random.Random(seed).sample(range(count), count) for seed in range(orders)]
     options = [record["arms"][i] for i in subset]
     policies = {
-        name: statistics.mean(replay(record, make(options), subset, o) for o in shuffles)
-        for name, make in POLICIES.items()
+        name: statistics.mean(replay(record, make(options), subset, o, told) for o in shuffles)
+        for name, (make, told) in POLICIES.items()
     }
     return {"fixed": fixed, "best": best, "policies": policies}
 

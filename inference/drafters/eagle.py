@@ -17,6 +17,7 @@ the last hidden state; EAGLE-3: the fused aux layers).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
 
 import torch
@@ -95,10 +96,12 @@ class EagleDrafter(Drafter):
             # base step for SmolLM2-135M): the draft's top 4 at one or two levels. Deeper trees
             # were never the best here and cost the policy its re-tries of them (docs/bench.md,
             # "CPU arms without the settings that never paid"); a draft whose deeper steps are
-            # right can be given them with `adaptive=[...]`.
+            # right can be given them with `adaptive=[...]`. The one-level tree is static (the
+            # same four nodes as top_k 4 at depth 1): the policy then measures it on every step
+            # of the two-level one, from that tree's root ranking.
             return [
                 None,
-                {"top_k": 4, "depth": 1, "total_tokens": 5},
+                {"choices": [[0], [1], [2], [3]]},
                 {"top_k": 4, "depth": 2, "total_tokens": 6},
             ]
         return [
@@ -189,7 +192,8 @@ class EagleDrafter(Drafter):
                 frontier_hidden = out[best // k]
         if cached:
             self.cache.crop(-len(cached))
-        return self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+        draft = self._rerank(root, torch.cat(tokens), torch.cat(parents), torch.cat(scores))
+        return dataclasses.replace(draft, root_ranking=tokens[0])  # the root's top k, best first
 
     def _forward_frontier(
         self, d, frontier, all_tokens, all_parents, frontier_hidden, cached

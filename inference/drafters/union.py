@@ -89,7 +89,7 @@ class UnionDrafter(Drafter):
             # Without its ranks: another arm of this union may enable another drafter, whose
             # paths of ranks hold other tokens (the adaptive policy shares rates by path).
             return dataclasses.replace(
-                drafts[0], tree=dataclasses.replace(drafts[0].tree, ranks=None)
+                drafts[0], tree=dataclasses.replace(drafts[0].tree, ranks=None), root_ranking=None
             )
         return merge_drafts(drafts)
 

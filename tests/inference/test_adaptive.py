@@ -207,6 +207,64 @@ def test_the_shared_rates_choose_between_nested_trees():
         assert policy.best() == best
 
 
+def test_a_dynamic_trees_measured_paths_keep_a_static_trees_estimate_fresh():
+    """A dynamic arm's step feeds the paths it measured (static=False) without taking them as
+    its shape: its estimate stays its own average, and a static arm of those paths follows the
+    text while it does not run."""
+    one_level = [(0,), (1,), (2,), (3,)]
+    policy = AdaptivePolicy.from_options([None, {"static": 1}, {"dynamic": 2}], smoothing=0.5)
+    policy.greedy = True
+    policy.update(1, 2, 1.0, one_level, (0,))  # the static arm: its top-1 right
+    assert policy.estimate_tokens(1) == pytest.approx(2.0)
+    for _ in range(6):  # a hard stretch on the dynamic arm: the root's top 4 all wrong
+        policy.update(2, 1, 1.2, one_level, (), static=False)
+    assert policy.arms[2].nodes is None  # not a static tree: its own average
+    assert policy.estimate_tokens(2) == pytest.approx(1.0)
+    assert policy.estimate_tokens(1) < 1.05  # (0,) went 1 -> 0.5 -> ... -> 1/64
+    policy.update(2, 3, 1.2, one_level, (2,), static=False)
+    assert policy._paths[(2,)][0] == pytest.approx(0.5)
+    assert policy.estimate_tokens(2) == pytest.approx(2.0)
+
+
+def test_greedy_generation_feeds_the_root_ranking_of_a_dynamic_tree():
+    """A draft's `root_ranking` is scored against the base's token at the root: the rank that
+    held it is accepted, the others not; sampling feeds nothing."""
+    from inference.draft import Draft, Drafter
+    from inference.tree import tree_from_parents
+
+    base = make_tiny_llama()
+
+    class Ranking(Drafter):  # a root-only tree; the right token ranked second on even steps
+        def __init__(self):
+            self.steps = 0
+
+        def configure(self, **options):
+            pass
+
+        def propose(self, sequence, sampling):
+            order = base(sequence[None]).logits[0, -1].argsort(descending=True)
+            ranking = order[[1, 0, 2]] if self.steps % 2 == 0 else order[[1, 2, 3]]
+            self.steps += 1
+            root = tree_from_parents([-1])
+            return Draft(root, sequence[-1:], torch.zeros(1, dtype=torch.bool), None, ranking)
+
+    drafter = Ranking()
+    gen = SpeculativeGenerator(base, drafter, adaptive=[{}])
+    gen.policy = AdaptivePolicy.from_options(gen.arms, smoothing=1e-9)
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = gen.generate(prompt, max_new_tokens=12)
+    assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=12, do_sample=False))
+    steps = out.num_steps
+    rates = {path: stat for path, stat in gen.policy._paths.items()}
+    assert rates.keys() == {(0,), (1,), (2,)} and all(s[1] == steps for s in rates.values())
+    assert rates[(1,)][0] == pytest.approx(((steps + 1) // 2) / steps)
+    assert rates[(0,)][0] == rates[(2,)][0] == 0.0
+    assert gen.policy.arms[0].nodes is None
+    gen.policy = AdaptivePolicy.from_options(gen.arms)
+    gen.generate(prompt, max_new_tokens=8, temperature=0.8)
+    assert not gen.policy._paths
+
+
 def test_greedy_generation_feeds_the_paths_of_a_static_tree():
     """On one static arm with plain running means, the pooled estimate telescopes to the arm's
     own tokens per step (P(path accepted) = the product of its conditional rates), which a

@@ -378,6 +378,45 @@ def test_eagle_static_tree_nodes_hold_their_parents_ranked_tokens(shape):
     )
 
 
+def test_an_eagle_dynamic_tree_ranks_the_tokens_of_the_one_level_static_tree():
+    """A dynamic tree's `root_ranking` is the draft's top k at the root, best first: the tokens
+    of the static tree [(0,), ..., (k-1,)] at the same step (what the adaptive policy scores it
+    as), whichever of them the reranked tree kept."""
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    draft.set_vocab_map(torch.arange(0, 256, 4))
+    torch.manual_seed(3)
+    for p in draft.parameters():  # a draft with opinions, so that some of the top 4 are dropped
+        p.data.normal_(0, 0.5)
+    one_level = [(0,), (1,), (2,), (3,)]
+    dropped = []  # per step, how many of the root's top 4 the reranked tree left out
+    propose = EagleDrafter.propose
+
+    def both(self, sequence, sampling):
+        dynamic = propose(self, sequence, sampling)
+        self.configure(choices=one_level)
+        static = propose(self, sequence, sampling)
+        self.configure(top_k=4, depth=2, total_tokens=6)
+        assert (
+            static.root_ranking is None
+            and dynamic.root_ranking.tolist() == static.tokens[1:].tolist()
+        )
+        level_one = dynamic.tokens[1:][dynamic.tree.depths[1:] == 1]
+        assert set(level_one.tolist()) <= set(dynamic.root_ranking.tolist())
+        dropped.append(4 - level_one.numel())
+        return dynamic
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(2))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleDrafter, "propose", both)
+        gen = SpeculativeGenerator(base, draft, top_k=4, depth=2, total_tokens=6)
+        out = gen.generate(prompt, max_new_tokens=16)
+    assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=16, do_sample=False))
+    assert len(dropped) >= 4 and any(dropped)
+
+
 def test_eagle_options_are_a_dynamic_or_a_static_tree():
     from inference.drafters.eagle import EagleDrafter
 

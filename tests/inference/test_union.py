@@ -135,3 +135,17 @@ def test_a_union_with_one_drafter_on_passes_its_draft_without_ranks():
     assert alone.tree.ranks is not None and draft.tree.ranks is None
     assert torch.equal(draft.tokens, alone.tokens)
     assert torch.equal(draft.tree.parents, alone.tree.parents)
+    # nor a dynamic tree's root ranking (EAGLE's top k at the root, scored as paths (j,))
+    from inference.drafters.eagle import EagleDrafter
+
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=1))
+    union = UnionDrafter(
+        [EagleDrafter(eagle, base, top_k=3, depth=2, total_tokens=5), NgramDrafter()]
+    )
+    union.configure(parts=[{}, None])
+    union.reset()
+    union.observe(sequence, hidden, None, int(sequence[-1]))
+    alone = union.drafters[0].propose(sequence, Sampling())
+    draft = union.propose(sequence, Sampling())
+    assert alone.root_ranking is not None and draft.root_ranking is None
+    assert torch.equal(draft.tokens, alone.tokens)

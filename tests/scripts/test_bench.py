@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from inference.tree import rank_paths
 from tests.conftest import make_tiny_llama
 
 ROOT = Path(__file__).parents[2]
@@ -307,9 +308,12 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     propose = EagleDrafter.propose
 
     def spy(self, sequence, sampling):
-        drafted.append(
-            {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total_tokens}
-        )
+        if self.static is not None:
+            drafted.append({"choices": sorted(map(list, rank_paths(self.static.tree)[1:]))})
+        else:
+            drafted.append(
+                {"top_k": self.top_k, "depth": self.depth, "total_tokens": self.total_tokens}
+            )
         return propose(self, sequence, sampling)
 
     monkeypatch.setattr(EagleDrafter, "propose", spy)
@@ -321,7 +325,7 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     rows = json.loads((out / "arms.json").read_text())["arms"]
     # plain, each of the drafter's own CPU arms fixed, then adaptive over them
     fixed = [
-        {"top_k": 4, "depth": 1, "total_tokens": 5},
+        {"choices": [[0], [1], [2], [3]]},
         {"top_k": 4, "depth": 2, "total_tokens": 6},
     ]
     assert [r["arm"] for r in rows] == [None, *fixed, "adaptive"]
@@ -353,12 +357,27 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
         assert [s[:2] for s in plain] == [[i, 1] for i in range(len(plain))]
         assert all(s[3] is None and s[4] == [] for s in plain)
         assert [s[0] for s in chain] == [0, *itertools.accumulate(s[1] for s in chain[:-1])]
-        for _, tokens, seconds, drafted, accepted in chain:  # greedy steps of a static tree
-            assert drafted == [[0], [0, 0]] and accepted in ([], [0], [0, 0])
+        for _, tokens, seconds, drafted, accepted, static in chain:  # a static tree's steps
+            assert drafted == [[0], [0, 0]] and accepted in ([], [0], [0, 0]) and static
             assert tokens == 1 + len(accepted) and seconds > 0
     capsys.readouterr()
     assert replay_policy.main([str(out / "steps.json"), "--orders", "2"]) == 0
     assert "adaptive, shared path rates (default)" in capsys.readouterr().out
+    # A dynamic tree's greedy steps: the root's top 4 as paths, not the arm's shape.
+    eagle = ["--heads", str(folders["eagle3"]), "--out", str(out), "--record"]
+    assert (
+        bench_arms.main([*argv, *eagle, "--arms", '[{"top_k": 4, "depth": 2, "total_tokens": 6}]'])
+        == 0
+    )
+    record = json.loads((out / "steps.json").read_text())
+    dynamic = [s for p in record["prompts"] for s in p[1]]
+    assert dynamic and all(
+        s[3] == [[0], [1], [2], [3]] and s[4] in ([], [0], [1], [2], [3]) and s[5] is False
+        for s in dynamic
+    )
+    capsys.readouterr()
+    assert replay_policy.main([str(out / "steps.json"), "--orders", "2"]) == 0
+    assert "static trees' steps only" in capsys.readouterr().out
 
     # A setting the heads cannot take fails before any timing, naming it; nothing is written.
     capsys.readouterr()
