@@ -31,11 +31,9 @@ per arm. Sampling (temperature > 0), dynamic trees and unions keep the per-arm a
 node's acceptance depends on its siblings or the draft chose the shape. A dynamic tree's step
 still feeds the paths `(0,)` ... `(k-1,)` of its drafter's top k tokens at the root (the base's
 token there says which would have been accepted, in the tree or not), so a one-level static tree
-of them (EAGLE's CPU arm) is measured on every step of a deeper dynamic one. The dynamic arm's
-own estimate is then those paths' terms plus its average excess: the tokens its steps gained
-beyond the one-level tree of its root's top k, measured on the same steps. The two estimates
-share the text's difficulty, measured on every step of either arm, and differ by what the deeper
-tree adds: a hard stretch on one arm no longer leaves the other's estimate from easier text.
+of them (EAGLE's CPU arm) is measured on every step of a deeper dynamic one: its estimate follows
+the text as the running arm's average does, and a hard stretch that lowers the running arm's
+average lowers it too.
 """
 
 from __future__ import annotations
@@ -57,12 +55,8 @@ class Arm:
     tries: int = 0
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
-    # A static tree's nodes as paths of ranks (from its greedy steps), or the paths a dynamic
-    # tree's steps measured (`static` False), else None.
+    # A static tree's nodes as paths of ranks (from its greedy steps), else None.
     nodes: frozenset[Choice] | None = None
-    static: bool = True
-    excess: float = 0.0  # a dynamic arm's mean, then EMA, of tokens beyond its measured paths
-    excess_samples: int = 0
 
 
 @dataclass
@@ -114,12 +108,12 @@ class AdaptivePolicy:
         return cls([Arm(copy.deepcopy(o)) for o in options], **kwargs)
 
     def estimate_tokens(self, index: int) -> float:
-        """Estimated tokens per step of an arm: pooled over paths on greedy steps (plus a
-        dynamic tree's excess over its measured paths), else the arm's own average."""
+        """Estimated tokens per step of an arm: pooled over paths for a static tree on greedy
+        steps, else the arm's own average."""
         arm = self.arms[index]
         if not (self.pooled and self.greedy and arm.nodes is not None):
             return arm.tokens
-        total = 1.0 + (0.0 if arm.static else arm.excess)  # the bonus token
+        total = 1.0  # the bonus token
         for node in arm.nodes:
             p = 1.0
             for depth in range(1, len(node) + 1):
@@ -166,22 +160,16 @@ class AdaptivePolicy:
     ) -> None:
         """Record a step of arm `index`: the tokens it gained and its seconds. On a greedy
         step, also `drafted` (paths of ranks, the root left out: a static tree's nodes, or with
-        `static=False` the paths a dynamic tree's step measured, which feed the shared rates and
-        the arm's excess over them) and `accepted` (the deepest accepted path; () when none
-        was)."""
+        `static=False` the paths a dynamic tree's step measured, which feed the shared rates but
+        are not the arm's shape) and `accepted` (the deepest accepted path; () when none was)."""
         arm = self.arms[index]
         arm.tries += 1
         a = self._weight(arm.tries)
         arm.tokens += a * (tokens - arm.tokens)
         arm.seconds += a * (seconds - arm.seconds)
         if drafted is not None:
-            if arm.nodes is None:  # the same paths on every step of an arm
-                arm.nodes, arm.static = frozenset(drafted), static
-            if not static:
-                measured = sum(accepted[: len(node)] == node for node in drafted)
-                arm.excess_samples += 1
-                w = self._weight(arm.excess_samples)
-                arm.excess += w * (tokens - 1 - measured - arm.excess)
+            if static and arm.nodes is None:  # a static arm's tree is the same on every step
+                arm.nodes = frozenset(drafted)
             for node in drafted:
                 if accepted[: len(node) - 1] == node[:-1]:  # its parent was accepted
                     stat = self._paths.setdefault(node, [0.0, 0])
