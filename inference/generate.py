@@ -386,7 +386,7 @@ class SpeculativeGenerator:
             if policy and arm is not None:
                 seconds = time.perf_counter() - t_step
                 drafted, deepest, static = None, (), True
-                if sampling.greedy and options is not None:  # a static tree's paths, if any
+                if sampling.greedy and options is not None:  # paths of ranks, if any
                     if draft.tree is not paths_of:
                         paths_of, paths = draft.tree, rank_paths(draft.tree)
                         tree_nodes = paths and paths[1:]  # the drafted nodes, root left out

@@ -7,8 +7,8 @@ python scripts/replay_policy.py runs/bench-arms/steps.json [--subset 0,1,2 ...] 
 One bench run cannot tell two policies apart: their difference is a few percent, and so is the
 noise between two runs of one setting. A replay holds the text and the machine still. The record
 holds, per prompt, every fixed setting's steps (tokens, seconds, and on greedy steps the paths
-measured and the one accepted: a static tree's nodes, a dynamic tree's root ranking; records
-made before 2026-12-02 hold static trees' only). A policy decodes each prompt again: at each
+measured and the one accepted: a static tree's nodes, a dynamic tree's root ranking; 5-field
+records, made before commit eeb0b09, hold static trees' only). A policy decodes each prompt again: at each
 step the setting it chooses gives its recorded step that covers the current position (a step that
 began earlier counts its tokens from here on and its whole time, which penalises switching, and
 feeds no paths), so text that one setting drafts well pays every setting that tries there. Rates
@@ -67,7 +67,7 @@ def replay(
             k = policy.choose()
             j = bisect.bisect_right(starts[k], position) - 1
             start, n, s, drafted, accepted, *rest = per_arm[k][j]
-            static = rest[0] if rest else True  # records before 2026-12-02: static trees only
+            static = rest[0] if rest else True  # 5-field records: static trees only
             paths = None
             if start == position and drafted is not None and (static or dynamic_paths):
                 paths = [tuple(c) for c in drafted]

@@ -37,7 +37,8 @@ def test_a_fixed_setting_replays_to_its_own_rate():
     assert replay_policy.fixed_rate(rec, 0) == pytest.approx(1.0)
     assert replay_policy.fixed_rate(rec, 1) == pytest.approx(2 / 1.2)
     for arm in (0, 1):  # a one-setting policy takes the recorded steps as they are
-        policy = replay_policy.POLICIES["per-arm averages"]([rec["arms"][arm]])
+        make, _ = replay_policy.POLICIES["per-arm averages"]
+        policy = make([rec["arms"][arm]])
         rate = replay_policy.replay(rec, policy, [arm], list(range(6)))
         assert rate == pytest.approx(replay_policy.fixed_rate(rec, arm))
 
@@ -54,6 +55,26 @@ def test_a_policy_over_both_ends_near_the_faster_setting(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "settings [0, 1]:" in out and "settings [1]:" in out
     assert "adaptive, per-arm averages: 1.67 tok/s (1.000 of the best)" in out  # [1] alone
+
+
+def test_a_dynamic_trees_ranked_paths_feed_the_shared_rates_only_when_told():
+    """Steps recorded with `static` false (a dynamic tree's root ranking) feed the path rates,
+    never the arm's shape; the variant without them feeds nothing."""
+    dynamic, position = [], 0
+    for n in [1, 2] * 10:  # the top-1 at the root right on every other step
+        dynamic.append([position, n, 1.0, [[0], [1]], [0] if n == 2 else [], False])
+        position += n
+    rec = {"arms": [{"top_k": 2, "depth": 2, "total_tokens": 4}], "prompts": [[dynamic]]}
+    for told in (True, False):
+        make, _ = replay_policy.POLICIES["shared path rates (default)"]
+        policy = make(rec["arms"])
+        replay_policy.replay(rec, policy, [0], [0], dynamic_paths=told)
+        assert policy.arms[0].nodes is None and policy.arms[0].tries == 20
+        if told:  # 20 samples: a running mean
+            assert policy._paths[(0,)] == [pytest.approx(0.5), 20]
+            assert policy._paths[(1,)] == [0.0, 20]
+        else:
+            assert not policy._paths
 
 
 def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
