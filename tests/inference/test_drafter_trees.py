@@ -1,0 +1,247 @@
+"""How the EAGLE and draft-model drafters fill their trees: a static tree's node holds its
+parent's ranked token, a dynamic tree ranks its root's top k as the one-level static tree holds
+them, and the options and arms that choose between chains, static and dynamic trees."""
+
+import pytest
+import torch
+
+from heads import EagleConfig, EagleDraft
+from inference import ModelDrafter, SpeculativeGenerator
+from inference.tree import DEFAULT_ACCURACIES, build_static_tree
+from tests.conftest import make_tiny_llama
+
+
+def _seeded(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _assert_same_first_draft(drafter_cls, prompt, first, second) -> None:
+    """The two generators' drafters (of `drafter_cls`) propose the same first tree for `prompt`."""
+    propose, drafts = drafter_cls.propose, []
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            drafter_cls, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
+        )
+        for gen in (first, second):
+            gen.generate(prompt, max_new_tokens=2)  # the prefill's token, then one step
+    assert len(drafts) == 2
+    assert torch.equal(drafts[0].tokens, drafts[1].tokens)
+    assert torch.equal(drafts[0].tree.parents, drafts[1].tree.parents)
+
+
+DRAFT_TREES = {
+    # (2,) and (0, 1) are leaves beside branches, so level 2's frontier is partial
+    "three-levels": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (1, 0, 0)],
+    # frontiers of 2, 1 and 1 nodes: level 3 attends past cached non-ancestors of two depths
+    "four-levels": [(0,), (1,), (2,), (0, 0), (0, 1), (1, 0), (0, 0, 0), (0, 0, 1), (0, 0, 0, 0)],
+    "one-level": [(0,), (1,), (2,)],
+}
+
+
+@pytest.mark.parametrize("shape", DRAFT_TREES)
+def test_eagle_static_tree_nodes_hold_their_parents_ranked_tokens(shape):
+    import copy
+
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    draft.set_vocab_map(torch.arange(0, 256, 4))
+    torch.manual_seed(3)
+    for p in draft.parameters():  # a draft with opinions, so that ranks differ
+        p.data.normal_(0, 0.5)
+    choices = DRAFT_TREES[shape]
+    seen = []  # (draft cache and root output before the proposal, the draft, cache length after)
+    propose = EagleDrafter.propose
+
+    def spy(self, sequence, sampling):
+        self.catch_up(sequence)
+        before = (copy.deepcopy(self.cache), self._root_hidden.clone())
+        out = propose(self, sequence, sampling)
+        seen.append((before, out, self.cache.get_seq_length()))
+        return out
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleDrafter, "propose", spy)
+        gen = SpeculativeGenerator(base, draft, choices=choices)
+        gen.generate(prompt, max_new_tokens=12)
+    drafter = gen.drafter
+    assert len(seen) >= 3
+    ordered = sorted(choices, key=lambda c: (len(c), c))  # the tree's node order
+    for (cache, root_hidden), proposal, length_after in seen[:3]:
+        prefix = cache.get_seq_length()
+        assert length_after == prefix  # the tree's entries were cropped from the draft cache
+        # Reference: each node's path fed causally, one token at a time, on a copy of the cache.
+        token = {(): proposal.tokens[0]}
+        for c in ordered:
+            h, path_cache = root_hidden, copy.deepcopy(cache)
+            for i in range(1, len(c)):
+                pos = torch.tensor([[prefix - 1 + i]])
+                h = draft(
+                    drafter.embed(token[c[:i]])[None, None], h[None, None], pos, cache=path_cache
+                )[0, -1]
+            ranked = drafter._log_probs(h[None]).topk(c[-1] + 1, dim=-1).indices[0]
+            token[c] = draft.to_base_ids(ranked[c[-1]])
+        assert proposal.tokens.tolist() == [int(token[c]) for c in [(), *ordered]]
+    if shape != "one-level":  # ranks at different parents name different tokens
+        assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3
+    # a static chain drafts what EAGLE-2's top_k=1 chain does
+    _assert_same_first_draft(
+        EagleDrafter,
+        prompt,
+        SpeculativeGenerator(base, draft, choices="chain-3"),
+        SpeculativeGenerator(base, draft, top_k=1, depth=3, total_tokens=4),
+    )
+
+
+def test_an_eagle_dynamic_tree_ranks_the_tokens_of_the_one_level_static_tree():
+    """A dynamic tree's `root_ranking` is the draft's top k at the root, best first: the tokens
+    of the static tree [(0,), ..., (k-1,)] at the same step (what the adaptive policy scores it
+    as), whichever of them the reranked tree kept."""
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    draft.set_vocab_map(torch.arange(0, 256, 4))
+    torch.manual_seed(3)
+    for p in draft.parameters():  # a draft with opinions, so that some of the top 4 are dropped
+        p.data.normal_(0, 0.5)
+    one_level = [(0,), (1,), (2,), (3,)]
+    dropped = []  # per step, how many of the root's top 4 the reranked tree left out
+    propose = EagleDrafter.propose
+
+    def both(self, sequence, sampling):
+        dynamic = propose(self, sequence, sampling)
+        self.configure(choices=one_level)
+        static = propose(self, sequence, sampling)
+        self.configure(top_k=4, depth=2, total_tokens=6)
+        assert (
+            static.root_ranking is None
+            and dynamic.root_ranking.tolist() == static.tokens[1:].tolist()
+        )
+        level_one = dynamic.tokens[1:][dynamic.tree.depths[1:] == 1]
+        assert set(level_one.tolist()) <= set(dynamic.root_ranking.tolist())
+        dropped.append(4 - level_one.numel())
+        return dynamic
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(2))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleDrafter, "propose", both)
+        gen = SpeculativeGenerator(base, draft, top_k=4, depth=2, total_tokens=6)
+        out = gen.generate(prompt, max_new_tokens=16)
+    assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=16, do_sample=False))
+    assert len(dropped) >= 4 and any(dropped)
+
+
+def test_eagle_options_are_a_dynamic_or_a_static_tree():
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    drafter = EagleDrafter(EagleDraft(EagleConfig.from_base(base.config, version=1)), base)
+    assert (drafter.top_k, drafter.depth, drafter.total_tokens) == (4, 4, 12)  # the defaults
+    drafter.configure(choices=[(0,), (0, 0)])
+    assert (drafter.top_k, drafter.depth, drafter.max_nodes) == (None, 2, 3)
+    for mixed in ({"choices": "chain-2", "top_k": 2}, {"depth": 2}, {}):
+        with pytest.raises(ValueError, match="either top_k, depth and total_tokens .* or choices"):
+            drafter.configure(**mixed)
+
+
+@pytest.mark.parametrize("attn", ["sdpa", "eager"])
+@pytest.mark.parametrize("shape", DRAFT_TREES)
+def test_draft_model_static_tree_nodes_hold_their_parents_ranked_tokens(attn, shape):
+    base = make_tiny_llama()
+    small = make_tiny_llama(seed=1, attn=attn)
+    torch.manual_seed(3)
+    for p in small.parameters():  # sharp attention, so that positions and masks matter
+        if p.dim() == 2:
+            p.data.normal_(0, 0.3)
+    choices = DRAFT_TREES[shape]
+    seen = []  # (the sequence, the draft, the draft cache's length after it, the tokens fed)
+    widths = []  # tokens per forward of the draft model
+    per_proposal = []  # the widths of each proposal's forwards
+    propose = ModelDrafter.propose
+
+    def spy(self, sequence, sampling):
+        start = len(widths)
+        out = propose(self, sequence, sampling)
+        seen.append((sequence.clone(), out, self.cache.get_seq_length(), list(self._fed)))
+        per_proposal.append(widths[start:])
+        return out
+
+    hook = small.register_forward_pre_hook(
+        lambda module, args, kwargs: widths.append(kwargs["input_ids"].shape[1]), with_kwargs=True
+    )
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ModelDrafter, "propose", spy)
+        gen = SpeculativeGenerator(base, small, choices=choices)
+        gen.generate(prompt, max_new_tokens=12)
+    hook.remove()
+    # the new tokens fed, then one forward per level over the nodes that have children
+    levels = {"three-levels": [2, 2], "four-levels": [2, 1, 1], "one-level": []}[shape]
+    assert all(w[1:] == levels for w in per_proposal), per_proposal
+    assert len(seen) >= 3
+    ordered = sorted(choices, key=lambda c: (len(c), c))  # the tree's node order
+    for sequence, proposal, length_after, fed in seen[:3]:
+        # the tree's entries were cropped: the cache holds the sequence, root included
+        assert length_after == sequence.numel() and fed == sequence.tolist()
+        # Reference: each node's parent path fed causally from scratch, no cache.
+        token = {(): int(sequence[-1])}
+        for c in ordered:
+            path = [token[c[:i]] for i in range(1, len(c))]
+            ids = torch.tensor([sequence.tolist() + path])
+            token[c] = int(small(ids).logits[0, -1].topk(c[-1] + 1).indices[c[-1]])
+        assert proposal.tokens.tolist() == [token[c] for c in [(), *ordered]]
+        assert not proposal.sampled.any()  # point masses, at any temperature
+    if shape != "one-level":  # ranks at different parents name different tokens
+        assert len({int(t) for t in seen[0][1].tokens[1:]}) > 3
+    # a static chain drafts what the greedy chain does
+    _assert_same_first_draft(
+        ModelDrafter,
+        prompt,
+        SpeculativeGenerator(base, small, choices="chain-3"),
+        SpeculativeGenerator(base, small, num_tokens=3),
+    )
+
+
+def test_draft_model_options_are_a_chain_or_a_static_tree():
+    drafter = ModelDrafter(make_tiny_llama(seed=1))
+    assert (drafter.num_tokens, drafter.max_nodes) == (4, 5)  # the default chain
+    drafter.configure(choices="cpu-8")
+    assert (drafter.num_tokens, drafter.max_nodes) == (None, 8)
+    drafter.configure(num_tokens=2)
+    assert (drafter.static, drafter.max_nodes) == (None, 3)
+    for mixed in ({"choices": "chain-2", "num_tokens": 2}, {}):
+        with pytest.raises(ValueError, match="either num_tokens .* or choices"):
+            drafter.configure(**mixed)
+    with pytest.raises(ValueError, match="num_tokens must be >= 1"):
+        drafter.configure(num_tokens=0)
+    with pytest.raises(ValueError, match="needs its prefix"):
+        drafter.configure(choices=[(0, 0)])
+    flex = make_tiny_llama(seed=1)
+    flex.config._attn_implementation = "flex_attention"  # takes no additive 4D float mask
+    assert ModelDrafter(flex, num_tokens=3).max_nodes == 4  # a chain needs no mask
+    with pytest.raises(ValueError, match="needs sdpa or eager attention"):
+        ModelDrafter(flex, choices="chain-2")
+    # nor does the GPU arms' tree come up for it
+    gpu_arms = ModelDrafter(flex).default_arms(torch.device("cuda"))
+    assert gpu_arms == [None, {"num_tokens": 2}, {"num_tokens": 4}, {"num_tokens": 6}]
+
+
+def test_draft_model_arms_switch_between_chains_and_a_tree():
+    """The GPU arms (chains of 2, 4, 6 tokens, a 16-node tree), run on the CPU with the base as
+    its own perfect draft: after every switch each arm drafts from a clean cache, so each step
+    gains exactly its depth + 1 tokens, and the output is the base's."""
+    base = make_tiny_llama()
+    arms = ModelDrafter(base).default_arms(torch.device("cuda"))
+    assert arms[-1]["choices"] == build_static_tree(DEFAULT_ACCURACIES, 16)
+    gen = SpeculativeGenerator(base, base, adaptive=arms)
+    for seed in range(4):
+        prompt = torch.randint(3, 256, (1, 8), generator=_seeded(seed))
+        ref = base.generate(prompt, max_new_tokens=40, do_sample=False, eos_token_id=None)
+        assert torch.equal(gen.generate(prompt, max_new_tokens=40, eos_token_id=[]).sequences, ref)
+    summary = gen.policy.summary()
+    assert all(a["steps"] >= gen.policy.warmup for a in summary)
+    assert [a["tokens_per_step"] for a in summary] == pytest.approx([1, 3, 5, 7, 5])
