@@ -8,15 +8,15 @@ One bench run cannot tell two policies apart: their difference is a few percent,
 noise between two runs of one setting. A replay holds the text and the machine still. The record
 holds, per prompt, every fixed setting's steps (tokens, seconds, and on greedy steps the paths
 measured and the one accepted: a static tree's nodes, a dynamic tree's root ranking; 5-field
-records, made before commit eeb0b09, hold static trees' only). A policy decodes each prompt again: at each
-step the setting it chooses gives its recorded step that covers the current position (a step that
-began earlier counts its tokens from here on and its whole time, which penalises switching, and
-feeds no paths), so text that one setting drafts well pays every setting that tries there. Rates
-count the steps' time only (no prefill or catch-up), unlike the tokens/s of arms.json. Prompts
-run in `--orders` shuffled orders (the policy kept across prompts, as in a generator's life);
-reported per subset of the settings (indices into the record's settings; the default is all of
-them): each setting's rate fixed and each policy's mean rate over the orders, as a fraction of
-the best fixed setting in the subset.
+records, made before commit eeb0b09, hold static trees' only). A policy decodes each prompt
+again: at each step the setting it chooses gives its recorded step that covers the current
+position (a step that began earlier counts its tokens from here on and its whole time, which
+penalises switching, and feeds no paths), so text that one setting drafts well pays every
+setting that tries there. Rates count the steps' time only (no prefill or catch-up), unlike the
+tokens/s of arms.json. Prompts run in `--orders` shuffled orders (the policy kept across
+prompts, as in a generator's life); reported per subset of the settings (indices into the
+record's settings; the default is all of them): each setting's rate fixed and each policy's mean
+rate over the orders, as a fraction of the best fixed setting in the subset.
 """
 
 from __future__ import annotations
