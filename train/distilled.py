@@ -73,7 +73,9 @@ def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
     diffs = [
         f"{key}: {old.get(key)!r} in the manifest, {settings.get(key)!r} now"
         for key in sorted(set(old) | set(settings))
-        if old.get(key) != settings.get(key) and not (key == "limit" and _extends(old, settings))
+        if old.get(key) != settings.get(key)
+        and not (key == "limit" and _extends(old, settings))
+        and not (key == "sources" and _adds_sources(old, settings))
     ]
     if diffs:
         raise DistillError(
@@ -86,6 +88,12 @@ def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """A larger (or no) limit extends a run: the shuffled prompts under a limit are a prefix."""
     was, now = old.get("limit"), new.get("limit")
     return now is None or (was is not None and now >= was)
+
+
+def _adds_sources(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """More sources extend a run that now takes every prompt (no limit): the records written are
+    kept by their ids, and only the new prompts' answers are generated."""
+    return new.get("limit") is None and set(old.get("sources") or []) <= set(new.get("sources"))
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -229,6 +229,28 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert len(read_records(out)) == 8
 
 
+def test_more_sources_extend_a_run_without_a_limit(tmp_path, tiny_base, capsys):
+    out = tmp_path / "out"
+    first_file = prompts_file(tmp_path, n=3)
+    more = tmp_path / "more.jsonl"
+    more.write_text('{"prompt": "Name a river."}\n{"prompt": "Name a mountain."}\n')
+    recipe = str(recipe_file(tmp_path, tiny_base, first_file, out))
+    assert distill.main([recipe]) == 0
+    first = read_records(out)
+    both = f"data.sources=[{first_file}, {more}]"
+    assert distill.main([recipe, both, "data.limit=4"]) == 2  # a limit draws another set
+    assert "sources:" in capsys.readouterr().err
+    assert distill.main([recipe, both]) == 0
+    grown = read_records(out)
+    assert len(grown) == len({r["id"] for r in grown}) == len(first) + 2
+    assert [r for r in grown if r["id"] in {f["id"] for f in first}] == first  # kept, not redone
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["sources"] == [str(first_file), str(more)]
+    assert manifest["complete"] is True
+    assert distill.main([recipe, f"data.sources=[{more}]"]) == 2  # dropping a source is refused
+    assert "sources:" in capsys.readouterr().err
+
+
 def test_either_spelling_of_embedded_all_resumes_the_other(tmp_path):
     spelled_out = '[embedded, "embedded:roleplay,reasoning,knowledge,compositions"]'
     settings = [
