@@ -179,6 +179,9 @@ class TrainingConfig:
     save_every_steps: int = 0  # 0: at the end of every epoch
     keep_last_checkpoints: int = 2
     resume: str = "auto"  # "auto", "never", or a checkpoint folder
+    # Start from trained heads (a folder or Hub repo id with this recipe's heads shape) instead
+    # of a fresh init: fine-tune them on this data; their draft vocabulary is kept
+    init_heads: str | None = None
     mixed_precision: Literal["no", "bf16", "fp16"] = "no"
     seed: int = 0
 

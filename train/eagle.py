@@ -24,6 +24,8 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from heads import EagleConfig, EagleDraft
+from heads.checkpoint import load_state_checked
+from heads.eagle import check_vocab_map
 from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
@@ -41,6 +43,7 @@ from train.run import (
     make_optimizer,
     parse_args,
     prepare_data,
+    read_init_heads,
     save_final,
 )
 
@@ -192,7 +195,12 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
         aux_layer_ids=spec.aux_layer_ids,
     )
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
-    if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
+    if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
+        tensors, where = read_init_heads(recipe, cfg)
+        load_state_checked(draft, tensors, where)
+        if spec.version == 3:
+            check_vocab_map(draft.d2t, draft.t2d)
+    elif spec.version == 3:  # built once from the data, saved before step 1, reused on resume
         draft.set_vocab_map(
             draft_vocabulary(
                 recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size

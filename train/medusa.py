@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
+from heads.checkpoint import load_state_checked
 from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
@@ -37,6 +38,7 @@ from train.run import (
     make_optimizer,
     parse_args,
     prepare_data,
+    read_init_heads,
     save_final,
 )
 
@@ -141,7 +143,8 @@ class MedusaTrainee(Trainee):
 
 def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
     """Fresh heads (lm_heads from the base's); a reduced vocabulary is chosen from the data once
-    and kept in OUTPUT/draft_vocab.safetensors so a resumed run uses the same one."""
+    and kept in OUTPUT/draft_vocab.safetensors so a resumed run uses the same one. With
+    `training.init_heads`, those heads' weights and vocabulary instead."""
     spec = recipe.heads
     vocab = spec.draft_vocab_size
     cfg = MedusaConfig.from_base(
@@ -152,8 +155,11 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
         medusa_fc_bias=spec.fc_bias,
         truncated_vocab_size=vocab,
     )
-    token_map = None
-    if vocab is not None:
+    token_map, init = None, None
+    if recipe.training.init_heads:  # their weights and reduced vocabulary (token_map)
+        init = read_init_heads(recipe, cfg)
+        token_map = init[0].get("token_map")
+    elif vocab is not None:
         with accelerator.main_process_first():  # the first process writes it, the others read
             token_map = draft_vocabulary(
                 recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
@@ -163,6 +169,12 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
         base.get_output_embeddings().weight
     ):  # its rows start the heads' lm_heads
         heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
+    if init is not None:
+        tensors, where = init
+        shared = ("lm_head.weight",) if cfg.original_lm_head else ()
+        if shared and heads.token_map is None:  # the base's own lm_head: never written into
+            tensors.pop("lm_head.weight", None)
+        load_state_checked(heads, tensors, where, optional=shared)
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
     return heads.to(device=base.device)
 

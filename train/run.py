@@ -70,6 +70,40 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     return ckpt
 
 
+# What a heads folder records beside its shape: which base it was trained on, in which format.
+_PROVENANCE = {"base_model_name_or_path", "headstart_format", "torch_dtype"}
+
+
+def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], str]:
+    """`training.init_heads`: the tensors of the heads to start from, and where they are, after
+    checking that their config.json describes the heads `config` builds (same base, shape,
+    vocabulary sizes and aux layers). Loading them checks the names and shapes of the tensors."""
+    from heads.checkpoint import read_config, read_tensors, resolve_folder
+
+    where = recipe.training.init_heads
+    try:
+        folder = resolve_folder(where)
+        raw = read_config(folder)
+        ours = json.loads(json.dumps(config.to_dict()))  # tuples as JSON lists, as in the file
+        diffs = [
+            f"{key}: {raw[key]!r} there, {value!r} here"
+            for key, value in ours.items()
+            if key in raw and key not in _PROVENANCE and raw[key] != value
+        ]
+        if diffs:
+            raise RecipeError(
+                f"training.init_heads={where} is not the heads this recipe builds "
+                f"({'; '.join(diffs)}): set the recipe's model and heads section as those heads "
+                "were trained, or leave init_heads out to start fresh"
+            )
+        tensors = read_tensors(folder)
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+    tensors.pop("embed_tokens.weight", None)  # saved by some EAGLE trainers; the base's is read
+    return tensors, str(folder)
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     log_with = None if recipe.logging.report_to == "none" else recipe.logging.report_to
     if log_with == "wandb":

@@ -1,0 +1,113 @@
+"""`training.init_heads`: a recipe starts from trained heads instead of a fresh init."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import train.eagle
+import train.medusa
+from tests.train.conftest import TINY_EAGLE, TINY_MEDUSA, run
+from tests.train.test_recipes import assert_base_untouched, heads_tensors, read_metrics
+
+# One update at a vanishing rate: the saved heads are the loaded ones, up to ~1e-12.
+STILL = ["training.max_steps=1", "training.learning_rate=1.0e-12", "training.eval_every_steps=1"]
+
+
+def assert_same_tensors(out, source) -> None:
+    got, want = heads_tensors(out), heads_tensors(source)
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert torch.allclose(got[name], tensor, atol=1e-6), name
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_a_run_starts_from_the_given_heads(kind, request, tiny_task, tmp_path):
+    """The trained heads load whole (weights and draft vocabulary): a run that barely moves them
+    saves them again and evaluates as they did at the end of their own run."""
+    module, recipe, extra, first, second = {
+        "medusa": (train.medusa, TINY_MEDUSA, [], "eval/head0/top1", "eval/head1/top1"),
+        "eagle3": (
+            train.eagle,
+            TINY_EAGLE,
+            ["heads.ttt_steps=2"],
+            "eval/step0/top1",
+            "eval/step1/top1",
+        ),
+    }[kind]
+    source, _, _ = request.getfixturevalue(f"{kind}_run")
+    out = tmp_path / "out"
+    run(module, recipe, tiny_task, out, *extra, *STILL, f"training.init_heads={source / 'heads'}")
+    assert_same_tensors(out, source)
+    # The vocabulary came with the heads, none was chosen from the data.
+    assert not (out / "draft_vocab.safetensors").exists()
+    _, source_eval = read_metrics(source)
+    _, first_eval = read_metrics(out)
+    trained = source_eval[max(source_eval)]
+    assert trained[first] > 0.5  # the source learnt: the test can tell a fresh init
+    for key in (first, second, "eval/sim_tau"):
+        assert first_eval[1][key] == pytest.approx(trained[key], abs=1e-6)
+
+
+@pytest.mark.slow
+def test_shared_medusa_heads_start_without_touching_the_base(tiny_task, tmp_path):
+    shared = ["heads.shared_lm_head=true", "heads.draft_vocab_size=null"]
+    source, out = tmp_path / "source", tmp_path / "out"
+    run(train.medusa, TINY_MEDUSA, tiny_task, source, *shared, "training.max_steps=2")
+    base = run(
+        train.medusa,
+        TINY_MEDUSA,
+        tiny_task,
+        out,
+        *shared,
+        *STILL,
+        f"training.init_heads={source / 'heads'}",
+    )
+    assert_same_tensors(out, source)
+    assert_base_untouched(base, tiny_task)
+
+
+@pytest.mark.parametrize(
+    "override, message",
+    [
+        ("heads.draft_vocab_size=128", "draft_vocab_size: 256 there, 128 here"),
+        ("heads.version=1", "architectures: ['LlamaForCausalLMEagle3'] there"),
+    ],
+)
+def test_heads_of_another_shape_are_refused(
+    override, message, eagle3_run, tiny_task, tmp_path, capsys
+):
+    source, _, _ = eagle3_run
+    with pytest.raises(SystemExit) as exit_:
+        run(
+            train.eagle,
+            TINY_EAGLE,
+            tiny_task,
+            tmp_path / "out",
+            override,
+            f"training.init_heads={source / 'heads'}",
+        )
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert f"training.init_heads={source / 'heads'} is not the heads this recipe builds" in err
+    assert message in err
+
+
+def test_medusa_heads_do_not_start_an_eagle_run(medusa_run, tiny_task, tmp_path, capsys):
+    source, _, _ = medusa_run
+    with pytest.raises(SystemExit):
+        run(
+            train.eagle,
+            TINY_EAGLE,
+            tiny_task,
+            tmp_path / "o",
+            f"training.init_heads={source}/heads",
+        )
+    assert "model_type: 'medusa' there, 'llama' here" in capsys.readouterr().err
+
+
+def test_a_missing_folder_is_named(tiny_task, tmp_path, capsys):
+    with pytest.raises(SystemExit):
+        run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "o", f"training.init_heads={tmp_path}/x")
+    assert f"heads folder not found: {tmp_path}/x" in capsys.readouterr().err
