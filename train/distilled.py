@@ -92,7 +92,7 @@ def _extends(old: dict[str, Any], new: dict[str, Any]) -> bool:
 
 def _adds_sources(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """More sources extend a run that now takes every prompt (no limit): the records written are
-    kept by their ids, and only the new prompts' answers are generated."""
+    kept by their ids, and only the prompts not yet answered are generated."""
     return new.get("limit") is None and set(old.get("sources") or []) <= set(new.get("sources"))
 
 

@@ -45,6 +45,7 @@ from train.run import (
     prepare_data,
     read_init_heads,
     save_final,
+    stop_on_bad_input,
 )
 
 
@@ -197,9 +198,10 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
         tensors, where = read_init_heads(recipe, cfg)
-        load_state_checked(draft, tensors, where)
-        if spec.version == 3:
-            check_vocab_map(draft.d2t, draft.t2d)
+        with stop_on_bad_input():
+            load_state_checked(draft, tensors, where)
+            if spec.version == 3:
+                check_vocab_map(draft.d2t, draft.t2d)
     elif spec.version == 3:  # built once from the data, saved before step 1, reused on resume
         draft.set_vocab_map(
             draft_vocabulary(

@@ -40,6 +40,7 @@ from train.run import (
     prepare_data,
     read_init_heads,
     save_final,
+    stop_on_bad_input,
 )
 
 
@@ -165,16 +166,17 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
                 recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
             )
     # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
-    with gather_for_reading(
-        base.get_output_embeddings().weight
-    ):  # its rows start the heads' lm_heads
+    with (
+        gather_for_reading(base.get_output_embeddings().weight),  # its rows start the lm_heads
+        stop_on_bad_input(),  # init_heads' own vocabulary or tensors do not fit
+    ):
         heads = MedusaHeads(cfg).init_from_base(base, token_map=token_map)
-    if init is not None:
-        tensors, where = init
-        shared = ("lm_head.weight",) if cfg.original_lm_head else ()
-        if shared and heads.token_map is None:  # the base's own lm_head: never written into
-            tensors.pop("lm_head.weight", None)
-        load_state_checked(heads, tensors, where, optional=shared)
+        if init is not None:
+            tensors, where = init
+            shared = ("lm_head.weight",) if cfg.original_lm_head else ()
+            if shared:  # frozen: the base's rows (under the token_map), never the folder's
+                tensors.pop("lm_head.weight", None)
+            load_state_checked(heads, tensors, where, optional=shared)
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
     return heads.to(device=base.device)
 

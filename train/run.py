@@ -8,7 +8,7 @@ import math
 import os
 import random
 import sys
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
@@ -22,7 +22,8 @@ from accelerate.utils import (
 from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from heads import load_base
+from heads import EagleConfig, load_base
+from heads.checkpoint import read_config, read_tensors, resolve_folder
 from train.checkpoint import check_same_run, resolve_resume
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
@@ -70,26 +71,68 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     return ckpt
 
 
-# What a heads folder records beside its shape: which base it was trained on, in which format.
-_PROVENANCE = {"base_model_name_or_path", "headstart_format", "torch_dtype"}
+# What decides that trained heads are the ones a recipe builds: their shape, their vocabularies,
+# the base layers they read and the base sizes they were trained on (not, say, its eos ids).
+_SHAPE_FIELDS = (
+    "version",
+    "hidden_size",
+    "intermediate_size",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "draft_vocab_size",
+    "target_hidden_size",
+    "aux_layer_ids",
+    "attention_bias",
+    "mlp_bias",
+    "num_heads",
+    "num_hidden_layers",
+    "medusa_fc_bias",
+    "original_lm_head",
+    "truncated_vocab_size",
+    "base_hidden_size",
+    "base_vocab_size",
+    "base_num_hidden_layers",
+)
+
+
+@contextmanager
+def stop_on_bad_input():
+    """Recipe, file and heads errors end the run with their message (exit 2), no traceback."""
+    try:
+        yield
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
 
 
 def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], str]:
     """`training.init_heads`: the tensors of the heads to start from, and where they are, after
-    checking that their config.json describes the heads `config` builds (same base, shape,
-    vocabulary sizes and aux layers). Loading them checks the names and shapes of the tensors."""
-    from heads.checkpoint import read_config, read_tensors, resolve_folder
-
+    checking that their config.json describes the heads `config` builds (type, shape,
+    vocabularies, aux layers, base sizes). Loading them checks each tensor's name and shape."""
     where = recipe.training.init_heads
-    try:
+    with stop_on_bad_input():
         folder = resolve_folder(where)
         raw = read_config(folder)
-        ours = json.loads(json.dumps(config.to_dict()))  # tuples as JSON lists, as in the file
-        diffs = [
-            f"{key}: {raw[key]!r} there, {value!r} here"
-            for key, value in ours.items()
-            if key in raw and key not in _PROVENANCE and raw[key] != value
-        ]
+        ours = config.to_dict()
+        if raw.get("model_type") != ours["model_type"]:
+            diffs = [f"model_type: {raw.get('model_type')!r} there, {ours['model_type']!r} here"]
+        else:
+            theirs = (
+                type(config).from_dict(raw, config.base_num_hidden_layers)
+                if isinstance(config, EagleConfig)
+                else type(config).from_dict(raw)
+            )
+            diffs = [
+                f"{name}: {_plain(getattr(theirs, name))!r} there, "
+                f"{_plain(getattr(config, name))!r} here"
+                for name in _SHAPE_FIELDS
+                if hasattr(config, name)
+                # a base size other trainers do not record (0) is not a difference
+                and not (name.startswith("base_") and not getattr(theirs, name))
+                and _plain(getattr(theirs, name)) != _plain(getattr(config, name))
+            ]
         if diffs:
             raise RecipeError(
                 f"training.init_heads={where} is not the heads this recipe builds "
@@ -97,11 +140,12 @@ def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], st
                 "were trained, or leave init_heads out to start fresh"
             )
         tensors = read_tensors(folder)
-    except (RecipeError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     tensors.pop("embed_tokens.weight", None)  # saved by some EAGLE trainers; the base's is read
     return tensors, str(folder)
+
+
+def _plain(value):
+    return list(value) if isinstance(value, tuple) else value
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
