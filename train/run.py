@@ -36,6 +36,16 @@ from train.features import (
 )
 
 
+@contextmanager
+def stop_on_bad_input():
+    """Recipe, file and heads errors end the run with their message (exit 2), no traceback."""
+    try:
+        yield
+    except (RecipeError, FileNotFoundError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(2) from None
+
+
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
     """`RECIPE.yaml [key=value ...]` -> a validated recipe (errors exit with the message)."""
     argv = sys.argv[1:] if argv is None else argv
@@ -44,11 +54,8 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
             f"usage: accelerate launch train/{default_type}.py RECIPE.yaml [section.key=value ...]"
         )
         raise SystemExit(0 if argv else 2)
-    try:
+    with stop_on_bad_input():
         recipe = load_recipe(argv[0], argv[1:])
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     if recipe.heads.type != default_type:
         print(
             f"error: heads.type={recipe.heads.type!r}: run train/{recipe.heads.type}.py for this recipe",
@@ -61,13 +68,10 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
 def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     """The checkpoint this run continues (`training.resume`), checked against the recipe before
     any work: another base, heads, data or batch order exits with the difference."""
-    try:
+    with stop_on_bad_input():
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
-    except (RecipeError, FileNotFoundError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
     return ckpt
 
 
@@ -95,16 +99,6 @@ _SHAPE_FIELDS = (
     "base_vocab_size",
     "base_num_hidden_layers",
 )
-
-
-@contextmanager
-def stop_on_bad_input():
-    """Recipe, file and heads errors end the run with their message (exit 2), no traceback."""
-    try:
-        yield
-    except (RecipeError, FileNotFoundError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        raise SystemExit(2) from None
 
 
 def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], str]:
