@@ -20,8 +20,9 @@ from train.config import RecipeError, recipe_to_dict, same_base, save_recipe
 
 STATE_NAME = "trainer_state.json"
 # What a resumed run must share with its checkpoint: the base, the heads (and those it started
-# from), the data and the order of the batches. Anything else (epochs, max_steps, learning rate, logging, eval and save steps,
-# where the data folder lies) may change between a run and its resumption.
+# from), the data and the order of the batches. Anything else (epochs, max_steps, learning rate,
+# logging, eval and save steps, where the data folder lies) may change between a run and its
+# resumption.
 RESUME_FIXED = (
     "heads",
     "data.chat_template",

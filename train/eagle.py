@@ -197,7 +197,7 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
     )
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
-        tensors, where = read_init_heads(recipe, cfg)
+        tensors, where = read_init_heads(recipe, cfg, base)
         with stop_on_bad_input():
             load_state_checked(draft, tensors, where)
             if spec.version == 3:

@@ -158,7 +158,7 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
     )
     token_map, init = None, None
     if recipe.training.init_heads:  # their weights and reduced vocabulary (token_map)
-        init = read_init_heads(recipe, cfg)
+        init = read_init_heads(recipe, cfg, base)
         token_map = init[0].get("token_map")
     elif vocab is not None:
         with accelerator.main_process_first():  # the first process writes it, the others read

@@ -75,8 +75,8 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     return ckpt
 
 
-# What decides that trained heads are the ones a recipe builds: their shape, their vocabularies,
-# the base layers they read and the base sizes they were trained on (not, say, its eos ids).
+# What decides that trained heads are the ones a recipe builds: their shape, their vocabularies
+# and the base layers they read (not, say, the eos ids); their base's sizes `check_base` checks.
 _SHAPE_FIELDS = (
     "version",
     "hidden_size",
@@ -95,16 +95,13 @@ _SHAPE_FIELDS = (
     "medusa_fc_bias",
     "original_lm_head",
     "truncated_vocab_size",
-    "base_hidden_size",
-    "base_vocab_size",
-    "base_num_hidden_layers",
 )
 
 
-def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], str]:
+def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tensor], str]:
     """`training.init_heads`: the tensors of the heads to start from, and where they are, after
     checking that their config.json describes the heads `config` builds (type, shape,
-    vocabularies, aux layers, base sizes). Loading them checks each tensor's name and shape."""
+    vocabularies, aux layers) for `base`. Loading them checks each tensor's name and shape."""
     where = recipe.training.init_heads
     with stop_on_bad_input():
         folder = resolve_folder(where)
@@ -114,7 +111,7 @@ def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], st
             diffs = [f"model_type: {raw.get('model_type')!r} there, {ours['model_type']!r} here"]
         else:
             theirs = (
-                type(config).from_dict(raw, config.base_num_hidden_layers)
+                type(config).from_dict(raw, base.config.num_hidden_layers)
                 if isinstance(config, EagleConfig)
                 else type(config).from_dict(raw)
             )
@@ -123,8 +120,6 @@ def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], st
                 f"{_plain(getattr(config, name))!r} here"
                 for name in _SHAPE_FIELDS
                 if hasattr(config, name)
-                # a base size other trainers do not record (0) is not a difference
-                and not (name.startswith("base_") and not getattr(theirs, name))
                 and _plain(getattr(theirs, name)) != _plain(getattr(config, name))
             ]
         if diffs:
@@ -133,6 +128,7 @@ def read_init_heads(recipe: Recipe, config) -> tuple[dict[str, torch.Tensor], st
                 f"({'; '.join(diffs)}): set the recipe's model and heads section as those heads "
                 "were trained, or leave init_heads out to start fresh"
             )
+        theirs.check_base(base.config)
         tensors = read_tensors(folder)
     tensors.pop("embed_tokens.weight", None)  # saved by some EAGLE trainers; the base's is read
     return tensors, str(folder)
