@@ -48,7 +48,7 @@ class Run:
 @dataclass
 class Method:
     name: str  # unique; a heads method is named after its folder
-    kind: str  # baseline | hf-lookup | ngram | medusa | eagle1 | eagle3 | draft
+    kind: str  # baseline | hf-lookup | ngram | medusa | eagle1 | eagle3 | draft | medusa+ngram ...
     generate: Callable[..., Run]  # (input_ids (1,T), seed, max_new_tokens=None) -> Run
     device: torch.device
     greedy: bool
