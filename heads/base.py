@@ -111,6 +111,8 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         if not (out / "config.json").is_file():
             _convert_gguf(gguf, out, gguf.stem)
         return str(out), gguf.stem
+    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
+        raise FileNotFoundError(f"base model folder not found: {name}")
     return name, name
 
 
@@ -144,10 +146,13 @@ def load_base(
     dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
     dtype = dtype or default_dtype(device)
     path, recorded_name = resolve_base_path(name_or_path)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(
-        path, dtype=dtype, attn_implementation=attn_implementation
-    ).to(device)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation
+        ).to(device)
+    except OSError as e:  # transformers' own message may not name it: no such repo, no network
+        raise OSError(f"base model '{name_or_path}' could not be loaded: {e}") from e
     model.config.name_or_path = recorded_name
     model.eval()
     if frozen:
@@ -159,6 +164,15 @@ def load_base(
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer
+
+
+def check_model(base) -> None:
+    """A clear error where load_base's (model, tokenizer) pair is passed for the model."""
+    if isinstance(base, tuple):
+        raise TypeError(
+            "base is load_base's (model, tokenizer) pair: pass the model, "
+            "e.g. base, tokenizer = load_base(...)"
+        )
 
 
 def base_signature(config) -> dict:

@@ -18,6 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
+from heads.base import check_model
 from heads.cpu import PackedLinear, prepack_linear_weights
 
 WEIGHTS_NAME = "model.safetensors"
@@ -145,22 +146,27 @@ def resolve_folder(
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         return path
-    if (
-        path.exists()
-        or str(path_or_repo_id).startswith((".", "/", "~"))
-        or str(path_or_repo_id).count("/") != 1
-    ):
+    if path.is_file():
+        raise FileNotFoundError(
+            f"{path_or_repo_id} is a file: give the heads folder (the one with {CONFIG_NAME})"
+        )
+    if str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
         raise FileNotFoundError(f"heads folder not found: {path_or_repo_id}")
     from huggingface_hub import snapshot_download
 
-    return Path(
-        snapshot_download(
-            str(path_or_repo_id),
-            revision=revision,
-            token=token,
-            allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
+    try:
+        return Path(
+            snapshot_download(
+                str(path_or_repo_id),
+                revision=revision,
+                token=token,
+                allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
+            )
         )
-    )
+    except (OSError, ValueError) as e:  # no such repo, no network, a gated repo without token
+        raise FileNotFoundError(
+            f"heads not found: {path_or_repo_id} is no local folder, and the Hub gave: {e}"
+        ) from e
 
 
 def load_heads(
@@ -182,6 +188,8 @@ def load_heads(
     from heads.eagle import EagleConfig, EagleDraft, check_vocab_map
     from heads.medusa import MedusaConfig, MedusaHeads
 
+    if base is not None:
+        check_model(base)
     folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
     raw = read_config(folder)
     if raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):

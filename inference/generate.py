@@ -14,6 +14,7 @@ This is the only module that calls the base model in a loop. Per step:
 
 from __future__ import annotations
 
+import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -23,6 +24,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
+from heads.base import check_model
 from inference.acceptance import (
     Acceptance,
     verify_greedy,
@@ -90,6 +92,8 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
         return heads_or_drafter
     if heads_or_drafter is None:
         return NgramDrafter(**options)
+    if isinstance(heads_or_drafter, (MedusaHeads, EagleDraft)):
+        heads_or_drafter.config.check_base(base.config)  # heads of another base: say so now
     if isinstance(heads_or_drafter, MedusaHeads):
         return MedusaDrafter(heads_or_drafter, **options)
     if isinstance(heads_or_drafter, EagleDraft):
@@ -98,6 +102,11 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
         if heads_or_drafter.config.vocab_size != base.config.vocab_size:
             raise ValueError("a draft model must share the base's tokenizer (vocab sizes differ)")
         return ModelDrafter(heads_or_drafter, **options)
+    if isinstance(heads_or_drafter, (str, os.PathLike)):
+        raise TypeError(
+            f"got the path {str(heads_or_drafter)!r}: load the heads first, "
+            "heads = load_heads(path, base=base), and pass them"
+        )
     raise TypeError(
         f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
     )
@@ -137,6 +146,7 @@ class SpeculativeGenerator:
         adaptive: bool | list[dict | None] | None = None,
         **drafter_options,
     ) -> None:
+        check_model(base)
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()

@@ -36,9 +36,9 @@ from train.run import (
     load_frozen_base,
     make_accelerator,
     make_optimizer,
-    parse_args,
     prepare_data,
     read_init_heads,
+    run_training,
     save_final,
     stop_on_bad_input,
 )
@@ -308,7 +308,7 @@ def training_function(recipe: Recipe) -> dict:
 
 
 def main(argv: list[str] | None = None) -> None:
-    training_function(parse_args(argv, "medusa"))
+    run_training(training_function, argv, "medusa")
 
 
 if __name__ == "__main__":

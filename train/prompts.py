@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import ast
 import functools
+import gzip
 import hashlib
 import itertools
 import json
@@ -180,7 +181,7 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             records = _json_records(path) if path.suffix == ".json" else _jsonl_records(path)
         else:
             raise PromptSourceError(
-                f"prompt source '{spec}' not found: expected a .jsonl/.json file, a folder, "
+                f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
                 "'embedded' or 'hf:ORG/NAME:SPLIT'"
             )
     prompts, skipped = [], []
@@ -235,19 +236,34 @@ def expand_sources(sources: list[str]) -> list[str]:
 
 
 def _jsonl_records(path: Path):
-    with open(path, encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                yield f"{path}:{lineno}", json.loads(line)
-            except json.JSONDecodeError as e:
-                yield f"{path}:{lineno}", ValueError(f"invalid JSON: {e.msg} (column {e.colno})")
+    """Records of a .jsonl file (gzipped when it ends in .gz), each located by its line."""
+    lineno = 0
+    try:
+        with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
+            for lineno, raw in enumerate(f, 1):
+                line = raw.decode("utf-8")  # line by line: an error names its line
+                if not line.strip():
+                    continue
+                try:
+                    yield f"{path}:{lineno}", json.loads(line)
+                except json.JSONDecodeError as e:
+                    yield (
+                        f"{path}:{lineno}",
+                        ValueError(f"invalid JSON: {e.msg} (column {e.colno})"),
+                    )
+    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
+        raise PromptSourceError(
+            f"{path}:{lineno if isinstance(e, UnicodeDecodeError) else lineno + 1}: cannot be read "
+            f"as UTF-8 JSON lines ({e}); save it as UTF-8 text, or name a gzipped file *.jsonl.gz"
+        ) from e
 
 
 def _json_records(path: Path):
     """Records of a .json file; each located by the line its object starts on."""
-    text = path.read_text(encoding="utf-8")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PromptSourceError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from e
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
     try:

@@ -24,7 +24,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import EagleConfig, load_base
 from heads.checkpoint import read_config, read_tensors, resolve_folder
-from train.checkpoint import check_same_run, resolve_resume
+from train.checkpoint import TrainingDiverged, check_same_run, resolve_resume
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
@@ -38,12 +38,23 @@ from train.features import (
 
 @contextmanager
 def stop_on_bad_input():
-    """Recipe, file and heads errors end the run with their message (exit 2), no traceback."""
+    """Recipe, file, model and heads errors end the run with their message (exit 2), no
+    traceback (a mistyped model name or Hub id is an OSError of transformers / huggingface_hub)."""
     try:
         yield
-    except (RecipeError, FileNotFoundError, ValueError) as e:
+    except (RecipeError, OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
+
+
+def run_training(training_function, argv: list[str] | None, kind: str) -> None:
+    """A training script's command line: a diverged loss ends with its message (exit 1)."""
+    recipe = parse_args(argv, kind)
+    try:
+        training_function(recipe)
+    except TrainingDiverged as e:
+        print(f"error: {e}", file=sys.stderr)
+        raise SystemExit(1) from None
 
 
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
@@ -196,7 +207,7 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
     # process must load at once, and the partitioned weights cannot be prepacked for the CPU.
     zero3 = is_deepspeed_zero3_enabled()
     # Otherwise the first process converts / downloads once, then the others read its files.
-    with nullcontext() if zero3 else accelerator.main_process_first():
+    with nullcontext() if zero3 else accelerator.main_process_first(), stop_on_bad_input():
         base, tokenizer = load_base(
             recipe.model.name_or_path,
             dtype=dtype,
@@ -218,7 +229,8 @@ def gather_for_reading(*params: torch.nn.Parameter):
 
 def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_layer_ids=()):
     """(train dataset, held-out dataset); offline mode attaches the base's features."""
-    distilled, text = load_examples(recipe, tokenizer)
+    with stop_on_bad_input():  # no distilled answers yet, a malformed shard, no chat template
+        distilled, text = load_examples(recipe, tokenizer)
     # Held out from the distilled answers only: acceptance is measured on what the base writes.
     train, held_out = split_held_out(distilled, recipe.training.eval_fraction, recipe.training.seed)
     train += text

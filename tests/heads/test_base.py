@@ -41,3 +41,8 @@ def test_embedded_model_loads_generates_and_caches(smollm2, monkeypatch):
 def test_missing_gguf_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_base(tmp_path / "absent.gguf")
+
+
+def test_a_missing_base_folder_is_said():
+    with pytest.raises(FileNotFoundError, match="base model folder not found: ./no-such-model"):
+        load_base("./no-such-model", device="cpu")

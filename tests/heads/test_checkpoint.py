@@ -155,6 +155,30 @@ def test_pickle_only_is_refused(tiny_llama, tmp_path):
         load_heads(tmp_path)
 
 
+def test_where_the_heads_are_not_is_said(tiny_llama, tmp_path, monkeypatch):
+    heads = _medusa(tiny_llama)
+    heads.save_pretrained(tmp_path / "h")
+    with pytest.raises(
+        FileNotFoundError, match=r"model.safetensors is a file: give the heads folder"
+    ):
+        load_heads(tmp_path / "h" / "model.safetensors")
+    with pytest.raises(TypeError, match=r"load_base's \(model, tokenizer\) pair"):
+        load_heads(tmp_path / "h", base=(tiny_llama, None))
+
+    def no_such_repo(repo_id, **kwargs):
+        raise OSError(f"404 Client Error: Repository Not Found for url: .../{repo_id}")
+
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", no_such_repo)
+    # one slash and no such folder here: a Hub id, whose failure is said as such
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"heads not found: runz/heads is no local folder, and the Hub gave: 404",
+    ):
+        load_heads("runz/heads")
+
+
 def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)
     data = (tmp_path / "model.safetensors").read_bytes()

@@ -274,6 +274,17 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, make_tiny_llama(vocab_size=128))
     with pytest.raises(TypeError, match="MedusaHeads, EagleDraft"):
         SpeculativeGenerator(base, object())
+    with pytest.raises(TypeError, match=r"path 'runs/x/heads': load the heads first"):
+        SpeculativeGenerator(base, "runs/x/heads")
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2))
+    with pytest.raises(TypeError, match=r"load_base's \(model, tokenizer\) pair"):
+        SpeculativeGenerator((base, None), heads)
+    wider = make_tiny_llama(hidden_size=2 * base.config.hidden_size)
+    for other in (heads, [heads, None]):  # alone and in a union: before any generation
+        with pytest.raises(
+            ValueError, match=r"hidden_size=\d+, but the given base .* has hidden_size="
+        ):
+            SpeculativeGenerator(wider, other)
 
 
 def test_a_tree_that_no_longer_fits_the_context_gives_way_to_plain_steps():

@@ -8,6 +8,7 @@ import sys
 import time
 from pathlib import Path
 
+import huggingface_hub
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -293,7 +294,7 @@ def test_context_full_drops_later_turns(tmp_path, tiny_base):
     assert json.loads((out / "manifest.json").read_text())["counts"]["turns_dropped_too_long"] == 1
 
 
-def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys):
+def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys, monkeypatch):
     empty = tmp_path / "empty.jsonl"
     empty.write_text("")
     assert distill.main([str(recipe_file(tmp_path, tiny_base, empty, tmp_path / "o"))]) == 2
@@ -305,6 +306,12 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys):
     assert "prompts.jsonl:9: invalid JSON" in capsys.readouterr().err
     assert distill.main([str(recipe), "data.tempreature=1"]) == 2
     assert "Did you mean 'temperature'" in capsys.readouterr().err
+    # a base that is neither here nor on the Hub (offline here: the Hub cannot be asked)
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
+    assert distill.main([str(recipe), "model.name_or_path=nobody/no-such-model"]) == 2
+    assert "distill failed: " in (err := capsys.readouterr().err) and "nobody/no-such-model" in err
+    assert distill.main([str(recipe), "model.name_or_path=./no-such-model"]) == 2
+    assert "base model folder not found: ./no-such-model" in capsys.readouterr().err
 
 
 def test_kill_9_then_resume_loses_and_duplicates_nothing(tmp_path, tiny_base):

@@ -1,3 +1,4 @@
+import gzip
 import importlib.util
 import json
 import re
@@ -147,6 +148,33 @@ def test_empty_and_missing_sources(tmp_path):
         read_source(str(tmp_path / "nothing"))
     with pytest.raises(PromptSourceError, match="no prompt sources"):
         load_prompts([])
+
+
+def test_gzipped_jsonl_is_read_and_undecodable_files_say_where(tmp_path):
+    packed = tmp_path / "problems.jsonl.gz"
+    with gzip.open(packed, "wt", encoding="utf-8") as f:
+        f.write(
+            json.dumps({"prompt": "def add(a, b):"}) + "\n" + json.dumps({"prompt": "é"}) + "\n"
+        )
+    prompts, _ = read_source(str(packed))
+    assert [p.messages[0]["content"] for p in prompts] == ["def add(a, b):", "é"]
+    misnamed = tmp_path / "problems.jsonl"  # gzip bytes under a plain name
+    misnamed.write_bytes(packed.read_bytes())
+    with pytest.raises(
+        PromptSourceError, match=r"problems.jsonl:1: cannot be read as UTF-8 .* \*.jsonl.gz"
+    ):
+        read_source(str(misnamed))
+    latin = tmp_path / "latin.jsonl"
+    latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(PromptSourceError, match=r"latin.jsonl:2: cannot be read as UTF-8"):
+        read_source(str(latin))
+    broken = tmp_path / "broken.jsonl.gz"
+    broken.write_bytes(packed.read_bytes()[:-12])  # cut short
+    with pytest.raises(PromptSourceError, match=r"broken.jsonl.gz:\d+: cannot be read as UTF-8"):
+        read_source(str(broken))
+    (tmp_path / "latin.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
+    with pytest.raises(PromptSourceError, match=r"latin.json: not UTF-8"):
+        read_source(str(tmp_path / "latin.json"))
 
 
 def test_folder_source_reads_shards_in_order(tmp_path):

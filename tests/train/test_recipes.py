@@ -31,7 +31,6 @@ from tests.train.conftest import (
     load_tiny_base,
     run,
 )
-from train.checkpoint import TrainingDiverged
 from train.config import load_recipe
 
 HEADS_FILES = {"config.json", "model.safetensors", "README.md", "training_metrics.json"}
@@ -382,7 +381,9 @@ def test_medusa_shared_lm_head_over_the_full_vocabulary(tiny_task, tmp_path, cap
 
 
 @pytest.mark.slow
-def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_task, tmp_path, monkeypatch):
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(
+    tiny_task, tmp_path, monkeypatch, capsys
+):
     out = tmp_path / "out"
     forward = train.medusa.MedusaTrainee.forward
 
@@ -391,10 +392,12 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tiny_task, tmp_path, 
         return (loss * float("nan") if step == 2 else loss), metrics  # `step` counts done steps
 
     monkeypatch.setattr(train.medusa.MedusaTrainee, "forward", nan_at_step_3)
-    with pytest.raises(TrainingDiverged) as err:
+    with pytest.raises(SystemExit) as exit_:
         run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.save_every_steps=1")
+    assert exit_.value.code == 1
+    err = capsys.readouterr().err  # the message, without a traceback
     last_good = out / "checkpoints" / "step-00000002"
-    assert "loss is nan at step 3" in str(err.value) and str(last_good) in str(err.value)
+    assert "error: loss is nan at step 3" in err and str(last_good) in err
     assert (last_good / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / "step-00000003").exists() and not (out / "heads").exists()
 
@@ -415,6 +418,20 @@ def test_unknown_recipe_key_exits_2_listing_the_valid_keys(tmp_path, capsys):
         train.eagle.main([str(path)])
     assert exit_.value.code == 2
     assert "Valid keys of 'heads': type, num_heads" in capsys.readouterr().err
+
+
+def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_path, capsys):
+    for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
+        with pytest.raises(SystemExit) as exit_:
+            run(module, recipe, tiny_task, tmp_path / "out", f"data.output_dir={tmp_path}/none")
+        assert exit_.value.code == 2
+        assert f"error: {tmp_path}/none: no .jsonl shards (run scripts/distill.py first)" in (
+            capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit) as exit_:
+        run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "out", "model.name_or_path=./nowhere")
+    assert exit_.value.code == 2
+    assert "error: base model folder not found: ./nowhere" in capsys.readouterr().err
 
 
 def test_heads_type_must_match_the_script(capsys):
