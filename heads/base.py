@@ -94,6 +94,10 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+class BaseNotFoundError(FileNotFoundError):
+    """The base is not a folder here, and not a Hub repo that could be read (or reached)."""
+
+
 def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     """Map a base name to (folder or hub id to load, name to record in heads configs)."""
     name = str(name_or_path)
@@ -111,8 +115,11 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         if not (out / "config.json").is_file():
             _convert_gguf(gguf, out, gguf.stem)
         return str(out), gguf.stem
-    if name.startswith((".", "/", "~")) and not Path(name).expanduser().exists():
-        raise FileNotFoundError(f"base model folder not found: {name}")
+    if name.startswith((".", "/", "~")) or name.count("/") > 1:  # a path, not a Hub id
+        path = Path(name).expanduser()
+        if not path.exists():
+            raise BaseNotFoundError(f"base model folder not found: {name}")
+        return str(path), name
     return name, name
 
 
@@ -152,7 +159,7 @@ def load_base(
             path, dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
     except OSError as e:  # transformers' own message may not name it: no such repo, no network
-        raise OSError(f"base model '{name_or_path}' could not be loaded: {e}") from e
+        raise BaseNotFoundError(f"base model '{name_or_path}' could not be loaded: {e}") from e
     model.config.name_or_path = recorded_name
     model.eval()
     if frozen:
@@ -173,6 +180,8 @@ def check_model(base) -> None:
             "base is load_base's (model, tokenizer) pair: pass the model, "
             "e.g. base, tokenizer = load_base(...)"
         )
+    if isinstance(base, (str, os.PathLike)):
+        raise TypeError(f"base is the name {str(base)!r}: load it first, base, _ = load_base(name)")
 
 
 def base_signature(config) -> dict:

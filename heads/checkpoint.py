@@ -165,7 +165,7 @@ def resolve_folder(
         )
     except (OSError, ValueError) as e:  # no such repo, no network, a gated repo without token
         raise FileNotFoundError(
-            f"heads not found: {path_or_repo_id} is no local folder, and the Hub gave: {e}"
+            f"heads not found: {path_or_repo_id} is not a local folder, and the Hub gave: {e}"
         ) from e
 
 

@@ -88,12 +88,15 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                 "NgramDrafter(num_tokens=4)]"
             )
         return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
+    # Heads of another base, given as they are or inside their drafter: say so now.
+    inner = [getattr(heads_or_drafter, name, None) for name in ("heads", "draft")]
+    for heads in (heads_or_drafter, *inner):  # MedusaDrafter.heads, EagleDrafter.draft
+        if isinstance(heads, (MedusaHeads, EagleDraft)):
+            heads.config.check_base(base.config)
     if isinstance(heads_or_drafter, Drafter):
         return heads_or_drafter
     if heads_or_drafter is None:
         return NgramDrafter(**options)
-    if isinstance(heads_or_drafter, (MedusaHeads, EagleDraft)):
-        heads_or_drafter.config.check_base(base.config)  # heads of another base: say so now
     if isinstance(heads_or_drafter, MedusaHeads):
         return MedusaDrafter(heads_or_drafter, **options)
     if isinstance(heads_or_drafter, EagleDraft):

@@ -473,7 +473,7 @@ def main(argv: list[str] | None = None) -> int:
         PromptSourceError,
         ChatTemplateError,
         DistillError,
-        OSError,  # a base folder or Hub id that is not there
+        FileNotFoundError,  # also a base folder or Hub id that is not there
     ) as e:
         print(f"distill failed: {e}", file=sys.stderr)
         return 2

@@ -27,6 +27,7 @@ import logging
 import math
 import random
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
@@ -177,6 +178,10 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             if not files:
                 raise PromptSourceError(f"{path}: folder has no .jsonl files")
             records = itertools.chain.from_iterable(_jsonl_records(f) for f in files)
+        elif path.is_file() and path.name.endswith(".json.gz"):
+            raise PromptSourceError(
+                f"{path}: gunzip it (.json is read as it is), or gzip JSON lines as .jsonl.gz"
+            )
         elif path.is_file():
             records = _json_records(path) if path.suffix == ".json" else _jsonl_records(path)
         else:
@@ -236,34 +241,40 @@ def expand_sources(sources: list[str]) -> list[str]:
 
 
 def _jsonl_records(path: Path):
-    """Records of a .jsonl file (gzipped when it ends in .gz), each located by its line."""
+    """Records of a .jsonl file (gzipped when it ends in .gz), each located by its line; a line
+    that is not UTF-8 or not JSON is yielded as the error it is (skipped or stopped on by
+    `on_error`), unreadable gzip data stops."""
+    with open(path, "rb") as f:
+        if f.read(2) == b"\x1f\x8b" and path.suffix != ".gz":
+            raise PromptSourceError(f"{path} is gzipped: name it {path.name}.gz, or gunzip it")
     lineno = 0
     try:
         with (gzip.open if path.suffix == ".gz" else open)(path, "rb") as f:
             for lineno, raw in enumerate(f, 1):
-                line = raw.decode("utf-8")  # line by line: an error names its line
+                where = f"{path}:{lineno}"
+                try:
+                    line = raw.decode("utf-8")
+                except UnicodeDecodeError as e:
+                    yield where, ValueError(f"not UTF-8 ({e.reason} at byte {e.start})")
+                    continue
                 if not line.strip():
                     continue
                 try:
-                    yield f"{path}:{lineno}", json.loads(line)
+                    yield where, json.loads(line)
                 except json.JSONDecodeError as e:
-                    yield (
-                        f"{path}:{lineno}",
-                        ValueError(f"invalid JSON: {e.msg} (column {e.colno})"),
-                    )
-    except (UnicodeDecodeError, gzip.BadGzipFile, EOFError) as e:
-        raise PromptSourceError(
-            f"{path}:{lineno if isinstance(e, UnicodeDecodeError) else lineno + 1}: cannot be read "
-            f"as UTF-8 JSON lines ({e}); save it as UTF-8 text, or name a gzipped file *.jsonl.gz"
-        ) from e
+                    yield where, ValueError(f"invalid JSON: {e.msg} (column {e.colno})")
+    except (gzip.BadGzipFile, EOFError, zlib.error) as e:
+        raise PromptSourceError(f"{path}:{lineno + 1}: unreadable gzip data ({e})") from e
 
 
 def _json_records(path: Path):
     """Records of a .json file; each located by the line its object starts on."""
+    data = path.read_bytes()
     try:
-        text = path.read_text(encoding="utf-8")
+        text = data.decode("utf-8")
     except UnicodeDecodeError as e:
-        raise PromptSourceError(f"{path}: not UTF-8 text ({e}); save it as UTF-8") from e
+        line = data.count(b"\n", 0, e.start) + 1
+        raise PromptSourceError(f"{path}:{line}: not UTF-8 ({e.reason}); save it as UTF-8") from e
     decoder = json.JSONDecoder()
     start = len(text) - len(text.lstrip())
     try:

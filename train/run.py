@@ -12,7 +12,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
+from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     InitProcessGroupKwargs,
@@ -37,12 +37,12 @@ from train.features import (
 
 
 @contextmanager
-def stop_on_bad_input():
+def stop_on_bad_input(errors: tuple[type[Exception], ...] = (FileNotFoundError, ValueError)):
     """Recipe, file, model and heads errors end the run with their message (exit 2), no
-    traceback (a mistyped model name or Hub id is an OSError of transformers / huggingface_hub)."""
+    traceback (RecipeError is a ValueError)."""
     try:
         yield
-    except (RecipeError, OSError, ValueError) as e:
+    except errors as e:
         print(f"error: {e}", file=sys.stderr)
         raise SystemExit(2) from None
 
@@ -52,8 +52,9 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
     recipe = parse_args(argv, kind)
     try:
         training_function(recipe)
-    except TrainingDiverged as e:
-        print(f"error: {e}", file=sys.stderr)
+    except TrainingDiverged as e:  # raised on every process (the loss is reduced first)
+        if PartialState().is_main_process:
+            print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
 
 
@@ -207,7 +208,10 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
     # process must load at once, and the partitioned weights cannot be prepacked for the CPU.
     zero3 = is_deepspeed_zero3_enabled()
     # Otherwise the first process converts / downloads once, then the others read its files.
-    with nullcontext() if zero3 else accelerator.main_process_first(), stop_on_bad_input():
+    with (
+        nullcontext() if zero3 else accelerator.main_process_first(),
+        stop_on_bad_input((FileNotFoundError,)),  # no such folder or Hub id
+    ):
         base, tokenizer = load_base(
             recipe.model.name_or_path,
             dtype=dtype,

@@ -44,5 +44,6 @@ def test_missing_gguf_file_is_clear(tmp_path):
 
 
 def test_a_missing_base_folder_is_said():
-    with pytest.raises(FileNotFoundError, match="base model folder not found: ./no-such-model"):
-        load_base("./no-such-model", device="cpu")
+    for name in ("./no-such-model", "runs/x/no-such-model"):  # two slashes: not a Hub id
+        with pytest.raises(FileNotFoundError, match=f"base model folder not found: {name}"):
+            load_base(name, device="cpu")

@@ -174,7 +174,7 @@ def test_where_the_heads_are_not_is_said(tiny_llama, tmp_path, monkeypatch):
     # one slash and no such folder here: a Hub id, whose failure is said as such
     with pytest.raises(
         FileNotFoundError,
-        match=r"heads not found: runz/heads is no local folder, and the Hub gave: 404",
+        match=r"heads not found: runz/heads is not a local folder, and the Hub gave: 404",
     ):
         load_heads("runz/heads")
 

@@ -11,6 +11,7 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
+    EagleDrafter,
     MedusaDrafter,
     ModelDrafter,
     NgramDrafter,
@@ -279,8 +280,11 @@ def test_bad_input_is_clear():
     heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2))
     with pytest.raises(TypeError, match=r"load_base's \(model, tokenizer\) pair"):
         SpeculativeGenerator((base, None), heads)
+    with pytest.raises(TypeError, match=r"base is the name 'smollm2-135m-instruct': load it first"):
+        SpeculativeGenerator("smollm2-135m-instruct", heads)
     wider = make_tiny_llama(hidden_size=2 * base.config.hidden_size)
-    for other in (heads, [heads, None]):  # alone and in a union: before any generation
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3))
+    for other in (heads, [heads, None], [MedusaDrafter(heads), None], EagleDrafter(eagle, base)):
         with pytest.raises(
             ValueError, match=r"hidden_size=\d+, but the given base .* has hidden_size="
         ):

@@ -161,20 +161,32 @@ def test_gzipped_jsonl_is_read_and_undecodable_files_say_where(tmp_path):
     misnamed = tmp_path / "problems.jsonl"  # gzip bytes under a plain name
     misnamed.write_bytes(packed.read_bytes())
     with pytest.raises(
-        PromptSourceError, match=r"problems.jsonl:1: cannot be read as UTF-8 .* \*.jsonl.gz"
+        PromptSourceError, match=r"problems.jsonl is gzipped: name it problems.jsonl.gz"
     ):
         read_source(str(misnamed))
-    latin = tmp_path / "latin.jsonl"
+    latin = tmp_path / "latin.jsonl"  # a line that is not UTF-8 is a malformed record
     latin.write_bytes(b'{"prompt": "ok"}\n{"prompt": "caf\xe9"}\n')
-    with pytest.raises(PromptSourceError, match=r"latin.jsonl:2: cannot be read as UTF-8"):
-        read_source(str(latin))
+    prompts, skipped = read_source(str(latin))
+    assert [p.messages[0]["content"] for p in prompts] == ["ok"]
+    assert skipped == [f"{latin}:2: not UTF-8 (invalid continuation byte at byte 15)"]
+    with pytest.raises(PromptSourceError, match=r"latin.jsonl:2: not UTF-8 .*data.on_error=skip"):
+        read_source(str(latin), on_error="stop")
     broken = tmp_path / "broken.jsonl.gz"
     broken.write_bytes(packed.read_bytes()[:-12])  # cut short
-    with pytest.raises(PromptSourceError, match=r"broken.jsonl.gz:\d+: cannot be read as UTF-8"):
+    with pytest.raises(PromptSourceError, match=r"broken.jsonl.gz:\d+: unreadable gzip data"):
         read_source(str(broken))
-    (tmp_path / "latin.json").write_bytes(b'[{"prompt": "caf\xe9"}]')
-    with pytest.raises(PromptSourceError, match=r"latin.json: not UTF-8"):
+    data = bytearray(packed.read_bytes())
+    data[-30:-22] = b"\xff" * 8  # the deflate stream itself damaged
+    (tmp_path / "damaged.jsonl.gz").write_bytes(bytes(data))
+    with pytest.raises(PromptSourceError, match=r"damaged.jsonl.gz:\d+: unreadable gzip data"):
+        read_source(str(tmp_path / "damaged.jsonl.gz"))
+    (tmp_path / "latin.json").write_bytes(b'[{"prompt": "ok"},\n {"prompt": "caf\xe9"}]')
+    with pytest.raises(PromptSourceError, match=r"latin.json:2: not UTF-8"):
         read_source(str(tmp_path / "latin.json"))
+    with gzip.open(tmp_path / "list.json.gz", "wt") as f:
+        f.write('[{"prompt": "ok"}]')
+    with pytest.raises(PromptSourceError, match=r"list.json.gz: gunzip it"):
+        read_source(str(tmp_path / "list.json.gz"))
 
 
 def test_folder_source_reads_shards_in_order(tmp_path):
