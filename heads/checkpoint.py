@@ -86,9 +86,12 @@ def read_config(folder: Path) -> dict:
     if not path.is_file():
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a heads folder?")
     try:
-        return json.loads(path.read_text())
+        data = json.loads(path.read_text())
     except json.JSONDecodeError as e:
         raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of settings")
+    return data
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:

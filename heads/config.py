@@ -16,6 +16,28 @@ from typing import Any
 HEADSTART_FORMAT = 1
 
 
+_SIMPLE = {
+    "int": (int,),
+    "float": (int, float),
+    "bool": (bool,),
+    "str": (str,),
+    "None": (type(None),),
+}
+
+
+def _json_types(annotation: str) -> tuple[type, ...]:
+    """The JSON value types a field's annotation (a string, e.g. "int | list[int] | None")
+    admits; () where it names a type this check does not know (no check)."""
+    types: tuple[type, ...] = ()
+    for part in annotation.split("|"):
+        name = part.strip().split("[")[0]
+        kinds = _SIMPLE.get(name) or {"list": (list,), "dict": (dict,)}.get(name)
+        if kinds is None:
+            return ()
+        types += kinds
+    return types
+
+
 @dataclass
 class HeadsConfig:
     """Base-model facts recorded with every heads checkpoint (a mismatch is an error)."""
@@ -61,8 +83,18 @@ class HeadsConfig:
     def from_dict(cls, data: dict[str, Any]):
         """Build from a config.json dict; keys this class does not know are ignored (engines
         add their own), a key of the wrong type is an error."""
-        names = {f.name for f in dataclasses.fields(cls)}
-        return cls(**{k: v for k, v in data.items() if k in names})
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        for key, value in data.items():
+            allowed = _json_types(kinds.get(key, "Any"))
+            wrong = (
+                not isinstance(value, allowed) or isinstance(value, bool) and bool not in allowed
+            )
+            if allowed and wrong:
+                raise ValueError(
+                    f"config.json: {key} is {value!r}, expected {kinds[key]}; is this a heads folder "
+                    "written by another tool, or edited by hand?"
+                )
+        return cls(**{k: v for k, v in data.items() if k in kinds})
 
     def save(self, folder: str | Path) -> None:
         path = Path(folder) / "config.json"

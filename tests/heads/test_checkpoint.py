@@ -179,6 +179,20 @@ def test_where_the_heads_are_not_is_said(tiny_llama, tmp_path, monkeypatch):
         load_heads("runz/heads")
 
 
+def test_config_of_wrong_types_is_a_clear_error(tiny_llama, tmp_path):
+    _medusa(tiny_llama).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    for key, value in (("num_heads", "4"), ("num_hidden_layers", True), ("base_vocab_size", None)):
+        (tmp_path / "config.json").write_text(json.dumps({**config, key: value}))
+        with pytest.raises(ValueError, match=f"config.json: {key} is {value!r}, expected int"):
+            load_heads(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({**config, "engine_extra": True}))
+    load_heads(tmp_path)  # keys of other tools are ignored, whatever their type
+    (tmp_path / "config.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="holds a JSON list, not an object of settings"):
+        load_heads(tmp_path)
+
+
 def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)
     data = (tmp_path / "model.safetensors").read_bytes()
