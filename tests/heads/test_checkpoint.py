@@ -1,4 +1,5 @@
 import json
+import re
 
 import pytest
 import torch
@@ -127,20 +128,23 @@ def test_mismatched_base_names_both_sides(tiny_llama, tmp_path):
         load_heads(tmp_path, base=deeper)
 
 
+@pytest.mark.parametrize("kind", ["eagle3", "medusa"])
 @pytest.mark.parametrize("change", ["missing", "unexpected", "misshaped"])
-def test_bad_tensors_are_named(tiny_llama, tmp_path, change):
-    heads = _eagle(tiny_llama, 3)
+def test_bad_tensors_are_named(tiny_llama, tmp_path, change, kind):
+    heads = _eagle(tiny_llama, 3) if kind == "eagle3" else _medusa(tiny_llama)
     heads.save_pretrained(tmp_path)
     t = load_file(tmp_path / "model.safetensors")
+    some = "norm.weight" if kind == "eagle3" else sorted(t)[0]
+    weight = "fc.weight" if kind == "eagle3" else next(k for k in sorted(t) if t[k].dim() == 2)
     if change == "missing":
-        del t["norm.weight"]
-        pattern = "missing tensors: norm.weight"
+        del t[some]
+        pattern = f"missing tensors: {re.escape(some)}"
     elif change == "unexpected":
         t["extra.weight"] = torch.zeros(2)
         pattern = "unexpected tensors: extra.weight"
     else:
-        t["fc.weight"] = torch.zeros(64, 128)
-        pattern = r"fc.weight has shape \(64, 128\)"
+        t[weight] = torch.zeros(64, 128)
+        pattern = rf"{re.escape(weight)} has shape \(64, 128\)"
     save_file(t, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match=pattern):
         load_heads(tmp_path, base=tiny_llama)

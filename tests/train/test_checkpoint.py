@@ -6,7 +6,7 @@ import shutil
 import pytest
 import yaml
 
-from train.checkpoint import STATE_NAME, check_same_run, data_fingerprint
+from train.checkpoint import STATE_NAME, check_same_run, data_fingerprint, resolve_resume
 from train.config import RecipeError, load_recipe, recipe_to_dict
 
 
@@ -80,3 +80,16 @@ def test_keys_newer_than_the_checkpoint_and_old_checkpoints_pass(tmp_path):
     (ckpt / "recipe.yaml").unlink()
     (ckpt / STATE_NAME).write_text(json.dumps({"step": 4}))  # before any of it was recorded
     check_same_run(ckpt, recipe, processes=4)
+
+
+def test_resume_names_a_checkpoint_or_says_it_is_not_one(tmp_path):
+    out = tmp_path / "out"
+    assert resolve_resume("never", out) is None and resolve_resume("auto", out) is None
+    step = out / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / STATE_NAME).write_text("{}")
+    assert resolve_resume("auto", out) == step and resolve_resume(str(step), out) == step
+    with pytest.raises(
+        FileNotFoundError, match=rf"training.resume='{out}' is not a checkpoint folder"
+    ):
+        resolve_resume(str(out), out)  # the run's folder, not one of its checkpoints
