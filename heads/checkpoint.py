@@ -98,15 +98,9 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a heads folder's safetensors file(s); refuses pickled checkpoints."""
     files = sorted(folder.glob("*.safetensors"))
     if not files:
-        pickled = [p.name for p in folder.iterdir() if p.suffix in (".bin", ".pt", ".pth", ".ckpt")]
-        hint = (
-            f" Found {', '.join(pickled)}: pickled checkpoints are never loaded (they can run code). "
-            "Convert it once, in an environment you trust, with "
-            "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')."
-            if pickled
-            else ""
+        raise FileNotFoundError(
+            f"{folder} has no .safetensors weights.{pickle_hint(p.name for p in folder.iterdir())}"
         )
-        raise FileNotFoundError(f"{folder} has no .safetensors weights.{hint}")
     tensors: dict[str, torch.Tensor] = {}
     for f in files:
         try:
@@ -142,6 +136,21 @@ def load_state_checked(
             expected[k].copy_(t.to(expected[k].dtype))
 
 
+PICKLED = (".bin", ".pt", ".pth", ".ckpt")
+
+
+def pickle_hint(names) -> str:
+    """What to do with the pickled checkpoints among file `names` ("" when there are none)."""
+    pickled = [n for n in names if Path(n).suffix in PICKLED]
+    if not pickled:
+        return ""
+    return (
+        f" Found {', '.join(pickled)}: pickled checkpoints are never loaded (they can run code). "
+        "Convert it once, in an environment you trust, with "
+        "safetensors.torch.save_file(torch.load(path, weights_only=True), 'model.safetensors')."
+    )
+
+
 def resolve_folder(
     path_or_repo_id: str | os.PathLike, revision: str | None = None, token: str | None = None
 ) -> Path:
@@ -155,12 +164,13 @@ def resolve_folder(
         )
     if str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
         raise FileNotFoundError(f"heads folder not found: {path_or_repo_id}")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import list_repo_files, snapshot_download
 
+    repo_id = str(path_or_repo_id)
     try:
-        return Path(
+        folder = Path(
             snapshot_download(
-                str(path_or_repo_id),
+                repo_id,
                 revision=revision,
                 token=token,
                 allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
@@ -168,8 +178,16 @@ def resolve_folder(
         )
     except (OSError, ValueError) as e:  # no such repo, no network, a gated repo without token
         raise FileNotFoundError(
-            f"heads not found: {path_or_repo_id} is not a local folder, and the Hub gave: {e}"
+            f"heads not found: {repo_id} is not a local folder, and the Hub gave: {e}"
         ) from e
+    if any(folder.glob("*.safetensors")):
+        return folder
+    # Pickled weights are not downloaded (they are never loaded): name them from the listing.
+    try:
+        hint = pickle_hint(list_repo_files(repo_id, revision=revision, token=token))
+    except (OSError, ValueError):  # offline, with the snapshot from the cache
+        hint = ""
+    raise FileNotFoundError(f"the Hub repo {repo_id} has no .safetensors weights.{hint}")
 
 
 def load_heads(

@@ -185,12 +185,12 @@ def load_distilled(output_dir: str | Path, *, finished_only: bool = True) -> lis
         raise FileNotFoundError(f"{output_dir}: no .jsonl shards (run scripts/distill.py first)")
     conversations = []
     for path in files:
-        with open(path, encoding="utf-8") as f:
-            for lineno, line in enumerate(f, 1):
-                if not line.strip():
+        with open(path, "rb") as f:  # bytes, so that a line not in UTF-8 is named below
+            for lineno, raw in enumerate(f, 1):
+                if not raw.strip():
                     continue
                 try:
-                    record: dict[str, Any] = json.loads(line)
+                    record: dict[str, Any] = json.loads(raw.decode("utf-8"))
                     if finished_only and not record.get("finished", True):
                         continue
                     conversations.append(normalize_record(record))

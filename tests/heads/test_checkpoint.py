@@ -182,6 +182,23 @@ def test_where_the_heads_are_not_is_said(tiny_llama, tmp_path, monkeypatch):
     ):
         load_heads("runz/heads")
 
+    # A Hub repo of pickled weights: they are not downloaded, and the listing names them.
+    snapshot = tmp_path / "snapshot"
+    snapshot.mkdir()
+    (snapshot / "config.json").write_text((tmp_path / "h" / "config.json").read_text())
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", lambda repo_id, **kw: snapshot)
+    monkeypatch.setattr(
+        huggingface_hub,
+        "list_repo_files",
+        lambda repo_id, **kw: ["config.json", "medusa_lm_head.pt", "README.md"],
+    )
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"Hub repo someone/medusa has no .safetensors weights. Found medusa_lm_head.pt: "
+        r"pickled checkpoints are never loaded",
+    ):
+        load_heads("someone/medusa")
+
 
 def test_config_of_wrong_types_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)

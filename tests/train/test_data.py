@@ -217,6 +217,13 @@ def test_load_distilled_and_pad_batch(smollm2_tokenizer, tmp_path):
     )
     with pytest.raises(FileNotFoundError, match="no .jsonl shards"):
         load_distilled(tmp_path / "absent")
+    # A shard edited by hand into another encoding names its file and line.
+    bad = tmp_path / "shard-r000-00001.jsonl"
+    bad.write_bytes(
+        json.dumps(records[0]).encode() + b"\n" + '{"id": "caf\xe9"}\n'.encode("latin-1")
+    )
+    with pytest.raises(ValueError, match=r"shard-r000-00001\.jsonl:2: .*utf-8"):
+        load_distilled(tmp_path)
 
 
 def test_training_says_when_the_answers_were_distilled_otherwise(smollm2_tokenizer, tmp_path):

@@ -235,6 +235,35 @@ def test_eagle3_resume_reuses_the_draft_vocabulary(tiny_task, tmp_path, monkeypa
 
 
 @pytest.mark.slow
+def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tiny_task, tmp_path, monkeypatch):
+    """Killed while accelerate writes the step-4 checkpoint: the half-written folder is not taken
+    for a checkpoint, the rerun continues from step 2 as if nothing happened, and clears it."""
+    import accelerate
+
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, reference)
+    real = accelerate.Accelerator.save_state
+
+    def save_then_kill(self, output_dir=None, **kwargs):
+        written = real(self, output_dir, **kwargs)
+        if Path(output_dir).name.endswith("step-00000004"):
+            (Path(output_dir) / "optimizer.bin").unlink()  # only part of it reached the disk
+            raise Interrupted(output_dir)
+        return written
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerate.Accelerator, "save_state", save_then_kill)
+        with pytest.raises(Interrupted):
+            run(train.eagle, TINY_EAGLE, tiny_task, out)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step-00000004", "step-00000002"]
+    assert not (out / "heads").exists()
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
+    assert_same_run(out, reference, 4)
+
+
+@pytest.mark.slow
 def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     out, base, printed = eagle3_run
     assert {p.name for p in out.iterdir()} == RUN_FILES
@@ -381,19 +410,27 @@ def test_medusa_shared_lm_head_over_the_full_vocabulary(tiny_task, tmp_path, cap
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(
+    "module, trainee, recipe",
+    [
+        (train.medusa, train.medusa.MedusaTrainee, TINY_MEDUSA),
+        (train.eagle, train.eagle.EagleTrainee, TINY_EAGLE),
+    ],
+    ids=["medusa", "eagle3"],
+)
 def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(
-    tiny_task, tmp_path, monkeypatch, capsys
+    module, trainee, recipe, tiny_task, tmp_path, monkeypatch, capsys
 ):
     out = tmp_path / "out"
-    forward = train.medusa.MedusaTrainee.forward
+    forward = trainee.forward
 
     def nan_at_step_3(self, batch, step=0):
         loss, metrics = forward(self, batch, step)
         return (loss * float("nan") if step == 2 else loss), metrics  # `step` counts done steps
 
-    monkeypatch.setattr(train.medusa.MedusaTrainee, "forward", nan_at_step_3)
+    monkeypatch.setattr(trainee, "forward", nan_at_step_3)
     with pytest.raises(SystemExit) as exit_:
-        run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.save_every_steps=1")
+        run(module, recipe, tiny_task, out, "training.save_every_steps=1")
     assert exit_.value.code == 1
     err = capsys.readouterr().err  # the message, without a traceback
     last_good = out / "checkpoints" / "step-00000002"
