@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
 
 from heads.base import check_model
 from inference.acceptance import (
@@ -65,6 +66,46 @@ class GenerationOutput:
     @property
     def num_steps(self) -> int:
         return len(self.accepted_lengths)
+
+
+def check_base_takes_trees(base: PreTrainedModel) -> None:
+    """Refuse a base whose verification forward would not be the base's own computation.
+
+    A tree verifies in one forward with a 4D additive mask and per-node positions, and the
+    cache keeps the accepted rows by absolute position: that needs sdpa or eager attention and
+    full attention in every layer (a sliding-window layer keeps only its last keys).
+    """
+    if not isinstance(getattr(base, "model", None), nn.Module):
+        raise ValueError(
+            f"{type(base).__name__} has no .model decoder: the generator runs Llama-style "
+            "causal LMs (Llama, Mistral, Qwen2, SmolLM, ...; DESIGN.md)"
+        )
+    attn = getattr(base.config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        raise ValueError(
+            f"the base runs attn_implementation={attn!r}, which does not take the 4D tree "
+            "masks that verify a draft in one forward: load it with attn_implementation='sdpa' "
+            "(load_base's default) or 'eager'"
+        )
+    layers = DynamicCache(config=base.config).layers
+    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    if other:
+        raise ValueError(
+            f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
+            "attention, e.g. Gemma-2/3 or Mistral v0.1): tree verification keeps and crops the "
+            "KV cache by position, which needs full attention in every layer"
+        )
+
+
+def check_arms(arms: list[dict | None]) -> None:
+    """`{}` is the drafter as configured before any arm ran: no arm may have configured it."""
+    settings = [a for a in arms if a]
+    if {} in arms and settings:
+        raise ValueError(
+            f"adaptive arms mix {{}} (the drafter as it is configured) with settings {settings}: "
+            "once another arm has configured the drafter, {} no longer means its first "
+            "settings; name them instead"
+        )
 
 
 def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
@@ -150,6 +191,7 @@ class SpeculativeGenerator:
         **drafter_options,
     ) -> None:
         check_model(base)
+        check_base_takes_trees(base)
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()
@@ -172,6 +214,7 @@ class SpeculativeGenerator:
         self.arms = None
         if adaptive:
             self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)
+            check_arms(self.arms)
         # Built at the first generation and kept: later calls start from what it measured.
         self.policy: AdaptivePolicy | None = None
         self._root_only = tree_from_parents([-1], device=device)
@@ -272,6 +315,11 @@ class SpeculativeGenerator:
             raise ValueError("input_ids is empty: give at least one prompt token")
         if acceptance not in ("lossless", "typical"):
             raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
+        if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
+            raise ValueError(
+                "acceptance='typical' accepts from the temperature-scaled distribution, without "
+                "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
+            )
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer= to decode the generated text")
         if max_new_tokens < 1:
@@ -280,6 +328,12 @@ class SpeculativeGenerator:
             raise ValueError(
                 f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
                 f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
+            )
+        max_positions = self.base.config.max_position_embeddings
+        if len(ids) > max_positions:
+            raise ValueError(
+                f"the prompt has {len(ids)} tokens, more than the base's context of "
+                f"{max_positions} positions: shorten it"
             )
         device = next(self.base.parameters()).device
         ids = ids.to(device)
@@ -291,7 +345,6 @@ class SpeculativeGenerator:
         stats = {} if stats is None else stats
         stats.update(accepted_lengths=[], finished=False)
         timings = stats["timings"] = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 0.0}
-        max_positions = self.base.config.max_position_embeddings
         t_start = time.perf_counter()
 
         cache = DynamicCache(config=self.base.config)
@@ -440,11 +493,7 @@ class SpeculativeGenerator:
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
         """
         stats: dict = {}
-        prompt = (
-            torch.as_tensor(input_ids).reshape(1, -1)
-            if torch.as_tensor(input_ids).dim() == 1
-            else input_ids
-        )
+        prompt = torch.as_tensor(input_ids)  # (1,T) or (T,); stream refuses other shapes
         new: list[int] = []
         for step in self.stream(
             input_ids,
@@ -462,7 +511,11 @@ class SpeculativeGenerator:
             new.extend(step)
         device = next(self.base.parameters()).device
         sequences = torch.cat(
-            [prompt.to(device), torch.tensor([new], dtype=torch.long, device=device)], dim=1
+            [
+                prompt.reshape(1, -1).to(device),
+                torch.tensor([new], dtype=torch.long, device=device),
+            ],
+            dim=1,
         )
         return GenerationOutput(
             sequences, stats["accepted_lengths"], stats["timings"], stats["finished"]
@@ -476,6 +529,5 @@ class SpeculativeGenerator:
                 eos_token_id = self.base.config.eos_token_id
         if eos_token_id is None:
             return set()
-        return (
-            {int(eos_token_id)} if isinstance(eos_token_id, int) else {int(t) for t in eos_token_id}
-        )
+        # an int, a list of them, or a tensor / numpy value of either
+        return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}

@@ -4,6 +4,7 @@ loop's contract (EOS, stop strings, streaming, stats, batch > 1), and KV-cache c
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 from transformers import DynamicCache
@@ -289,6 +290,56 @@ def test_bad_input_is_clear():
             ValueError, match=r"hidden_size=\d+, but the given base .* has hidden_size="
         ):
             SpeculativeGenerator(wider, other)
+    limit = base.config.max_position_embeddings
+    with pytest.raises(ValueError, match=f"prompt has {limit + 1} tokens, more than .* {limit}"):
+        gen.generate(torch.ones(1, limit + 1, dtype=torch.long))
+    with pytest.raises(ValueError, match="acceptance='typical' .* without top_k / top_p"):
+        gen.generate(
+            torch.ones(1, 3, dtype=torch.long), temperature=0.7, top_p=0.9, acceptance="typical"
+        )
+    with pytest.raises(ValueError, match=r"mix \{\} \(the drafter as it is configured\)"):
+        SpeculativeGenerator(base, heads, adaptive=[None, {}, {"choices": "cpu-8"}])
+
+
+def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
+    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
+
+    base = make_tiny_llama()
+    base.config._attn_implementation = "flash_attention_2"  # packs sequences by position ids
+    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*'sdpa'"):
+        SpeculativeGenerator(base)
+    sliding = MistralForCausalLM(
+        MistralConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            sliding_window=8,
+        )
+    )
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers"):
+        SpeculativeGenerator(sliding)
+    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4))
+    with pytest.raises(ValueError, match="GPT2LMHeadModel has no .model decoder"):
+        SpeculativeGenerator(gpt2)
+
+
+def test_prompts_as_lists_and_eos_as_tensors_are_taken():
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base, None, num_tokens=3)
+    ref = gen.generate(torch.tensor([[5, 6, 7]]), max_new_tokens=8, eos_token_id=[])
+    for prompt in ([[5, 6, 7]], [5, 6, 7], torch.tensor([5, 6, 7])):
+        assert torch.equal(
+            gen.generate(prompt, max_new_tokens=8, eos_token_id=[]).sequences, ref.sequences
+        )
+    new = ref.sequences[0, 3:].tolist()
+    eos = new[2]  # the third new token: generation stops where it first comes
+    end = 3 + new.index(eos) + 1
+    for given in (torch.tensor(eos), torch.tensor([eos]), np.int64(eos), [eos]):
+        out = gen.generate([5, 6, 7], max_new_tokens=8, eos_token_id=given)
+        assert torch.equal(out.sequences, ref.sequences[:, :end]) and out.finished
 
 
 def test_a_tree_that_no_longer_fits_the_context_gives_way_to_plain_steps():
