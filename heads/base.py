@@ -190,7 +190,7 @@ def base_signature(config) -> dict:
         "base_model_name_or_path": getattr(config, "name_or_path", "") or "",
         "base_hidden_size": int(config.hidden_size),
         "base_vocab_size": int(config.vocab_size),
-        "base_num_hidden_layers": int(config.num_hidden_layers),
+        "base_hidden_layers": int(config.num_hidden_layers),
     }
 
 

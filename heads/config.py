@@ -38,6 +38,19 @@ def _json_types(annotation: str) -> tuple[type, ...]:
     return types
 
 
+RENAMED_KEYS = {"base_num_hidden_layers": "base_hidden_layers"}  # old name -> new
+
+
+def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
+    """A config.json dict with the keys of older headstart folders under their new names."""
+    data = dict(data)
+    for old, new in RENAMED_KEYS.items():
+        if old in data:
+            value = data.pop(old)
+            data.setdefault(new, value)
+    return data
+
+
 @dataclass
 class HeadsConfig:
     """Base-model facts recorded with every heads checkpoint (a mismatch is an error)."""
@@ -45,7 +58,10 @@ class HeadsConfig:
     base_model_name_or_path: str = ""
     base_hidden_size: int = 0
     base_vocab_size: int = 0
-    base_num_hidden_layers: int = 0
+    # Not "base_num_hidden_layers": vLLM's MedusaConfig moves every key holding "num" and
+    # "layers" into num_hidden_layers (its residual blocks per head). Folders written before
+    # the rename are read under their old key.
+    base_hidden_layers: int = 0
     headstart_format: int = HEADSTART_FORMAT
 
     def validate(self) -> None:
@@ -60,7 +76,7 @@ class HeadsConfig:
         ours = {
             "hidden_size": self.base_hidden_size,
             "vocab_size": self.base_vocab_size,
-            "num_hidden_layers": self.base_num_hidden_layers,
+            "num_hidden_layers": self.base_hidden_layers,
         }
         for key, expected in ours.items():
             got = getattr(base_config, key)
@@ -83,6 +99,7 @@ class HeadsConfig:
     def from_dict(cls, data: dict[str, Any]):
         """Build from a config.json dict; keys this class does not know are ignored (engines
         add their own), a key of the wrong type is an error."""
+        data = renamed_keys(data)
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         for key, value in data.items():
             allowed = _json_types(kinds.get(key, "Any"))

@@ -33,7 +33,7 @@ from transformers.models.llama.modeling_llama import (
 
 from heads.base import base_signature, default_aux_layer_ids
 from heads.checkpoint import PretrainedHeads
-from heads.config import HEADSTART_FORMAT, HeadsConfig
+from heads.config import HEADSTART_FORMAT, HeadsConfig, renamed_keys
 
 
 @dataclass
@@ -115,11 +115,11 @@ class EagleConfig(HeadsConfig):
                 raise ValueError(
                     f"EAGLE-3 fuses three base layers, got aux_layer_ids={self.aux_layer_ids}"
                 )
-            if self.base_num_hidden_layers and not all(
-                0 <= i < self.base_num_hidden_layers for i in self.aux_layer_ids
+            if self.base_hidden_layers and not all(
+                0 <= i < self.base_hidden_layers for i in self.aux_layer_ids
             ):
                 raise ValueError(
-                    f"aux_layer_ids {self.aux_layer_ids} must lie in [0, {self.base_num_hidden_layers})"
+                    f"aux_layer_ids {self.aux_layer_ids} must lie in [0, {self.base_hidden_layers})"
                 )
             if not 0 < self.draft_vocab_size <= self.vocab_size:
                 raise ValueError(
@@ -177,11 +177,14 @@ class EagleConfig(HeadsConfig):
             d["draft_vocab_size"] = self.draft_vocab_size
             d["target_hidden_size"] = self.target_hidden_size
             d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
+            # also at the top level, where some vLLM versions read them (and the default
+            # layers would come, silently, if they were missing)
+            d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
         for key in (
             "base_model_name_or_path",
             "base_hidden_size",
             "base_vocab_size",
-            "base_num_hidden_layers",
+            "base_hidden_layers",
             "headstart_format",
         ):
             d[key] = getattr(self, key)
@@ -193,7 +196,7 @@ class EagleConfig(HeadsConfig):
     ) -> EagleConfig:
         """From an engine config.json; `base_num_hidden_layers` supplies the default aux layers
         of third-party EAGLE-3 folders that name neither them nor their base."""
-        data = dict(data)
+        data = renamed_keys(data)
         is_v3 = any("Eagle3" in a for a in data.get("architectures") or [])
         data["version"] = 3 if is_v3 else 1
         if "rope_parameters" not in data:
@@ -204,10 +207,10 @@ class EagleConfig(HeadsConfig):
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if is_v3:
             data["aux_layer_ids"] = (data.get("eagle_config") or {}).get(
-                "eagle_aux_hidden_state_layer_ids"
+                "eagle_aux_hidden_state_layer_ids", data.get("eagle_aux_hidden_state_layer_ids")
             )
             data.setdefault("target_hidden_size", data["hidden_size"])
-            layers = data.get("base_num_hidden_layers") or base_num_hidden_layers
+            layers = data.get("base_hidden_layers") or base_num_hidden_layers
             if data["aux_layer_ids"] is None:
                 if not layers:
                     raise ValueError(

@@ -2,7 +2,8 @@
 
 vLLM reads headstart's native folders as they are (DESIGN.md), so exporting to it is a checked
 copy; SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
-rather than the state entering it), which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
+rather than the state entering it), and wants EAGLE-1 under its own architecture name with an fc
+bias, which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
 `{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head), plus
 a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
 refused with the reason, never silently dropped.
@@ -14,7 +15,8 @@ import json
 import shutil
 from pathlib import Path
 
-from safetensors.torch import save_file
+import torch
+from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
 from heads.medusa import MedusaHeads
@@ -45,8 +47,10 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
         for name in (CONFIG_NAME, "model.safetensors", "README.md"):
             if (Path(src) / name).is_file():
                 shutil.copy2(Path(src) / name, out / name)
-        if target == "sglang" and getattr(heads.config, "version", 1) == 3:
+        if target == "sglang" and heads.config.version == 3:
             _sglang_aux_ids(out / CONFIG_NAME)
+        elif target == "sglang":
+            _sglang_eagle1(heads, out)
         return out
     if not is_medusa:
         raise ExportError(
@@ -65,7 +69,24 @@ def _sglang_aux_ids(config_path: Path) -> None:
     if min(ids) < 1:
         raise ExportError(f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0)")
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+    if "eagle_aux_hidden_state_layer_ids" in config:  # the copy vLLM reads: the same ids
+        config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+
+
+def _sglang_eagle1(heads, out: Path) -> None:
+    """SGLang builds its EAGLE-1 model only for the architecture `LlamaForCausalLMEagle` (a
+    plain `LlamaForCausalLM`, which vLLM maps to its EAGLE model, would load as a one-layer
+    Llama), and its fc has a bias, which stays randomly initialised when the file has none:
+    write headstart's bias-free fc as a zero bias."""
+    config_path = out / CONFIG_NAME
+    config = json.loads(config_path.read_text())
+    config["architectures"] = ["LlamaForCausalLMEagle"]
+    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
+    tensors = load_file(out / "model.safetensors")
+    weight = tensors["fc.weight"]
+    tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:

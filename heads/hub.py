@@ -31,8 +31,11 @@ def _usage(config) -> tuple[str, str, str, str]:
         "EAGLE-1 draft layer",
         "eagle",
         '"num_speculative_tokens": 5',
+        "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: export first\n"
+        'python -c "from heads.export import export_heads; '
+        "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
         f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE "
-        "--speculative-draft-model-path REPO --speculative-num-steps 5 "
+        "--speculative-draft-model-path draft-sglang --speculative-num-steps 5 "
         "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
     )
 
@@ -54,7 +57,7 @@ tags:
 # {kind} for {base}
 
 Draft heads for lossless speculative decoding of `{base}` (hidden size {config.base_hidden_size},
-vocabulary {config.base_vocab_size}, {config.base_num_hidden_layers} layers), trained with
+vocabulary {config.base_vocab_size}, {config.base_hidden_layers} layers), trained with
 [headstart](https://pypi.org/project/headstart/). The base model's outputs are unchanged: greedy
 decoding is token-for-token identical and sampling keeps the base's distribution.
 

@@ -68,7 +68,7 @@ def test_medusa_layout_is_vllm(tiny_llama, tmp_path):
         "truncated_vocab_size": None,
         "base_hidden_size": 64,
         "base_vocab_size": 256,
-        "base_num_hidden_layers": 2,
+        "base_hidden_layers": 2,
         "headstart_format": 1,
         "base_model_name_or_path": "tiny-llama-0",
     }.items():
@@ -82,6 +82,24 @@ def test_medusa_layout_is_vllm(tiny_llama, tmp_path):
     _medusa(tiny_llama, original_lm_head=True).save_pretrained(tmp_path / "shared")
     names = set(load_file(tmp_path / "shared/model.safetensors"))
     assert "lm_head.weight" in names and not any(n.startswith("lm_heads") for n in names)
+    # vLLM's MedusaConfig.from_pretrained renames every key holding "num" and "layers" to
+    # num_hidden_layers (and "num" and "heads" to num_heads): no other key may hold them, or
+    # it would build the base's layer count of residual blocks per head.
+    assert {k for k in cfg if "num" in k} == {"num_heads", "num_hidden_layers"}
+
+
+def test_folders_of_the_old_base_layer_key_still_load_and_check(tiny_llama, tmp_path):
+    for kind, heads in _all_heads(tiny_llama).items():
+        folder = tmp_path / kind
+        heads.save_pretrained(folder)
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["base_num_hidden_layers"] = cfg.pop("base_hidden_layers")  # as written until 2026-12
+        (folder / "config.json").write_text(json.dumps(cfg))
+        assert load_heads(folder, base=tiny_llama).config.base_hidden_layers == 2
+        cfg["base_num_hidden_layers"] = 3
+        (folder / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(ValueError, match="num_hidden_layers=3, but the given base"):
+            load_heads(folder, base=tiny_llama)
 
 
 def test_eagle3_layout_is_engines(tiny_llama, tmp_path):
@@ -94,6 +112,7 @@ def test_eagle3_layout_is_engines(tiny_llama, tmp_path):
         and cfg["target_hidden_size"] == 64
     )
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # where some vLLM versions look
     t = load_file(tmp_path / "model.safetensors")
     assert t["fc.weight"].shape == (64, 192)
     assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 128
@@ -280,7 +299,15 @@ def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path)
     draft = _eagle(tiny_llama, 3)
     draft.save_pretrained(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
-    for key in ("eagle_config", "base_num_hidden_layers", "base_hidden_size", "base_vocab_size"):
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "eagle_config": {}}))
+    assert load_heads(tmp_path).config.aux_layer_ids == [1, 1, 0]  # the top-level copy alone
+    for key in (
+        "eagle_config",
+        "eagle_aux_hidden_state_layer_ids",
+        "base_hidden_layers",
+        "base_hidden_size",
+        "base_vocab_size",
+    ):
         del cfg[key]  # as in configs written by other EAGLE-3 trainers
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     t = load_file(tmp_path / "model.safetensors")

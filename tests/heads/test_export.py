@@ -60,8 +60,28 @@ def test_refusals(tiny_llama, medusa_dir, tmp_path):
     EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
     with pytest.raises(ExportError, match="Medusa heads"):
         export_heads(tmp_path / "e1", "tgi", tmp_path / "t2")
+
+
+def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_path):
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
+    draft.save_pretrained(tmp_path / "e1")
     export_heads(tmp_path / "e1", "sglang", tmp_path / "s1")
-    assert (tmp_path / "s1/config.json").is_file()
+    native = json.loads((tmp_path / "e1/config.json").read_text())
+    sglang = json.loads((tmp_path / "s1/config.json").read_text())
+    # vLLM maps LlamaForCausalLM to its EAGLE model; SGLang builds EAGLE-1 only under its name
+    assert native["architectures"] == ["LlamaForCausalLM"]
+    assert sglang == {**native, "architectures": ["LlamaForCausalLMEagle"]}
+    before, after = (
+        load_file(tmp_path / "e1/model.safetensors"),
+        load_file(tmp_path / "s1/model.safetensors"),
+    )
+    assert set(after) == set(before) | {"fc.bias"}
+    assert (
+        torch.equal(after["fc.bias"], torch.zeros(64))
+        and after["fc.bias"].dtype == before["fc.weight"].dtype
+    )
+    for name in before:
+        assert torch.equal(after[name], before[name]), name
 
 
 def test_cli(medusa_dir, tmp_path):
@@ -109,6 +129,12 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     # headstart / vLLM: the state entering layers 2, 4, 5; SGLang adds 1 to what it reads.
     assert native["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
     assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    # the top-level copy (read by some vLLM versions) says the same in each
+    top = json.loads((tmp_path / "e3/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
+    assert top == [2, 4, 5]
+    assert json.loads((tmp_path / "s/config.json").read_text())[
+        "eagle_aux_hidden_state_layer_ids"
+    ] == [1, 3, 4]
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")
     assert json.loads((tmp_path / "v/config.json").read_text())["eagle_config"] == native
     # a Hub repo id (what the model card's SGLang lines export) is downloaded first
