@@ -9,7 +9,7 @@ forward is most of a step, so offline mode makes every epoch after the first far
 
 from __future__ import annotations
 
-import random
+import hashlib
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -87,12 +87,40 @@ def corpus_examples(recipe, tokenizer) -> list[Example]:
 def split_held_out(
     examples: list[Example], fraction: float, seed: int
 ) -> tuple[list[Example], list[Example]]:
-    """A seeded split; at least one held-out example when fraction > 0."""
-    order = list(range(len(examples)))
-    random.Random(seed).shuffle(order)
-    n_eval = max(1, int(len(examples) * fraction)) if fraction > 0 else 0
-    n_eval = min(n_eval, len(examples) - 1)
-    return [examples[i] for i in order[n_eval:]], [examples[i] for i in order[:n_eval]]
+    """(train, held out): whole prompts in the order of a seeded hash of their tokens, until
+    `fraction` of the examples are held out (at least one when fraction > 0), so that
+
+    - the answers to one prompt (`data.num_samples` > 1, or a prompt asked twice) fall on the
+      same side: no held-out prompt was trained on;
+    - when the data grows (distill extended with more sources) an example keeps its side, but
+      for the few whose hash lies near the cut: heads trained before and after are measured on
+      nearly the same held-out answers, not on what one of them trained on (a shuffle of the
+      new count would move most of them).
+    """
+    if fraction <= 0 or len(examples) < 2:
+        return list(examples), []
+    n_eval = min(max(1, int(len(examples) * fraction)), len(examples) - 1)
+    groups: dict[bytes, list[int]] = {}
+    for i, example in enumerate(examples):
+        groups.setdefault(_prompt_key(example, seed), []).append(i)
+    held: set[int] = set()
+    for key in sorted(groups):  # whole prompts, in the seeded hash order, until n_eval examples
+        if len(held) >= n_eval or len(held) + len(groups[key]) == len(examples):
+            break
+        held.update(groups[key])
+    return (
+        [e for i, e in enumerate(examples) if i not in held],
+        [e for i, e in enumerate(examples) if i in held],
+    )
+
+
+def _prompt_key(example: Example, seed: int) -> bytes:
+    """A seeded hash of an example's tokens before its first target (the prompt)."""
+    mask = example["loss_mask"]
+    first = mask.index(1) if 1 in mask else len(mask)
+    prompt = example["input_ids"][:first]
+    data = f"{seed}:" + ",".join(map(str, prompt))
+    return hashlib.blake2b(data.encode(), digest_size=16).digest()
 
 
 class ExampleDataset(Dataset):

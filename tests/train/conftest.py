@@ -56,7 +56,11 @@ def write_distilled(folder: Path) -> Path:
             record = {
                 "id": f"letters-{i:03d}",
                 "conversations": [
-                    {"from": "human", "value": f"Recite the letters from '{LETTERS[i % 8]}'."},
+                    # Numbered: each record is its own prompt (the held-out split goes by prompt)
+                    {
+                        "from": "human",
+                        "value": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
+                    },
                     {"from": "gpt", "value": letters_answer(i % len(LETTERS))},
                 ],
                 "finished": True,

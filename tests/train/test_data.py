@@ -268,3 +268,29 @@ def test_training_says_when_the_answers_were_distilled_otherwise(smollm2_tokeniz
     with pytest.warns(UserWarning, match="distilled with base .* unless this is meant"):
         distilled, _ = load_examples(by_llama, smollm2_tokenizer)
     assert distilled
+
+
+def test_held_out_split_goes_by_prompt_and_keeps_its_sides_as_the_data_grows():
+    from train.features import split_held_out
+
+    def example(prompt: int, answer: int) -> dict:
+        ids = [1, prompt, 2, answer, answer + 1]
+        return {"input_ids": ids, "loss_mask": [0, 0, 0, 1, 1], "labels": ids}
+
+    # 200 prompts answered twice each (data.num_samples=2): no prompt on both sides.
+    examples = [example(p, a) for p in range(200) for a in (500, 600)]
+    train, held = split_held_out(examples, 0.1, seed=0)
+    assert len(held) == 40 and len(train) == 360
+    assert not {e["input_ids"][1] for e in held} & {e["input_ids"][1] for e in train}
+    # Distill extended with 100 more prompts: whole prompts, so 50 or 51 held out; all that
+    # were held out stay so here, and few of those trained on come to be held out (those near
+    # the cut: 6 here, where a seeded shuffle of the new count held out 29 of its 50).
+    grown = examples + [example(p, 500) for p in range(200, 300)]
+    train2, held2 = split_held_out(grown, 0.1, seed=0)
+    assert 50 <= len(held2) <= 51
+    held_now = {tuple(e["input_ids"]) for e in held2}
+    assert len({tuple(e["input_ids"]) for e in held} - held_now) <= 4
+    assert len({tuple(e["input_ids"]) for e in train} & held_now) <= 8
+    # Another seed, another split; no held-out example when the fraction is 0.
+    assert split_held_out(examples, 0.1, seed=1)[1] != held
+    assert split_held_out(examples, 0.0, seed=0) == (examples, [])

@@ -15,7 +15,7 @@ from transformers import AutoTokenizer
 import train.eagle
 import train.medusa
 from heads import load_heads
-from tests.train.conftest import SYSTEM_PROMPT, load_tiny_base
+from tests.train.conftest import LETTERS, N_RECORDS, SYSTEM_PROMPT, load_tiny_base
 from train.config import load_recipe
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -39,8 +39,14 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
     questions = tmp_path / "questions.jsonl"
     questions.write_text(
         "".join(
-            json.dumps({"prompt": f"Recite the letters from '{x}'.", "category": c}) + "\n"
-            for x, c in zip("abcdefgh", ["early"] * 4 + ["late"] * 4)
+            json.dumps(
+                {
+                    "prompt": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
+                    "category": "early" if i % 8 < 4 else "late",
+                }
+            )
+            + "\n"
+            for i in range(N_RECORDS)
         )
     )
     out, scores = medusa_run[0], tmp_path / "data.json"

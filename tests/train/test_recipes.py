@@ -360,19 +360,19 @@ def test_a_feature_cache_is_filled_once_and_shared_by_both_recipes(
     cache = tmp_path / "cache"
     offline = [*EAGLE3_RUN, "training.mode=offline", f"training.feature_cache={cache}"]
     run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "a", *offline, "training.max_steps=2")
-    # 40 records of 8 distinct conversations: each token sequence is computed and stored once.
-    assert "0 examples cached, 8 to compute" in capsys.readouterr().out
+    # 40 distinct conversations (test_feature_cache.py: duplicates are computed once).
+    assert "0 examples cached, 40 to compute" in capsys.readouterr().out
     first = read_metrics(tmp_path / "a")[0]
     for step in (1, 2):
         assert first[step]["loss"] == pytest.approx(online[step]["loss"], rel=2e-2)
     assert len(list(cache.glob("features-r000-*.safetensors"))) == 1
 
     run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "b", *offline, "training.max_steps=2")
-    assert "8 examples cached, 0 to compute" in capsys.readouterr().out
+    assert "40 examples cached, 0 to compute" in capsys.readouterr().out
     assert read_metrics(tmp_path / "b")[0][2]["loss"] == first[2]["loss"]
     # Medusa reads "hidden" and "top" only, from the same cache.
     run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "c", *offline[-2:], "training.max_steps=2")
-    assert "8 examples cached, 0 to compute" in capsys.readouterr().out
+    assert "40 examples cached, 0 to compute" in capsys.readouterr().out
     assert sorted(read_metrics(tmp_path / "c")[0]) == [1, 2]
     # A cache of other aux layers is refused, saying what differs.
     with pytest.raises(SystemExit):
