@@ -7,6 +7,7 @@ import json
 import math
 import os
 import random
+import shutil
 import sys
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
@@ -24,7 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import EagleConfig, load_base
 from heads.checkpoint import read_config, read_tensors, resolve_folder
-from train.checkpoint import TrainingDiverged, check_same_run, resolve_resume
+from train.checkpoint import TrainingDiverged, check_same_run, checkpoints_dir, resolve_resume
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
@@ -84,7 +85,28 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
+    if ckpt is None:
+        clear_earlier_run(recipe.output.dir, accelerator)
     return ckpt
+
+
+def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
+    """A run that starts afresh (training.resume=never over an earlier run's output) removes
+    that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
+    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
+    if accelerator.is_main_process:
+        output = Path(output_dir)
+        old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
+        for path in old:
+            shutil.rmtree(path)
+        removed = [f"{len(old)} checkpoint(s)"] if old else []
+        vocab = output / "draft_vocab.safetensors"
+        if vocab.is_file():
+            vocab.unlink()
+            removed.append(vocab.name)
+        if removed:
+            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
+    accelerator.wait_for_everyone()
 
 
 # What decides that trained heads are the ones a recipe builds: their shape, their vocabularies

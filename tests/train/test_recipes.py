@@ -264,6 +264,37 @@ def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tiny_task, tmp_path,
 
 
 @pytest.mark.slow
+def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabulary(
+    tiny_task, tmp_path, capsys
+):
+    """resume=never over a finished run: its step-2 / step-4 checkpoints would outlast the new
+    run's own (keep_last 2) and be resumed after a kill; its draft vocabulary came from its
+    data. Both go; the new run keeps only its own."""
+    out = tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ]
+    capsys.readouterr()
+    run(
+        train.eagle,
+        TINY_EAGLE,
+        tiny_task,
+        out,
+        "training.resume=never",
+        "training.max_steps=3",
+        "training.save_every_steps=3",
+        "heads.draft_vocab_size=128",
+    )
+    printed = capsys.readouterr().out
+    assert "removed the earlier run's 2 checkpoint(s) and draft_vocab.safetensors" in printed
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    assert load_file(out / "draft_vocab.safetensors")["token_ids"].numel() == 128
+    assert sorted(read_metrics(out)[0]) == [1, 2, 3]
+
+
+@pytest.mark.slow
 def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     out, base, printed = eagle3_run
     assert {p.name for p in out.iterdir()} == RUN_FILES
