@@ -120,7 +120,9 @@ class MedusaTrainee(Trainee):
             ok[valid] = (pred == truth) & (base_top[rows] == truth)
             chain.append(ok)
         if self.lora:
-            ramp = min(1.0, (step + 1) / self.warmup) if self.warmup else 1.0
+            # The heads' weight ramps up over training; the held-out loss is the full objective
+            # (else it would read the heads' part at step 0's weight all through the run).
+            ramp = min(1.0, (step + 1) / self.warmup) if self.warmup and self.training else 1.0
             adapted = (
                 lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
             )

@@ -19,6 +19,7 @@ import pytest
 import torch
 import yaml
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
 
 import train.eagle
 import train.medusa
@@ -347,7 +348,10 @@ def test_eagle1_run(tiny_task, tmp_path, capsys):
 @pytest.mark.slow
 def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     out = tmp_path / "out"
-    base = run(train.medusa, TINY_MEDUSA, tiny_task, out, "heads.lora_r=4", "training.max_steps=2")
+    warmup = "heads.heads_loss_warmup_steps=10"
+    base = run(
+        train.medusa, TINY_MEDUSA, tiny_task, out, "heads.lora_r=4", "training.max_steps=2", warmup
+    )
     heads = load_heads(out / "heads", base=load_tiny_base(tiny_task))
     # LoRA A (r x in) and B (out x r) on q, k, v, o of both layers: q, o are 64 -> 64, k, v
     # 64 -> 32 (2 kv heads of 16).
@@ -360,6 +364,25 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     assert sorted(train_lines) == [1, 2] and "kl" in train_lines[1]
     adapter = load_file(out / "lora" / "adapter_model.safetensors")  # served with the heads
     assert sum(t.numel() for t in adapter.values()) == lora
+    # The heads' weight ramps up over training steps; a held-out loss weighs them fully
+    # whatever the step (it read step 0's 1/10 all through a run).
+    from train.data import build_examples, load_distilled
+    from train.features import ExampleDataset, collate
+
+    recipe = load_recipe(out / "recipe.yaml")
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples = build_examples(load_distilled(tiny_task.data_dir)[:4], tokenizer, max_length=256)
+    batch = collate(ExampleDataset(examples), [0, 1, 2, 3], tokenizer.pad_token_id, "cpu")
+    from peft import LoraConfig, get_peft_model
+
+    adapted = get_peft_model(load_tiny_base(tiny_task), LoraConfig(r=4, target_modules=["q_proj"]))
+    trainee = train.medusa.MedusaTrainee(adapted, heads, recipe)
+    with torch.no_grad():
+        trainee.eval()  # no LoRA dropout in either
+        held_out = [float(trainee(batch, step)[0]) for step in (0, 9)]
+        trainee.training = True  # the trainee's own flag only: what a training step reads
+        ramped = [float(trainee(batch, step)[0]) for step in (0, 9)]
+    assert ramped[0] < ramped[1] == pytest.approx(held_out[0]) and held_out[0] == held_out[1]
 
 
 @pytest.mark.slow
