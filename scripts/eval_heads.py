@@ -42,7 +42,7 @@ from bench_methods import BenchError  # noqa: E402
 
 from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
-from train.data import load_distilled  # noqa: E402
+from train.data import read_distilled  # noqa: E402
 from train.eagle import EagleTrainee  # noqa: E402
 from train.features import (  # noqa: E402
     ExampleDataset,
@@ -115,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
         recipe = load_recipe(args.recipe, args.overrides)
         # Read before the base loads: bad input stops at once.
         data = args.data or recipe.data.output_dir
-        conversations = load_distilled(data, finished_only=False)
+        records = read_distilled(data)
+        conversations = [messages for messages, _ in records]
+        finished = [f for _, f in records]
         if not any(m["role"] == "assistant" for c in conversations for m in c):
             raise ValueError(f"{data}: no assistant answers (scripts/distill.py writes them)")
         category = categories_of(args.categories) if args.categories else {}
@@ -137,15 +139,15 @@ def main(argv: list[str] | None = None) -> int:
     model = trainee_class(base, heads, recipe)
     aux_ids = getattr(model, "aux_ids", ())
     if not args.data:  # the trainer's split of the recipe's data
-        examples = tokenize_answers(conversations, tokenizer, recipe)
+        examples = tokenize_answers(conversations, tokenizer, recipe, finished)
         _, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
         if not held_out:
             raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
         datasets = {"held-out": with_features(base, tokenizer, recipe, held_out, aux_ids)}
     else:
         examples, labels = [], []
-        for conversation in conversations:
-            example = tokenize_answers([conversation], tokenizer, recipe)
+        for conversation, done in zip(conversations, finished):
+            example = tokenize_answers([conversation], tokenizer, recipe, [done])
             examples += example
             labels += [category.get(first_user_turn(conversation), "(no category)")] * len(example)
         if not examples:

@@ -6,6 +6,7 @@ from train.data import (
     build_examples,
     load_distilled,
     pad_batch,
+    read_distilled,
     render_conversation,
     tokenize_conversation,
 )
@@ -25,6 +26,7 @@ __all__ = [
     "load_prompts",
     "load_recipe",
     "pad_batch",
+    "read_distilled",
     "render_conversation",
     "save_recipe",
     "tokenize_conversation",

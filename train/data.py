@@ -16,6 +16,7 @@ special (added) token after the text. This works for any prefix-consistent templ
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -84,11 +85,16 @@ def _turn_end_markers(tokenizer: PreTrainedTokenizerBase) -> list[str]:
 
 
 def assistant_spans(
-    messages: list[Message], tokenizer: PreTrainedTokenizerBase, *, chat_template: str | None = None
+    messages: list[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    end_markers: bool = True,
 ) -> tuple[str, list[tuple[int, int]]]:
     """Render `messages`; return (text, [(start, end) character span of each assistant answer]).
 
-    A span covers the assistant text as rendered and the end-of-turn marker that follows it.
+    A span covers the assistant text as rendered and, with `end_markers`, the end-of-turn marker
+    that follows it.
     """
     text = render_conversation(messages, tokenizer, chat_template=chat_template)
     markers = _turn_end_markers(tokenizer)
@@ -113,7 +119,7 @@ def assistant_spans(
         end = start + len(content)
         tail = upto[end:]
         hits = [(tail.find(m), m) for m in markers if m in tail]
-        if hits:
+        if hits and end_markers:
             pos, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
             end += pos + len(marker)
         spans.append((start, end))
@@ -127,8 +133,13 @@ def tokenize_conversation(
     chat_template: str | None = None,
     system_prompt: str | None = None,
     max_length: int | None = None,
+    finished: bool = True,
 ) -> dict[str, list[int]]:
     """Token ids and the assistant-only loss mask of one conversation.
+
+    `finished=False` (an answer cut at distill's max_new_tokens) leaves the end-of-turn markers
+    out of the mask: the template closes the cut answer, but the base never wrote that marker
+    there. (A record says only that one of its answers was cut: every turn's marker is left out.)
 
     Returns `input_ids`, `loss_mask` (1 on tokens the model produced as the assistant: answer
     text and end-of-turn token) and `labels` (`input_ids` where the mask is 1, else -100; not
@@ -138,7 +149,9 @@ def tokenize_conversation(
     if not tokenizer.is_fast:
         raise ChatTemplateError("loss masks need a fast tokenizer (return_offsets_mapping)")
     messages = with_system_prompt(messages, system_prompt)
-    text, spans = assistant_spans(messages, tokenizer, chat_template=chat_template)
+    text, spans = assistant_spans(
+        messages, tokenizer, chat_template=chat_template, end_markers=finished
+    )
     # The template writes BOS itself where the model wants one.
     encoding = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
     input_ids = list(encoding["input_ids"])
@@ -159,16 +172,19 @@ def build_examples(
     chat_template: str | None = None,
     system_prompt: str | None = None,
     max_length: int | None = None,
+    finished: Sequence[bool] | None = None,
 ) -> list[dict[str, list[int]]]:
-    """`tokenize_conversation` over many; drops examples left with no loss token."""
+    """`tokenize_conversation` over many (`finished[i]`: conversation i's answers ran to their
+    end, as `read_distilled` says; all by default); drops examples left with no loss token."""
     examples = []
-    for messages in conversations:
+    for i, messages in enumerate(conversations):
         example = tokenize_conversation(
             messages,
             tokenizer,
             chat_template=chat_template,
             system_prompt=system_prompt,
             max_length=max_length,
+            finished=True if finished is None else finished[i],
         )
         if any(example["loss_mask"]):
             examples.append(example)
@@ -180,6 +196,13 @@ def load_distilled(output_dir: str | Path, *, finished_only: bool = True) -> lis
 
     `finished_only` drops answers cut off by max_new_tokens (they never show the model stopping).
     """
+    records = read_distilled(output_dir)
+    return [messages for messages, finished in records if finished or not finished_only]
+
+
+def read_distilled(output_dir: str | Path) -> list[tuple[list[Message], bool]]:
+    """(conversation, finished) of every record `scripts/distill.py` wrote to `output_dir`, in
+    shard order; `finished` is False where an answer was cut at max_new_tokens."""
     files = sorted(Path(output_dir).glob("*.jsonl"))
     if not files:
         raise FileNotFoundError(f"{output_dir}: no .jsonl shards (run scripts/distill.py first)")
@@ -191,9 +214,8 @@ def load_distilled(output_dir: str | Path, *, finished_only: bool = True) -> lis
                     continue
                 try:
                     record: dict[str, Any] = json.loads(raw.decode("utf-8"))
-                    if finished_only and not record.get("finished", True):
-                        continue
-                    conversations.append(normalize_record(record))
+                    finished = bool(record.get("finished", True))
+                    conversations.append((normalize_record(record), finished))
                 except ValueError as e:
                     raise ValueError(f"{path}:{lineno}: {e}") from e
     return conversations

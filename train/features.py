@@ -20,7 +20,7 @@ from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
 from train.corpus import as_conversation, corpus_chunks
-from train.data import build_examples, load_distilled, pad_batch, tokenize_conversation
+from train.data import build_examples, pad_batch, read_distilled, tokenize_conversation
 from train.distilled import distilled_otherwise
 
 Example = dict[str, list[int]]
@@ -28,8 +28,9 @@ Example = dict[str, list[int]]
 
 def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
     """Tokenised examples of a recipe: (distilled conversations, text corpus)."""
-    # Answers cut at max_new_tokens are kept: their tokens are still the base's own.
-    conversations = load_distilled(recipe.data.output_dir, finished_only=False)
+    # Answers cut at max_new_tokens are kept: their tokens are still the base's own (but not
+    # the end-of-turn marker the template adds after them).
+    records = read_distilled(recipe.data.output_dir)
     if notes := distilled_otherwise(recipe.data.output_dir, recipe, tokenizer):
         # Heads learn to draft what the base wrote under that template: allowed (data from
         # elsewhere is a choice), but said, since it is mostly a recipe mix-up.
@@ -39,21 +40,24 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             "and data.system_prompt as distill had them, unless this is meant.",
             stacklevel=2,
         )
-    distilled = tokenize_answers(conversations, tokenizer, recipe)
+    conversations = [messages for messages, _ in records]
+    distilled = tokenize_answers(conversations, tokenizer, recipe, [f for _, f in records])
     if not distilled:
         raise ValueError(f"no training examples with assistant tokens in {recipe.data.output_dir}")
     return distilled, corpus_examples(recipe, tokenizer)
 
 
-def tokenize_answers(conversations, tokenizer, recipe) -> list[Example]:
+def tokenize_answers(conversations, tokenizer, recipe, finished=None) -> list[Example]:
     """Distilled conversations as the recipe tokenises them (its chat template, system prompt and
-    training.max_length); a conversation with no answer token within max_length is dropped."""
+    training.max_length; `finished` as `build_examples`); a conversation with no answer token
+    within max_length is dropped."""
     return build_examples(
         conversations,
         tokenizer,
         chat_template=recipe.data.chat_template,
         system_prompt=recipe.data.system_prompt,
         max_length=recipe.training.max_length,
+        finished=finished,
     )
 
 

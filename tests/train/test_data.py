@@ -10,6 +10,7 @@ from train.data import (
     build_examples,
     load_distilled,
     pad_batch,
+    read_distilled,
     render_conversation,
     resolve_chat_template,
     tokenize_conversation,
@@ -294,3 +295,22 @@ def test_held_out_split_goes_by_prompt_and_keeps_its_sides_as_the_data_grows():
     # Another seed, another split; no held-out example when the fraction is 0.
     assert split_held_out(examples, 0.1, seed=1)[1] != held
     assert split_held_out(examples, 0.0, seed=0) == (examples, [])
+
+
+def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_tokenizer, tmp_path):
+    from train.config import load_recipe
+    from train.features import load_examples
+
+    records = [
+        {"conversations": [{"from": "human", "value": "Count"}, {"from": "gpt", "value": v}], **f}
+        for v, f in (("1 2 3 4 5", {"finished": True}), ("1 2 3", {"finished": False}))
+    ]
+    (tmp_path / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    assert [f for _, f in read_distilled(tmp_path)] == [True, False]
+    end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
+    recipe = load_recipe(None, [f"data.output_dir={tmp_path}"])
+    done, cut = load_examples(recipe, smollm2_tokenizer)[0]
+    targets = [[t for t, m in zip(e["input_ids"], e["loss_mask"]) if m] for e in (done, cut)]
+    # The template closes both answers; only the finished one's marker is the base's own.
+    assert targets[0][-1] == end and smollm2_tokenizer.decode(targets[0][:-1]) == "1 2 3 4 5"
+    assert end in cut["input_ids"] and smollm2_tokenizer.decode(targets[1]) == "1 2 3"
