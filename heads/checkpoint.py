@@ -250,6 +250,8 @@ def load_heads(
     if isinstance(module, EagleDraft):
         # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
         tensors.pop("embed_tokens.weight", None)
+        if config.version == 3 and config.draft_vocab_size == config.vocab_size:
+            optional += ("d2t", "t2d")  # the whole vocabulary: the identity map, as engines read
     load_state_checked(module, tensors, str(folder), optional=optional)
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)

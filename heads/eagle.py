@@ -210,6 +210,9 @@ class EagleConfig(HeadsConfig):
                 "eagle_aux_hidden_state_layer_ids", data.get("eagle_aux_hidden_state_layer_ids")
             )
             data.setdefault("target_hidden_size", data["hidden_size"])
+            # no reduced vocabulary named: the engines draft over the whole one
+            if data.get("draft_vocab_size") is None:
+                data["draft_vocab_size"] = data["vocab_size"]
             layers = data.get("base_hidden_layers") or base_num_hidden_layers
             if data["aux_layer_ids"] is None:
                 if not layers:

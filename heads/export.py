@@ -43,6 +43,16 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
             raise ExportError(
                 "SGLang has no Medusa support; export Medusa heads to vllm, tgi or trtllm"
             )
+        biased = [
+            name
+            for name in ("attention_bias", "mlp_bias")
+            if not is_medusa and getattr(heads.config, name, False)
+        ]
+        if target == "sglang" and heads.config.version == 3 and biased:
+            raise ExportError(
+                f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "
+                f"{' and '.join(biased)} (from their base): serve them with vLLM"
+            )
         out.mkdir(parents=True, exist_ok=True)
         for name in (CONFIG_NAME, "model.safetensors", "README.md"):
             if (Path(src) / name).is_file():
@@ -104,9 +114,12 @@ def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:
     tensors = {}
     for h, block in enumerate(heads.blocks):
         for i, layer in enumerate(block.layers):
-            tensors[f"{h}.{i}.linear.weight"] = layer.weight.detach().contiguous()
-            if layer.bias is not None:
-                tensors[f"{h}.{i}.linear.bias"] = layer.bias.detach().contiguous()
+            weight = layer.weight.detach().contiguous()
+            tensors[f"{h}.{i}.linear.weight"] = weight
+            # TGI's residual block always reads a bias: a bias-free one (medusa_fc_bias false)
+            # is written as zeros, which computes the same
+            bias = layer.bias if layer.bias is not None else weight.new_zeros(weight.shape[0])
+            tensors[f"{h}.{i}.linear.bias"] = bias.detach().contiguous()
         tensors[f"{h}.{L}.weight"] = heads.lm_heads[h].weight.detach().contiguous()
     out.mkdir(parents=True, exist_ok=True)
     save_file(tensors, out / "medusa_lm_head.safetensors")

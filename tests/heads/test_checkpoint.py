@@ -336,3 +336,26 @@ def test_foreign_folder_without_base_record_is_checked_by_its_own_sizes(tiny_lla
     ):
         load_heads(tmp_path, base=other)
     assert load_heads(tmp_path, base=tiny_llama).config.base_vocab_size == 256
+
+
+def test_third_party_eagle3_over_the_whole_vocabulary_needs_no_vocab_map(tiny_llama, tmp_path):
+    """Engines read an EAGLE-3 config without draft_vocab_size, and a folder without d2t / t2d,
+    as drafting over the whole vocabulary: so does load_heads."""
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=3, draft_vocab_size=256))
+    draft.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    del cfg["draft_vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    tensors = load_file(tmp_path / "model.safetensors")
+    save_file(
+        {k: v for k, v in tensors.items() if k not in ("d2t", "t2d")},
+        tmp_path / "model.safetensors",
+    )
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert loaded.config.draft_vocab_size == 256
+    assert torch.equal(loaded.to_base_ids(torch.arange(256)), torch.arange(256))
+    # A reduced vocabulary without its map is still an error, naming what is missing.
+    cfg["draft_vocab_size"] = 32
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="missing tensors: .*d2t"):
+        load_heads(tmp_path, base=tiny_llama)

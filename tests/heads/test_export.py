@@ -149,3 +149,27 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     export_heads("me/tiny-eagle3", "sglang", tmp_path / "hub-s")
     assert fetched == ["me/tiny-eagle3"]
     assert json.loads((tmp_path / "hub-s/config.json").read_text())["eagle_config"] == sglang
+
+
+def test_tgi_reads_a_bias_free_residual_block_as_zero_biases(tiny_llama, tmp_path):
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1, medusa_fc_bias=False)
+    ).init_from_base(tiny_llama)
+    heads.save_pretrained(tmp_path / "medusa")
+    export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
+    t = load_file(tmp_path / "tgi" / "medusa_lm_head.safetensors")
+    for h in range(2):  # TGI's residual block always loads `linear.bias`
+        assert torch.equal(t[f"{h}.0.linear.bias"], torch.zeros(64))
+        assert torch.equal(t[f"{h}.0.linear.weight"], heads.blocks[h].layers[0].weight)
+
+
+def test_sglang_refuses_an_eagle3_layer_with_biases(tmp_path):
+    from tests.conftest import make_tiny_llama
+
+    base = make_tiny_llama(attention_bias=True)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(0, 256, 8))
+    draft.save_pretrained(tmp_path / "e3")
+    with pytest.raises(ExportError, match="no attention or MLP biases.*attention_bias.*vLLM"):
+        export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
+    export_heads(tmp_path / "e3", "vllm", tmp_path / "v")  # vLLM's layer has them
