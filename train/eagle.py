@@ -20,6 +20,7 @@ import time
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
 from tqdm.auto import tqdm
 from transformers import DynamicCache
 
@@ -72,6 +73,7 @@ class EagleTrainee(Trainee):
         self.spec, self.decay = recipe.heads, recipe.training.loss_decay
         self.aux_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
         self.seed = recipe.training.seed
+        self._noise_at = (-1, 0)  # (step, micro-batches noised in it so far)
 
     def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
         ids, attn = batch["input_ids"], batch["attention_mask"]
@@ -111,8 +113,15 @@ class EagleTrainee(Trainee):
     def _eagle1(self, hidden, embeds, next_is_target, starts, row_of, base_logits, step):
         B, T, H = hidden.shape
         x = hidden
-        if self.training and self.spec.feature_noise > 0:  # seeded by step: resume is exact
-            g = torch.Generator(device=hidden.device).manual_seed(self.seed * 1_000_003 + step)
+        if self.training and self.spec.feature_noise > 0:
+            # Seeded by step, micro-batch and process: resume is exact, and no two micro-batches
+            # (of one step's accumulation, or of two processes) draw the same noise.
+            done, calls = self._noise_at
+            calls = calls + 1 if done == step else 0
+            self._noise_at = (step, calls)
+            rank = PartialState().process_index
+            seed = ((self.seed * 1_000_003 + step) * 1_009 + calls) * 65_537 + rank
+            g = torch.Generator(device=hidden.device).manual_seed(seed)
             x = (
                 hidden
                 + (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5)

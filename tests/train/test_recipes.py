@@ -295,6 +295,33 @@ def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabul
     assert sorted(read_metrics(out)[0]) == [1, 2, 3]
 
 
+def test_eagle1_feature_noise_differs_per_micro_batch_and_repeats_on_resume(tiny_task, tmp_path):
+    """Each micro-batch of a step (accumulation) draws its own noise; a fresh trainee at the
+    same step draws the same again (what a resumed run does)."""
+    from heads import EagleConfig, EagleDraft
+    from train.data import build_examples, load_distilled
+    from train.features import ExampleDataset, collate
+
+    recipe = load_recipe(
+        TINY_EAGLE, [*tiny_task.overrides(tmp_path), "heads.version=1", "heads.feature_noise=0.5"]
+    )
+    base = load_tiny_base(tiny_task)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples = build_examples(load_distilled(tiny_task.data_dir)[:2], tokenizer, max_length=256)
+    batch = collate(ExampleDataset(examples), [0, 1], tokenizer.pad_token_id, "cpu")
+
+    def losses() -> list[float]:
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
+        trainee = train.eagle.EagleTrainee(base, draft, recipe).train()
+        with torch.no_grad():
+            return [float(trainee(batch, step)[0]) for step in (3, 3, 4)]
+
+    first = losses()
+    assert len(set(first)) == 3  # two micro-batches of step 3, one of step 4: three draws
+    assert losses() == first
+
+
 @pytest.mark.slow
 def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     out, base, printed = eagle3_run
