@@ -7,7 +7,8 @@ tokens in int32) and read back lazily (memory-mapped slices), so a resumed run, 
 run, or the other recipe on the same data never runs the base again, and a large set needs disk
 rather than memory. Layout of DIR (a folder every process can read):
 
-- `features.json`: what the features are of (base model and dtype, hidden size, aux layers).
+- `features.json`: what the features are of (base model, a fingerprint of its weights, dtype,
+  hidden size, aux layers).
 - `features-r{RANK}-{RUN}-{N}.safetensors`: tensors "hidden" (tokens, H), "top" (tokens,) and
   "aux" (tokens, 3H) of many examples end to end (shards made before "top" existed lack it:
   training then computes it in each step); the metadata entry "index" lists [key, first row,
@@ -120,6 +121,23 @@ def _read_identity(cache_dir: Path) -> dict | None:
     return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 
 
+# Keys a cache made by an earlier headstart may lack: not a difference of setup.
+ADDED_KEYS = ("base_weights",)
+
+
+def weights_fingerprint(model: torch.nn.Module, per_tensor: int = 64) -> str:
+    """A hash of `per_tensor` evenly spaced values of every parameter: another base under the
+    same name (re-exported, fine-tuned in place, a LoRA merged) tells itself apart."""
+    digest = hashlib.sha1()
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            flat = param.detach().reshape(-1)
+            sample = flat[:: max(1, flat.numel() // per_tensor)][:per_tensor]
+            digest.update(name.encode())
+            digest.update(sample.float().cpu().numpy().tobytes())
+    return digest.hexdigest()[:16]
+
+
 def ensure_identity(cache_dir: Path, identity: dict) -> None:
     """Write features.json for a new cache; refuse a cache made with other settings."""
     old = _read_identity(cache_dir)
@@ -127,7 +145,9 @@ def ensure_identity(cache_dir: Path, identity: dict) -> None:
         write_atomic(cache_dir / MANIFEST, json.dumps(identity, indent=2))
         return
     diffs = [
-        f"{k}: {old.get(k)!r} there, {v!r} now" for k, v in identity.items() if old.get(k) != v
+        f"{k}: {old.get(k)!r} there, {v!r} now"
+        for k, v in identity.items()
+        if old.get(k) != v and not (k in ADDED_KEYS and k not in old)
     ]
     if diffs:
         raise FeatureCacheError(
@@ -165,6 +185,7 @@ def fill_cache(
     identity = {
         "format": FORMAT,
         "base_model": base_name,
+        "base_weights": weights_fingerprint(base),
         "base_dtype": str(base.dtype).removeprefix("torch."),
         "hidden_size": hidden_size,
         "aux_layer_ids": list(aux_layer_ids),

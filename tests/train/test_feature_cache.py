@@ -159,6 +159,23 @@ def test_a_cache_of_another_setup_is_refused(base, tmp_path):
         fc.FeatureCache(tmp_path, examples(2, seed=2), torch.float32)
 
 
+def test_another_base_under_the_same_name_is_refused(base, tmp_path):
+    """A base re-exported under its old name (fine-tuned, a LoRA merged into one projection)
+    has other features: its weights' fingerprint tells it apart."""
+    fill(base, examples(3), tmp_path)
+    other = make_tiny_llama(seed=3)
+    with torch.no_grad():
+        other.model.layers[1].self_attn.q_proj.weight.mul_(1.01)
+    with pytest.raises(fc.FeatureCacheError, match="base_weights: .* there, .* now"):
+        fill(other, examples(3), tmp_path)
+    fill(make_tiny_llama(seed=3), examples(3), tmp_path)  # the same weights: served
+    # a cache made before the fingerprint existed serves as before
+    identity = json.loads((tmp_path / fc.MANIFEST).read_text())
+    del identity["base_weights"]
+    (tmp_path / fc.MANIFEST).write_text(json.dumps(identity))
+    fill(other, examples(3), tmp_path)
+
+
 def test_not_enough_disk_is_a_clear_error_before_any_work(base, tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10**6, 10**6 - 100, 100))
