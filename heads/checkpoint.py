@@ -213,7 +213,13 @@ def load_heads(
         check_model(base)
     folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
     raw = read_config(folder)
-    if raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):
+    tensors = None
+    if "medusa_num_heads" in raw:  # the reference Medusa / TGI layout (medusa_lm_head.*)
+        from heads.export import read_medusa_lm_head
+
+        config, tensors = read_medusa_lm_head(raw, read_tensors(folder), str(folder))
+        module = MedusaHeads(config)
+    elif raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):
         config = MedusaConfig.from_dict(raw)
         module = MedusaHeads(config)
     elif raw.get("model_type") == "llama" and raw.get("num_hidden_layers") == 1:
@@ -235,7 +241,8 @@ def load_heads(
         if not config.base_vocab_size:
             config.base_vocab_size = int(raw.get("vocab_size") or 0)
         config.check_base(base.config)
-    tensors = read_tensors(folder)
+    if tensors is None:
+        tensors = read_tensors(folder)
     optional: tuple[str, ...] = ()
     if isinstance(module, MedusaHeads) and config.original_lm_head:
         # vLLM also accepts the shared head under `lm_heads.0.weight`.

@@ -173,3 +173,37 @@ def test_sglang_refuses_an_eagle3_layer_with_biases(tmp_path):
     with pytest.raises(ExportError, match="no attention or MLP biases.*attention_bias.*vLLM"):
         export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")  # vLLM's layer has them
+
+
+@pytest.mark.parametrize("bias", [True, False])
+def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
+    """FasterDecoding's and TGI's `medusa_lm_head` layout (what the tgi export writes) loads
+    with load_heads and drafts as the heads it came from."""
+    from heads import load_heads
+
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=3, num_layers=2, medusa_fc_bias=bias)
+    ).init_from_base(tiny_llama)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    heads.save_pretrained(tmp_path / "medusa")
+    export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
+    loaded = load_heads(tmp_path / "tgi", base=tiny_llama)
+    assert isinstance(loaded, MedusaHeads)
+    assert (loaded.config.num_heads, loaded.config.num_hidden_layers) == (3, 2)
+    assert loaded.config.base_model_name_or_path == "tiny-llama-0"
+    hidden = torch.randn(1, 5, 64)
+    torch.testing.assert_close(loaded(hidden), heads.eval()(hidden), rtol=0, atol=1e-6)
+    # as the reference repos ship it: only the Medusa keys in config.json
+    (tmp_path / "tgi" / "config.json").write_text(
+        json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "x"})
+    )
+    torch.testing.assert_close(
+        load_heads(tmp_path / "tgi")(hidden), heads(hidden), rtol=0, atol=1e-6
+    )
+    bigger = tiny_llama.config.hidden_size * 2
+    from tests.conftest import make_tiny_llama
+
+    with pytest.raises(ValueError, match="hidden_size=64, but the given base"):
+        load_heads(tmp_path / "tgi", base=make_tiny_llama(hidden_size=bigger))
