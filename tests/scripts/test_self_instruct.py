@@ -264,3 +264,12 @@ def test_unknown_method_is_a_clear_error(tmp_path, capsys):
     recipe_file.write_text("{}")
     assert si.main([str(recipe_file), "self_instruct.method=chat"]) == 2
     assert "must be one of 'list', 'magpie'" in capsys.readouterr().err
+
+
+def test_kept_prompts_holding_a_line_separator_read_back(tmp_path):
+    """The prompt file is written with ensure_ascii=False: a raw U+2028 inside a prompt is not
+    a line break of the JSONL file (str.splitlines would split there)."""
+    records = [{"prompt": "one\u2028two", "source": "self-instruct"}, {"prompt": "three"}]
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
+    assert si.read_kept(path) == records
