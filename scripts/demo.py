@@ -1,6 +1,9 @@
 """The end-to-end demo on the embedded SmolLM2-135M-Instruct, on any machine (no GPU, no Hub):
 self-distill, train Medusa heads and an EAGLE-3 draft layer, benchmark both against the plain
-model, and write a report. Re-running reuses every finished stage.
+model, and write a report. Re-running reuses what is finished: distill answers only the prompts
+it has not, and each training resumes from its last checkpoint (a finished one only writes its
+heads again; more epochs in the recipe train on; a recipe that would not continue that run, or
+other answers, is refused naming the difference). The benchmark always runs.
 
     python scripts/demo.py [--prompts FILE.jsonl|humaneval] [--per-category K] [--max-new-tokens N] [--out runs/demo]
 
@@ -44,7 +47,8 @@ def run_stage(name: str, args: list[str], timings: dict[str, float]) -> None:
     timings[name] = time.perf_counter() - start
     if result.returncode != 0:
         raise SystemExit(
-            f"demo: stage '{name}' failed (exit {result.returncode}); rerun `make demo` to resume"
+            f"demo: stage '{name}' failed (exit {result.returncode}; its message is above). "
+            "Rerunning `make demo` resumes where it stopped."
         )
 
 
@@ -75,13 +79,12 @@ def main(argv: list[str] | None = None) -> int:
     timings: dict[str, float] = {}
 
     run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings)
-    for name, script, recipe, heads in (
-        ("train eagle-3", "train/eagle.py", EAGLE, "runs/smollm2-eagle/heads"),
-        ("train medusa", "train/medusa.py", MEDUSA, "runs/smollm2-medusa/heads"),
+    # Training runs again even where heads exist: it resumes from the run's last checkpoint, so
+    # that heads of an edited recipe or of other answers are never reused as they were.
+    for name, script, recipe in (
+        ("train eagle-3", "train/eagle.py", EAGLE),
+        ("train medusa", "train/medusa.py", MEDUSA),
     ):
-        if (ROOT / heads / "config.json").is_file():
-            print(f"\n=== {name}: {heads} exists, reused (delete it to retrain)")
-            continue
         # Medusa on a cache only when it has EAGLE-3's aux layers (made by the stage above), so
         # that a later EAGLE-3 run is never refused a cache of "hidden" only.
         with_cache = recipe == EAGLE or (ROOT / FEATURES / "features.json").is_file()

@@ -323,6 +323,21 @@ def test_eagle1_feature_noise_differs_per_micro_batch_and_repeats_on_resume(tiny
 
 
 @pytest.mark.slow
+def test_a_finished_run_run_again_trains_nothing_and_writes_its_heads(tiny_task, tmp_path, capsys):
+    """What `make demo` does on a rerun: resume=auto finds the final checkpoint."""
+    out = tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    metrics = (out / "metrics.jsonl").read_text()
+    weights = (out / "heads" / "model.safetensors").read_bytes()
+    (out / "heads" / "model.safetensors").unlink()
+    capsys.readouterr()
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert "at step 4" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert (out / "heads" / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
 def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     out, base, printed = eagle3_run
     assert {p.name for p in out.iterdir()} == RUN_FILES
