@@ -226,6 +226,9 @@ def load_heads(
         config = EagleConfig.from_dict(
             raw, base.config.num_hidden_layers if base is not None else None
         )
+        if config.version == 1:  # the EAGLE reference's layers have an fc bias, its config may
+            tensors = read_tensors(folder)  # not say so: the tensors do
+            config.fc_bias = "fc.bias" in tensors
         module = EagleDraft(config)
     else:
         raise ValueError(
@@ -257,6 +260,8 @@ def load_heads(
     if isinstance(module, EagleDraft):
         # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
         tensors.pop("embed_tokens.weight", None)
+        for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+            del tensors[name]  # older transformers saved the rope frequencies; made from config
         if config.version == 3 and config.draft_vocab_size == config.vocab_size:
             optional += ("d2t", "t2d")  # the whole vocabulary: the identity map, as engines read
     load_state_checked(module, tensors, str(folder), optional=optional)

@@ -65,6 +65,9 @@ class EagleConfig(HeadsConfig):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # EAGLE-1's fc with a bias, as the EAGLE reference trains it (its config key "bias");
+    # headstart's and vLLM's have none
+    fc_bias: bool = False
 
     @classmethod
     def from_base(
@@ -173,6 +176,8 @@ class EagleConfig(HeadsConfig):
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
+        if self.version == 1 and self.fc_bias:
+            d["bias"] = True
         if self.version == 3:
             d["draft_vocab_size"] = self.draft_vocab_size
             d["target_hidden_size"] = self.target_hidden_size
@@ -224,6 +229,7 @@ class EagleConfig(HeadsConfig):
         else:
             data["draft_vocab_size"] = data["vocab_size"]
             data.pop("aux_layer_ids", None)
+            data["fc_bias"] = bool(data.pop("bias", False))
         return super().from_dict(data)
 
 
@@ -280,7 +286,7 @@ class EagleDraft(PretrainedHeads):
         H = config.hidden_size
         self.rotary_emb = LlamaRotaryEmbedding(llama)
         if config.version == 1:
-            self.fc = nn.Linear(2 * H, H, bias=False)
+            self.fc = nn.Linear(2 * H, H, bias=config.fc_bias)
             layer = LlamaDecoderLayer(llama, layer_idx=0)
             del layer.input_layernorm  # EAGLE-1 feeds the fused input to attention unnormalised
             layer.input_layernorm = nn.Identity()

@@ -95,7 +95,7 @@ def _sglang_eagle1(heads, out: Path) -> None:
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
     tensors = load_file(out / "model.safetensors")
     weight = tensors["fc.weight"]
-    tensors["fc.bias"] = torch.zeros(weight.shape[0], dtype=weight.dtype)
+    tensors.setdefault("fc.bias", torch.zeros(weight.shape[0], dtype=weight.dtype))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 

@@ -359,3 +359,31 @@ def test_third_party_eagle3_over_the_whole_vocabulary_needs_no_vocab_map(tiny_ll
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing tensors: .*d2t"):
         load_heads(tmp_path, base=tiny_llama)
+
+
+def test_the_eagle_reference_eagle1_layout_with_an_fc_bias_loads(tiny_llama, tmp_path):
+    """EAGLE's reference trains EAGLE-1 with an fc bias and may save the base's embeddings and
+    the rope frequencies; its config need not say so. load_heads keeps the bias (the draft is
+    wrong without it), leaves the rest, and writes `"bias": true` when saving it again."""
+    draft = _eagle(tiny_llama, 1)
+    draft.save_pretrained(tmp_path / "ours")
+    tensors = load_file(tmp_path / "ours" / "model.safetensors")
+    tensors["fc.bias"] = torch.randn(64)
+    tensors["embed_tokens.weight"] = torch.zeros(256, 64)
+    tensors["layers.0.self_attn.rotary_emb.inv_freq"] = torch.ones(8)
+    ref = tmp_path / "reference"
+    ref.mkdir()
+    (ref / "config.json").write_text((tmp_path / "ours" / "config.json").read_text())
+    save_file(tensors, ref / "model.safetensors")
+    loaded = load_heads(ref, base=tiny_llama)
+    assert loaded.config.fc_bias and torch.equal(loaded.fc.bias, tensors["fc.bias"])
+    emb, hidden, pos = torch.randn(1, 4, 64), torch.randn(1, 4, 64), torch.arange(4)[None]
+    with torch.no_grad():  # the bias is used: without it, another draft
+        out = loaded(emb, hidden, pos)
+        loaded.fc.bias.zero_()
+        assert not torch.allclose(loaded(emb, hidden, pos), out)
+        loaded.fc.bias.copy_(tensors["fc.bias"])
+    loaded.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["bias"] is True
+    again = load_heads(tmp_path / "again", base=tiny_llama)
+    torch.testing.assert_close(again(emb, hidden, pos), loaded(emb, hidden, pos), rtol=0, atol=0)
