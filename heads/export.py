@@ -48,6 +48,11 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
             for name in ("attention_bias", "mlp_bias")
             if not is_medusa and getattr(heads.config, name, False)
         ]
+        if target == "vllm" and not is_medusa and heads.config.fc_bias:
+            raise ExportError(
+                "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
+                "trains one): serve it with SGLang (--to sglang) or headstart"
+            )
         if target == "sglang" and heads.config.version == 3 and biased:
             raise ExportError(
                 f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "

@@ -383,6 +383,14 @@ def test_the_eagle_reference_eagle1_layout_with_an_fc_bias_loads(tiny_llama, tmp
         loaded.fc.bias.zero_()
         assert not torch.allclose(loaded(emb, hidden, pos), out)
         loaded.fc.bias.copy_(tensors["fc.bias"])
+    from heads.export import ExportError, export_heads
+
+    with pytest.raises(ExportError, match="vLLM's EAGLE-1 fc has no bias"):
+        export_heads(ref, "vllm", tmp_path / "v")
+    export_heads(ref, "sglang", tmp_path / "s")  # its fc has one: kept as it is
+    assert torch.equal(
+        load_file(tmp_path / "s" / "model.safetensors")["fc.bias"], tensors["fc.bias"]
+    )
     loaded.save_pretrained(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["bias"] is True
     again = load_heads(tmp_path / "again", base=tiny_llama)
