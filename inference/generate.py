@@ -131,9 +131,16 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
         return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
     # Heads of another base, given as they are or inside their drafter: say so now.
     inner = [getattr(heads_or_drafter, name, None) for name in ("heads", "draft")]
+    device = next(base.parameters()).device
     for heads in (heads_or_drafter, *inner):  # MedusaDrafter.heads, EagleDrafter.draft
         if isinstance(heads, (MedusaHeads, EagleDraft)):
             heads.config.check_base(base.config)
+            where = next(heads.parameters()).device
+            if where != device:
+                raise ValueError(
+                    f"the heads are on {where}, the base on {device}: move them with "
+                    "heads.to(base.device) (load_heads(..., base=base) places them)"
+                )
     if isinstance(heads_or_drafter, Drafter):
         return heads_or_drafter
     if heads_or_drafter is None:
