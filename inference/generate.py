@@ -14,7 +14,6 @@ This is the only module that calls the base model in a loop. Per step:
 
 from __future__ import annotations
 
-import os
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,6 +36,7 @@ from inference.acceptance import (
 )
 from inference.adaptive import AdaptivePolicy
 from inference.draft import Draft, Drafter, Sampling
+from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from inference.tree import rank_paths, tree_from_parents
@@ -106,61 +106,6 @@ def check_arms(arms: list[dict | None]) -> None:
             "once another arm has configured the drafter, {} no longer means its first "
             "settings; name them instead"
         )
-
-
-def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
-    """Wrap heads in the matching drafter; a Drafter passes through; a causal LM becomes a
-    draft model; None gives the n-gram drafter; a list or tuple of these gives the union of
-    their trees (`UnionDrafter`). `options` go to the drafter (not to a union: configure its
-    members as drafter objects)."""
-    from heads.eagle import EagleDraft
-    from heads.medusa import MedusaHeads
-    from inference.drafters.eagle import EagleDrafter
-    from inference.drafters.medusa import MedusaDrafter
-    from inference.drafters.model import ModelDrafter
-    from inference.drafters.ngram import NgramDrafter
-    from inference.drafters.union import UnionDrafter
-
-    if isinstance(heads_or_drafter, (list, tuple)):
-        if options:
-            raise ValueError(
-                f"options {sorted(options)} are ambiguous for a union of drafters: pass drafter "
-                "objects with their settings, e.g. [MedusaDrafter(heads, choices='cpu-8'), "
-                "NgramDrafter(num_tokens=4)]"
-            )
-        return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
-    # Heads of another base, given as they are or inside their drafter: say so now.
-    inner = [getattr(heads_or_drafter, name, None) for name in ("heads", "draft")]
-    device = next(base.parameters()).device
-    for heads in (heads_or_drafter, *inner):  # MedusaDrafter.heads, EagleDrafter.draft
-        if isinstance(heads, (MedusaHeads, EagleDraft)):
-            heads.config.check_base(base.config)
-            where = next(heads.parameters()).device
-            if where != device:
-                raise ValueError(
-                    f"the heads are on {where}, the base on {device}: move them with "
-                    "heads.to(base.device) (load_heads(..., base=base) places them)"
-                )
-    if isinstance(heads_or_drafter, Drafter):
-        return heads_or_drafter
-    if heads_or_drafter is None:
-        return NgramDrafter(**options)
-    if isinstance(heads_or_drafter, MedusaHeads):
-        return MedusaDrafter(heads_or_drafter, **options)
-    if isinstance(heads_or_drafter, EagleDraft):
-        return EagleDrafter(heads_or_drafter, base, **options)
-    if isinstance(heads_or_drafter, PreTrainedModel):
-        if heads_or_drafter.config.vocab_size != base.config.vocab_size:
-            raise ValueError("a draft model must share the base's tokenizer (vocab sizes differ)")
-        return ModelDrafter(heads_or_drafter, **options)
-    if isinstance(heads_or_drafter, (str, os.PathLike)):
-        raise TypeError(
-            f"got the path {str(heads_or_drafter)!r}: load the heads first, "
-            "heads = load_heads(path, base=base), and pass them"
-        )
-    raise TypeError(
-        f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
-    )
 
 
 class SpeculativeGenerator:

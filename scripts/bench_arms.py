@@ -38,7 +38,7 @@ from bench import per_category, prompt_ids, read_prompts  # noqa: E402
 from heads import load_base, load_heads  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
 from inference.adaptive import AdaptivePolicy  # noqa: E402
-from inference.generate import make_drafter  # noqa: E402
+from inference.drafters import make_drafter  # noqa: E402
 from train.data import ChatTemplateError  # noqa: E402
 from train.prompts import PromptSourceError  # noqa: E402
 

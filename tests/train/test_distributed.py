@@ -16,13 +16,8 @@ import yaml
 
 from heads import MedusaHeads, load_heads
 from tests.train.conftest import ROOT, TINY_MEDUSA, load_tiny_base
-from tests.train.test_recipes import (
-    CHECKPOINT_FILES,
-    HEADS_FILES,
-    assert_same_run,
-    free_port,
-    read_metrics,
-)
+from tests.train.test_recipes import CHECKPOINT_FILES, HEADS_FILES, free_port, read_metrics
+from tests.train.test_resume import assert_same_run
 
 
 @pytest.mark.slow

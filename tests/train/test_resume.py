@@ -1,0 +1,202 @@
+"""Resume, as a kill leaves a run: the same losses after it, a checkpoint half written, a fresh
+start over an earlier run's output, a finished run run again (the tiny recipes of conftest.py)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoTokenizer
+
+import train.eagle
+import train.medusa
+from tests.train.conftest import MEDUSA_RUN, TINY_EAGLE, TINY_MEDUSA, load_tiny_base, run
+from tests.train.test_recipes import heads_tensors, read_metrics
+from train.config import load_recipe
+
+
+class Interrupted(Exception):
+    """Stands for a kill in the middle of a run."""
+
+
+def interrupted_run(module, recipe: Path, task, out: Path, kill_at_step: int, *overrides: str):
+    """Run a recipe and stop it as a kill would, as soon as step `kill_at_step` has run."""
+    real = module.check_finite
+
+    def check_then_kill(loss, step, output_dir):
+        real(loss, step, output_dir)
+        if step == kill_at_step:
+            raise Interrupted(step)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(module, "check_finite", check_then_kill)
+        with pytest.raises(Interrupted):
+            run(module, recipe, task, out, *overrides)
+
+
+def assert_same_run(out: Path, reference: Path, steps: int) -> None:
+    """Same losses at every step (training and held-out) and the same final heads."""
+    got, want = read_metrics(out), read_metrics(reference)
+    assert sorted(got[0]) == list(range(1, steps + 1))
+    for (got_lines, want_lines), key in zip(zip(got, want), ("loss", "eval/loss")):
+        assert sorted(got_lines) == sorted(want_lines)
+        for step in want_lines:
+            assert got_lines[step][key] == pytest.approx(want_lines[step][key], abs=1e-6), step
+    got_heads, want_heads = heads_tensors(out), heads_tensors(reference)
+    assert got_heads.keys() == want_heads.keys()
+    for name in want_heads:
+        torch.testing.assert_close(got_heads[name], want_heads[name], rtol=0, atol=1e-6)
+
+
+@pytest.mark.slow
+def test_medusa_resume_continues_with_the_same_losses(medusa_run, tiny_task, tmp_path, capsys):
+    reference, _, _ = medusa_run
+    out = tmp_path / "out"
+    # Killed during step 12: the last checkpoint is step 10 (epoch 1, batch 1) and step 11 is
+    # already in metrics.jsonl; the rerun (resume: auto) continues from step 10.
+    interrupted_run(train.medusa, TINY_MEDUSA, tiny_task, out, 12, *MEDUSA_RUN)
+    assert (out / "checkpoints" / "step-00000010").is_dir() and not (out / "heads").exists()
+    with open(out / "metrics.jsonl", "a") as f:
+        f.write('{"step": 12, "loss": 0.')  # a line torn by the kill
+    capsys.readouterr()
+    # Resumed with another batch order or other heads, it would not continue that run: refused
+    # before any work, naming the difference, and the checkpoint is kept.
+    with pytest.raises(SystemExit) as exit_info:
+        run(
+            train.medusa,
+            TINY_MEDUSA,
+            tiny_task,
+            out,
+            *MEDUSA_RUN,
+            "training.seed=1",
+            "heads.num_heads=3",
+        )
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "(heads.num_heads: 2 there, 3 now; training.seed: 0 there, 1 now)" in err
+    assert "training.resume=never" in err
+    assert (out / "checkpoints" / "step-00000010").is_dir() and not (out / "heads").exists()
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *MEDUSA_RUN)
+    assert "at step 10" in capsys.readouterr().out
+    assert_same_run(out, reference, 12)  # reads every line of metrics.jsonl as JSON
+
+
+@pytest.mark.slow
+def test_eagle3_resume_reuses_the_draft_vocabulary(tiny_task, tmp_path, monkeypatch):
+    """A 3-step unroll, interrupted after its checkpoint at step 2; the resumed run must not
+    rebuild the draft vocabulary (d2t / t2d) from the data."""
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, reference)
+    interrupted_run(train.eagle, TINY_EAGLE, tiny_task, out, 4)
+    assert (out / "draft_vocab.safetensors").is_file()
+
+    def rebuild(*args):
+        raise AssertionError("the draft vocabulary was rebuilt on resume")
+
+    monkeypatch.setattr("train.features.frequent_tokens", rebuild)
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert_same_run(out, reference, 4)
+
+
+@pytest.mark.slow
+def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tiny_task, tmp_path, monkeypatch):
+    """Killed while accelerate writes the step-4 checkpoint: the half-written folder is not taken
+    for a checkpoint, the rerun continues from step 2 as if nothing happened, and clears it."""
+    import accelerate
+
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, reference)
+    real = accelerate.Accelerator.save_state
+
+    def save_then_kill(self, output_dir=None, **kwargs):
+        written = real(self, output_dir, **kwargs)
+        if Path(output_dir).name.endswith("step-00000004"):
+            (Path(output_dir) / "optimizer.bin").unlink()  # only part of it reached the disk
+            raise Interrupted(output_dir)
+        return written
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(accelerate.Accelerator, "save_state", save_then_kill)
+        with pytest.raises(Interrupted):
+            run(train.eagle, TINY_EAGLE, tiny_task, out)
+    checkpoints = out / "checkpoints"
+    assert sorted(p.name for p in checkpoints.iterdir()) == [".tmp-step-00000004", "step-00000002"]
+    assert not (out / "heads").exists()
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert sorted(p.name for p in checkpoints.iterdir()) == ["step-00000002", "step-00000004"]
+    assert_same_run(out, reference, 4)
+
+
+@pytest.mark.slow
+def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabulary(
+    tiny_task, tmp_path, capsys
+):
+    """resume=never over a finished run: its step-2 / step-4 checkpoints would outlast the new
+    run's own (keep_last 2) and be resumed after a kill; its draft vocabulary came from its
+    data. Both go; the new run keeps only its own."""
+    out = tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000002",
+        "step-00000004",
+    ]
+    capsys.readouterr()
+    run(
+        train.eagle,
+        TINY_EAGLE,
+        tiny_task,
+        out,
+        "training.resume=never",
+        "training.max_steps=3",
+        "training.save_every_steps=3",
+        "heads.draft_vocab_size=128",
+    )
+    printed = capsys.readouterr().out
+    assert "removed the earlier run's 2 checkpoint(s) and draft_vocab.safetensors" in printed
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
+    assert load_file(out / "draft_vocab.safetensors")["token_ids"].numel() == 128
+    assert sorted(read_metrics(out)[0]) == [1, 2, 3]
+
+
+def test_eagle1_feature_noise_differs_per_micro_batch_and_repeats_on_resume(tiny_task, tmp_path):
+    """Each micro-batch of a step (accumulation) draws its own noise; a fresh trainee at the
+    same step draws the same again (what a resumed run does)."""
+    from heads import EagleConfig, EagleDraft
+    from train.data import build_examples, load_distilled
+    from train.features import ExampleDataset, collate
+
+    recipe = load_recipe(
+        TINY_EAGLE, [*tiny_task.overrides(tmp_path), "heads.version=1", "heads.feature_noise=0.5"]
+    )
+    base = load_tiny_base(tiny_task)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples = build_examples(load_distilled(tiny_task.data_dir)[:2], tokenizer, max_length=256)
+    batch = collate(ExampleDataset(examples), [0, 1], tokenizer.pad_token_id, "cpu")
+
+    def losses() -> list[float]:
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
+        trainee = train.eagle.EagleTrainee(base, draft, recipe).train()
+        with torch.no_grad():
+            return [float(trainee(batch, step)[0]) for step in (3, 3, 4)]
+
+    first = losses()
+    assert len(set(first)) == 3  # two micro-batches of step 3, one of step 4: three draws
+    assert losses() == first
+
+
+@pytest.mark.slow
+def test_a_finished_run_run_again_trains_nothing_and_writes_its_heads(tiny_task, tmp_path, capsys):
+    """What `make demo` does on a rerun: resume=auto finds the final checkpoint."""
+    out = tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    metrics = (out / "metrics.jsonl").read_text()
+    weights = (out / "heads" / "model.safetensors").read_bytes()
+    (out / "heads" / "model.safetensors").unlink()
+    capsys.readouterr()
+    run(train.eagle, TINY_EAGLE, tiny_task, out)
+    assert "at step 4" in capsys.readouterr().out
+    assert (out / "metrics.jsonl").read_text() == metrics
+    assert (out / "heads" / "model.safetensors").read_bytes() == weights
