@@ -215,7 +215,7 @@ def load_heads(
     raw = read_config(folder)
     tensors = None
     if "medusa_num_heads" in raw:  # the reference Medusa / TGI layout (medusa_lm_head.*)
-        from heads.export import read_medusa_lm_head
+        from heads.medusa import read_medusa_lm_head
 
         config, tensors = read_medusa_lm_head(raw, read_tensors(folder), str(folder))
         module = MedusaHeads(config)

@@ -1,7 +1,7 @@
 """Writing heads in other engines' layouts.
 
-vLLM reads headstart's native folders as they are (DESIGN.md), so exporting to it is a checked
-copy; SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
+vLLM reads headstart's native folders as they are (DESIGN.md), so exporting to it writes the loaded
+heads in that layout (a checked copy of a native folder); SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
 rather than the state entering it), and wants EAGLE-1 under its own architecture name with an fc
 bias, which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
 `{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head), plus
@@ -16,6 +16,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
@@ -58,14 +59,16 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
                 f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "
                 f"{' and '.join(biased)} (from their base): serve them with vLLM"
             )
-        out.mkdir(parents=True, exist_ok=True)
-        for name in (CONFIG_NAME, "model.safetensors", "README.md"):
-            if (Path(src) / name).is_file():
-                shutil.copy2(Path(src) / name, out / name)
+        # Written from the loaded heads, in the native layout and dtype of the source: a folder
+        # of another layout (Medusa's reference, another trainer's EAGLE-3) or written by an
+        # earlier headstart comes out as the engines read it.
+        heads.save_pretrained(out, dtype=_stored_dtype(Path(src)))
+        if (Path(src) / "README.md").is_file():  # the source's own model card
+            shutil.copy2(Path(src) / "README.md", out / "README.md")
         if target == "sglang" and heads.config.version == 3:
             _sglang_aux_ids(out / CONFIG_NAME)
         elif target == "sglang":
-            _sglang_eagle1(heads, out)
+            _sglang_eagle1(out)
         return out
     if not is_medusa:
         raise ExportError(
@@ -84,12 +87,23 @@ def _sglang_aux_ids(config_path: Path) -> None:
     if min(ids) < 1:
         raise ExportError(f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0)")
     config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
-    if "eagle_aux_hidden_state_layer_ids" in config:  # the copy vLLM reads: the same ids
-        config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
+    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]  # the top-level copy
     config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
-def _sglang_eagle1(heads, out: Path) -> None:
+def _stored_dtype(folder: Path) -> torch.dtype | None:
+    """The floating dtype of a folder's safetensors weights (read from their headers)."""
+    names = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16}
+    for path in sorted(folder.glob("*.safetensors")):
+        with safe_open(path, framework="pt") as f:
+            for key in f.keys():  # noqa: SIM118  (a safe_open handle is not iterable)
+                dtype = names.get(f.get_slice(key).get_dtype())
+                if dtype is not None:
+                    return dtype
+    return None
+
+
+def _sglang_eagle1(out: Path) -> None:
     """SGLang builds its EAGLE-1 model only for the architecture `LlamaForCausalLMEagle` (a
     plain `LlamaForCausalLM`, which vLLM maps to its EAGLE model, would load as a one-layer
     Llama), and its fc has a bias, which stays randomly initialised when the file has none:
@@ -102,48 +116,6 @@ def _sglang_eagle1(heads, out: Path) -> None:
     weight = tensors["fc.weight"]
     tensors.setdefault("fc.bias", torch.zeros(weight.shape[0], dtype=weight.dtype))
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
-
-
-def read_medusa_lm_head(raw: dict, tensors: dict[str, torch.Tensor], where: str):
-    """(MedusaConfig, tensors in headstart's names) from the reference Medusa / TGI layout
-    (config `medusa_num_heads`, `medusa_num_layers`; tensors `{h}.{l}.linear.weight/bias`,
-    `{h}.{L}.weight`), as FasterDecoding's and TGI's Medusa repos ship it, once in safetensors.
-    Sizes come from the tensors; the base is the one the config names."""
-    from heads.medusa import MedusaConfig
-
-    K, L = raw.get("medusa_num_heads"), raw.get("medusa_num_layers", 1)
-    if not isinstance(K, int) or not isinstance(L, int) or K < 1 or L < 0:
-        raise ValueError(
-            f"{where}: medusa_num_heads={K!r}, medusa_num_layers={L!r}: need integers >= 1, >= 0"
-        )
-    head = tensors.get(f"0.{L}.weight")
-    if head is None or head.dim() != 2:
-        raise ValueError(
-            f"{where}: no tensor 0.{L}.weight (head 0's lm_head after {L} residual layers): "
-            "not the Medusa lm_head layout its config.json says"
-        )
-    vocab, hidden = head.shape
-    renamed = {}
-    for name, tensor in tensors.items():
-        h, rest = name.split(".", 1) if "." in name else (name, "")
-        layer, _, kind = rest.partition(".")
-        if kind.startswith("linear.") and h.isdigit() and layer.isdigit():
-            renamed[f"blocks.{h}.layers.{layer}.{kind.removeprefix('linear.')}"] = tensor
-        elif rest == f"{L}.weight" and h.isdigit():
-            renamed[f"lm_heads.{h}.weight"] = tensor
-        else:
-            renamed[name] = tensor  # named as unexpected by the load
-    config = MedusaConfig(
-        hidden_size=hidden,
-        vocab_size=vocab,
-        num_heads=K,
-        num_hidden_layers=L,
-        medusa_fc_bias=L == 0 or "0.0.linear.bias" in tensors,
-        base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
-        base_hidden_size=hidden,
-        base_vocab_size=vocab,
-    )
-    return config, renamed
 
 
 def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:

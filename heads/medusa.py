@@ -176,3 +176,43 @@ class MedusaHeads(PretrainedHeads):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def read_medusa_lm_head(raw: dict, tensors: dict[str, torch.Tensor], where: str):
+    """(MedusaConfig, tensors in headstart's names) from the reference Medusa / TGI layout
+    (config `medusa_num_heads`, `medusa_num_layers`; tensors `{h}.{l}.linear.weight/bias`,
+    `{h}.{L}.weight`), as FasterDecoding's and TGI's Medusa repos ship it, once in safetensors.
+    Sizes come from the tensors; the base is the one the config names."""
+    K, L = raw.get("medusa_num_heads"), raw.get("medusa_num_layers", 1)
+    if not isinstance(K, int) or not isinstance(L, int) or K < 1 or L < 0:
+        raise ValueError(
+            f"{where}: medusa_num_heads={K!r}, medusa_num_layers={L!r}: need integers >= 1, >= 0"
+        )
+    head = tensors.get(f"0.{L}.weight")
+    if head is None or head.dim() != 2:
+        raise ValueError(
+            f"{where}: no tensor 0.{L}.weight (head 0's lm_head after {L} residual layers): "
+            "not the Medusa lm_head layout its config.json says"
+        )
+    vocab, hidden = head.shape
+    renamed = {}
+    for name, tensor in tensors.items():
+        h, rest = name.split(".", 1) if "." in name else (name, "")
+        layer, _, kind = rest.partition(".")
+        if kind.startswith("linear.") and h.isdigit() and layer.isdigit():
+            renamed[f"blocks.{h}.layers.{layer}.{kind.removeprefix('linear.')}"] = tensor
+        elif rest == f"{L}.weight" and h.isdigit():
+            renamed[f"lm_heads.{h}.weight"] = tensor
+        else:
+            renamed[name] = tensor  # named as unexpected by the load
+    config = MedusaConfig(
+        hidden_size=hidden,
+        vocab_size=vocab,
+        num_heads=K,
+        num_hidden_layers=L,
+        medusa_fc_bias=L == 0 or "0.0.linear.bias" in tensors,
+        base_model_name_or_path=str(raw.get("base_model_name_or_path") or ""),
+        base_hidden_size=hidden,
+        base_vocab_size=vocab,
+    )
+    return config, renamed

@@ -87,13 +87,21 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
             "masks that verify a draft in one forward: load it with attn_implementation='sdpa' "
             "(load_base's default) or 'eager'"
         )
-    layers = DynamicCache(config=base.config).layers
-    other = sorted({type(layer).__name__ for layer in layers if type(layer) is not DynamicLayer})
+    # A window as wide as the context never applies (the loop stops within the context).
+    context = base.config.max_position_embeddings
+    other = sorted(
+        {
+            type(layer).__name__
+            for layer in DynamicCache(config=base.config).layers
+            if type(layer) is not DynamicLayer and getattr(layer, "sliding_window", 0) < context
+        }
+    )
     if other:
         raise ValueError(
             f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
-            "attention, e.g. Gemma-2/3 or Mistral v0.1): tree verification keeps and crops the "
-            "KV cache by position, which needs full attention in every layer"
+            "attention narrower than its context, e.g. Gemma-2/3 or Mistral v0.1): tree "
+            "verification keeps and crops the KV cache by position, which needs full attention "
+            "in every layer"
         )
 
 
@@ -481,5 +489,7 @@ class SpeculativeGenerator:
                 eos_token_id = self.base.config.eos_token_id
         if eos_token_id is None:
             return set()
-        # an int, a list of them, or a tensor / numpy value of either
+        # an int, a list or set of them, or a tensor / numpy value of either
+        if isinstance(eos_token_id, (set, frozenset)):
+            eos_token_id = sorted(eos_token_id)
         return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}

@@ -121,7 +121,7 @@ class EagleTrainee(Trainee):
             self._noise_at = (step, calls)
             rank = PartialState().process_index
             seed = ((self.seed * 1_000_003 + step) * 1_009 + calls) * 65_537 + rank
-            g = torch.Generator(device=hidden.device).manual_seed(seed)
+            g = torch.Generator(device=hidden.device).manual_seed(seed % 2**63)
             x = (
                 hidden
                 + (torch.rand(hidden.shape, generator=g, device=hidden.device) - 0.5)

@@ -91,8 +91,9 @@ def corpus_examples(recipe, tokenizer) -> list[Example]:
 def split_held_out(
     examples: list[Example], fraction: float, seed: int
 ) -> tuple[list[Example], list[Example]]:
-    """(train, held out): whole prompts in the order of a seeded hash of their tokens, until
-    `fraction` of the examples are held out (at least one when fraction > 0), so that
+    """(train, held out): whole prompts in the order of a seeded hash of their tokens, those that
+    fit in `fraction` of the examples (a prompt with more answers than that is passed over; at
+    least one prompt when fraction > 0 and there are two), so that
 
     - the answers to one prompt (`data.num_samples` > 1, or a prompt asked twice) fall on the
       same side: no held-out prompt was trained on;
@@ -108,10 +109,12 @@ def split_held_out(
     for i, example in enumerate(examples):
         groups.setdefault(_prompt_key(example, seed), []).append(i)
     held: set[int] = set()
-    for key in sorted(groups):  # whole prompts, in the seeded hash order, until n_eval examples
-        if len(held) >= n_eval or len(held) + len(groups[key]) == len(examples):
-            break
-        held.update(groups[key])
+    order = sorted(groups)  # the seeded hash order
+    for key in order:
+        if len(held) + len(groups[key]) <= n_eval:
+            held.update(groups[key])
+    if not held and len(groups) > 1:  # every prompt has more answers than n_eval: the smallest
+        held.update(groups[min(order, key=lambda k: len(groups[k]))])
     return (
         [e for i, e in enumerate(examples) if i not in held],
         [e for i, e in enumerate(examples) if i in held],

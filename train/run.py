@@ -120,6 +120,7 @@ _SHAPE_FIELDS = (
     "head_dim",
     "vocab_size",
     "draft_vocab_size",
+    "fc_bias",
     "target_hidden_size",
     "aux_layer_ids",
     "attention_bias",
@@ -149,6 +150,9 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
                 if isinstance(config, EagleConfig)
                 else type(config).from_dict(raw)
             )
+            if isinstance(theirs, EagleConfig) and theirs.version == 1:
+                # EAGLE's reference layers have an fc bias their config need not name
+                theirs.fc_bias = "fc.bias" in read_tensors(folder)
             diffs = [
                 f"{name}: {_plain(getattr(theirs, name))!r} there, "
                 f"{_plain(getattr(config, name))!r} here"

@@ -207,3 +207,51 @@ def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
 
     with pytest.raises(ValueError, match="hidden_size=64, but the given base"):
         load_heads(tmp_path / "tgi", base=make_tiny_llama(hidden_size=bigger))
+
+
+def test_vllm_and_sglang_exports_write_the_native_layout_of_any_loadable_folder(
+    tiny_llama, tmp_path
+):
+    """A folder load_heads reads in another layout, or written by an earlier headstart, comes
+    out as the engines read it: native tensor names, today's config keys, the source's dtype."""
+    from heads import load_heads
+
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).init_from_base(
+        tiny_llama
+    )
+    heads.save_pretrained(tmp_path / "medusa", dtype=torch.bfloat16)
+    export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
+    export_heads(tmp_path / "tgi", "vllm", tmp_path / "v")  # the reference layout -> vLLM's
+    names = set(load_file(tmp_path / "v" / "model.safetensors"))
+    assert "blocks.0.layers.0.weight" in names and "lm_heads.1.weight" in names
+    again = load_heads(tmp_path / "v", base=tiny_llama)
+    hidden = torch.randn(1, 3, 64)
+    torch.testing.assert_close(
+        again(hidden), load_heads(tmp_path / "medusa", base=tiny_llama)(hidden)
+    )
+    # an earlier headstart's key, which vLLM takes for the residual layers per head
+    cfg = json.loads((tmp_path / "medusa" / "config.json").read_text())
+    cfg["base_num_hidden_layers"] = cfg.pop("base_hidden_layers")
+    (tmp_path / "medusa" / "config.json").write_text(json.dumps(cfg))
+    export_heads(tmp_path / "medusa", "vllm", tmp_path / "v2")
+    written = json.loads((tmp_path / "v2" / "config.json").read_text())
+    assert "base_num_hidden_layers" not in written and written["base_hidden_layers"] == 2
+    assert written["torch_dtype"] == "bfloat16"
+    assert (
+        load_file(tmp_path / "v2" / "model.safetensors")["lm_heads.0.weight"].dtype
+        == torch.bfloat16
+    )
+    # an EAGLE-3 folder naming its aux layers at the top level only
+    from tests.conftest import make_tiny_llama
+
+    deeper = make_tiny_llama(num_hidden_layers=8)
+    draft = EagleDraft(EagleConfig.from_base(deeper.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(0, 256, 8))
+    draft.save_pretrained(tmp_path / "e3")
+    cfg = json.loads((tmp_path / "e3" / "config.json").read_text())
+    del cfg["eagle_config"]
+    (tmp_path / "e3" / "config.json").write_text(json.dumps(cfg))
+    export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
+    sglang = json.loads((tmp_path / "s" / "config.json").read_text())
+    assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]

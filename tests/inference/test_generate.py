@@ -323,6 +323,8 @@ def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
     )
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers"):
         SpeculativeGenerator(sliding)
+    sliding.config.sliding_window = sliding.config.max_position_embeddings  # never applies
+    SpeculativeGenerator(sliding)  # as Phi-3.5-mini's 256k window over 128k positions
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4))
     with pytest.raises(ValueError, match="GPT2LMHeadModel has no .model decoder"):
         SpeculativeGenerator(gpt2)
@@ -339,7 +341,7 @@ def test_prompts_as_lists_and_eos_as_tensors_are_taken():
     new = ref.sequences[0, 3:].tolist()
     eos = new[2]  # the third new token: generation stops where it first comes
     end = 3 + new.index(eos) + 1
-    for given in (torch.tensor(eos), torch.tensor([eos]), np.int64(eos), [eos]):
+    for given in (torch.tensor(eos), torch.tensor([eos]), np.int64(eos), [eos], {eos}):
         out = gen.generate([5, 6, 7], max_new_tokens=8, eos_token_id=given)
         assert torch.equal(out.sequences, ref.sequences[:, :end]) and out.finished
 

@@ -314,3 +314,22 @@ def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_token
     # The template closes both answers; only the finished one's marker is the base's own.
     assert targets[0][-1] == end and smollm2_tokenizer.decode(targets[0][:-1]) == "1 2 3 4 5"
     assert end in cut["input_ids"] and smollm2_tokenizer.decode(targets[1]) == "1 2 3"
+
+
+def test_held_out_split_passes_over_a_prompt_with_too_many_answers():
+    from train.features import split_held_out
+
+    def example(prompt: int, answer: int) -> dict:
+        ids = [1, prompt, 2, answer, answer + 1]
+        return {"input_ids": ids, "loss_mask": [0, 0, 0, 1, 1], "labels": ids}
+
+    many = [example(7, 500 + a) for a in range(50)]  # one prompt answered 50 times
+    single = [example(100 + p, 500) for p in range(50)]
+    for seed in range(5):
+        train, held = split_held_out(many + single, 0.05, seed)
+        assert len(held) == 5 and len(train) == 95
+        assert all(e["input_ids"][1] != 7 for e in held)
+    # Only prompts larger than the held-out share: the smallest one, never all of them.
+    train, held = split_held_out(many + many[:1] + [example(8, 1)] * 20, 0.05, 0)
+    assert [e["input_ids"][1] for e in held] == [8] * 20 and len(train) == 51
+    assert split_held_out(many, 0.05, 0) == (many, [])  # one prompt: nothing to hold out

@@ -3,6 +3,7 @@ start over an earlier run's output, a finished run run again (the tiny recipes o
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import pytest
@@ -185,6 +186,11 @@ def test_eagle1_feature_noise_differs_per_micro_batch_and_repeats_on_resume(tiny
     first = losses()
     assert len(set(first)) == 3  # two micro-batches of step 3, one of step 4: three draws
     assert losses() == first
+    recipe = load_recipe(
+        TINY_EAGLE,
+        [*tiny_task.overrides(tmp_path), "heads.version=1", "training.seed=300000"],
+    )
+    assert all(math.isfinite(x) for x in losses())  # a large seed still seeds the noise
 
 
 @pytest.mark.slow
