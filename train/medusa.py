@@ -106,9 +106,10 @@ class MedusaTrainee(Trainee):
                 loss_k = -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]
-                loss_k = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")[
-                    labels >= 0
-                ].mean()
+                drafted = labels >= 0  # targets outside a reduced draft vocabulary teach nothing
+                losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+                # a micro-batch with none of them in it adds 0, not the NaN of an empty mean
+                loss_k = (losses * drafted).sum() / drafted.sum().clamp(min=1)
             loss = loss + self.decay**k * loss_k
             pred = self.heads.to_base_ids(logits.argmax(-1))
             truth = shift_left(ids, k + 2)[valid]

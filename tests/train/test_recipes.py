@@ -392,3 +392,28 @@ def test_heads_type_must_match_the_script(capsys):
         train.medusa.main([str(TINY_EAGLE)])
     assert exit_.value.code == 2
     assert "run train/eagle.py" in capsys.readouterr().err
+
+
+def test_hard_labels_outside_a_reduced_draft_vocabulary_add_no_nan(tmp_path):
+    """soft_labels=false with a reduced draft vocabulary: a micro-batch whose targets of some
+    head all lie outside it adds 0 for that head (an empty mean was NaN, which stopped the run)."""
+    from heads import MedusaConfig, MedusaHeads
+    from tests.conftest import make_tiny_llama
+
+    base = make_tiny_llama()
+    config = MedusaConfig.from_base(base.config, num_heads=2, truncated_vocab_size=4)
+    heads = MedusaHeads(config).init_from_base(base, token_map=torch.tensor([0, 1, 2, 3]))
+    recipe = load_recipe(TINY_MEDUSA, [f"output.dir={tmp_path}", "training.soft_labels=false"])
+    trainee = train.medusa.MedusaTrainee(base, heads, recipe)
+    ids = torch.tensor(
+        [[5, 6, 7, 8, 9, 10, 2, 3]]
+    )  # head 0's targets (8, 9, 10, 2, 3): two drafted
+    mask = torch.tensor([[0, 0, 0, 1, 1, 1, 1, 1]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        loss, metrics = trainee(batch)
+        assert math.isfinite(float(loss)) and float(loss) > 0
+        far = ids.clone()
+        far[0, 3:] = torch.tensor([200, 201, 202, 203, 204])  # none drafted, for either head
+        loss, _ = trainee({**batch, "input_ids": far})
+        assert float(loss) == 0.0
