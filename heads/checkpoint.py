@@ -190,6 +190,45 @@ def resolve_folder(
     raise FileNotFoundError(f"the Hub repo {repo_id} has no .safetensors weights.{hint}")
 
 
+def read_heads_folder(folder: Path, base_layers: int | None = None):
+    """(config, tensors) of a heads folder in any layout `load_heads` reads: headstart's (vLLM's
+    Medusa, the engines' EAGLE), Medusa's reference / TGI `medusa_lm_head`, EAGLE's reference
+    EAGLE-1 and other trainers' EAGLE-3. What a folder leaves out is completed as the engines
+    do (the base's sizes from the heads' own, `base_layers` for EAGLE-3's default aux layers, an
+    EAGLE-1 fc bias from the tensors), and tensors the heads do not hold are dropped."""
+    from heads.eagle import EagleConfig
+    from heads.medusa import MedusaConfig, read_medusa_lm_head
+
+    raw = read_config(folder)  # the config is checked before the weights are read
+    reference = "medusa_num_heads" in raw  # Medusa's reference / TGI layout: sized by its tensors
+    config = None
+    if raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):
+        config = MedusaConfig.from_dict(raw)
+    elif raw.get("model_type") == "llama" and raw.get("num_hidden_layers") == 1:
+        config = EagleConfig.from_dict(raw, base_layers)
+    elif not reference:
+        raise ValueError(
+            f"{folder}/{CONFIG_NAME} is neither Medusa heads (model_type 'medusa') nor an EAGLE "
+            f"draft layer (a 1-layer llama config); got model_type={raw.get('model_type')!r}"
+        )
+    tensors = read_tensors(folder)
+    if reference:
+        return read_medusa_lm_head(raw, tensors, str(folder))
+    if isinstance(config, EagleConfig):
+        if config.version == 1:  # EAGLE's reference trains an fc bias its config need not name
+            config.fc_bias = "fc.bias" in tensors
+        # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
+        tensors.pop("embed_tokens.weight", None)
+        for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
+            del tensors[name]  # older transformers saved the rope frequencies; made from config
+    # Folders from other trainers record no base: their own sizes are the base's.
+    if not config.base_hidden_size:
+        config.base_hidden_size = int(raw.get("target_hidden_size") or raw.get("hidden_size") or 0)
+    if not config.base_vocab_size:
+        config.base_vocab_size = int(raw.get("vocab_size") or 0)
+    return config, tensors
+
+
 def load_heads(
     path_or_repo_id: str | os.PathLike,
     base: nn.Module | None = None,
@@ -206,46 +245,18 @@ def load_heads(
     size, layer count must match what they were trained on), moved to its device and dtype, and
     a shared Medusa lm_head is tied to the base's.
     """
-    from heads.eagle import EagleConfig, EagleDraft, check_vocab_map
+    from heads.eagle import EagleDraft, check_vocab_map
     from heads.medusa import MedusaConfig, MedusaHeads
 
     if base is not None:
         check_model(base)
     folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
-    raw = read_config(folder)
-    tensors = None
-    if "medusa_num_heads" in raw:  # the reference Medusa / TGI layout (medusa_lm_head.*)
-        from heads.medusa import read_medusa_lm_head
-
-        config, tensors = read_medusa_lm_head(raw, read_tensors(folder), str(folder))
-        module = MedusaHeads(config)
-    elif raw.get("model_type") == "medusa" or "MedusaModel" in (raw.get("architectures") or []):
-        config = MedusaConfig.from_dict(raw)
-        module = MedusaHeads(config)
-    elif raw.get("model_type") == "llama" and raw.get("num_hidden_layers") == 1:
-        config = EagleConfig.from_dict(
-            raw, base.config.num_hidden_layers if base is not None else None
-        )
-        if config.version == 1:  # the EAGLE reference's layers have an fc bias, its config may
-            tensors = read_tensors(folder)  # not say so: the tensors do
-            config.fc_bias = "fc.bias" in tensors
-        module = EagleDraft(config)
-    else:
-        raise ValueError(
-            f"{folder}/{CONFIG_NAME} is neither Medusa heads (model_type 'medusa') nor an EAGLE "
-            f"draft layer (a 1-layer llama config); got model_type={raw.get('model_type')!r}"
-        )
+    config, tensors = read_heads_folder(
+        folder, base.config.num_hidden_layers if base is not None else None
+    )
+    module = MedusaHeads(config) if isinstance(config, MedusaConfig) else EagleDraft(config)
     if base is not None:
-        # Folders from other trainers record no base: their own sizes are the base's.
-        if not config.base_hidden_size:
-            config.base_hidden_size = int(
-                raw.get("target_hidden_size") or raw.get("hidden_size") or 0
-            )
-        if not config.base_vocab_size:
-            config.base_vocab_size = int(raw.get("vocab_size") or 0)
         config.check_base(base.config)
-    if tensors is None:
-        tensors = read_tensors(folder)
     optional: tuple[str, ...] = ()
     if isinstance(module, MedusaHeads) and config.original_lm_head:
         # vLLM also accepts the shared head under `lm_heads.0.weight`.
@@ -257,13 +268,9 @@ def load_heads(
         if module.token_map is not None and missing_head and base is not None:
             weight = base.get_output_embeddings().weight
             tensors["lm_head.weight"] = weight[tensors["token_map"].to(weight.device)].cpu()
-    if isinstance(module, EagleDraft):
-        # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
-        tensors.pop("embed_tokens.weight", None)
-        for name in [n for n in tensors if n.endswith("rotary_emb.inv_freq")]:
-            del tensors[name]  # older transformers saved the rope frequencies; made from config
-        if config.version == 3 and config.draft_vocab_size == config.vocab_size:
-            optional += ("d2t", "t2d")  # the whole vocabulary: the identity map, as engines read
+    whole_vocab = isinstance(module, EagleDraft) and config.draft_vocab_size == config.vocab_size
+    if whole_vocab and config.version == 3:
+        optional += ("d2t", "t2d")  # the whole vocabulary: the identity map, as engines read
     load_state_checked(module, tensors, str(folder), optional=optional)
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)

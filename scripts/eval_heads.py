@@ -116,12 +116,10 @@ def main(argv: list[str] | None = None) -> int:
         # Read before the base loads: bad input stops at once.
         data = args.data or recipe.data.output_dir
         records = read_distilled(data)
-        conversations = [messages for messages, _ in records]
-        finished = [f for _, f in records]
-        if not any(m["role"] == "assistant" for c in conversations for m in c):
+        if not any(m["role"] == "assistant" for c, _ in records for m in c):
             raise ValueError(f"{data}: no assistant answers (scripts/distill.py writes them)")
         category = categories_of(args.categories) if args.categories else {}
-        if category and not any(first_user_turn(c) in category for c in conversations):
+        if category and not any(first_user_turn(c) in category for c, _ in records):
             raise BenchError(f"no answer in {args.data} answers a prompt of {args.categories}")
     except (RecipeError, FileNotFoundError, ValueError, PromptSourceError, BenchError) as e:
         raise fail(str(e)) from None
@@ -139,17 +137,17 @@ def main(argv: list[str] | None = None) -> int:
     model = trainee_class(base, heads, recipe)
     aux_ids = getattr(model, "aux_ids", ())
     if not args.data:  # the trainer's split of the recipe's data
-        examples = tokenize_answers(conversations, tokenizer, recipe, finished)
+        examples = tokenize_answers(records, tokenizer, recipe)
         _, held_out = split_held_out(examples, recipe.training.eval_fraction, recipe.training.seed)
         if not held_out:
             raise fail(f"{args.recipe} holds no answer out (training.eval_fraction=0); use --data")
         datasets = {"held-out": with_features(base, tokenizer, recipe, held_out, aux_ids)}
     else:
         examples, labels = [], []
-        for conversation, done in zip(conversations, finished):
-            example = tokenize_answers([conversation], tokenizer, recipe, [done])
+        for record in records:
+            example = tokenize_answers([record], tokenizer, recipe)
             examples += example
-            labels += [category.get(first_user_turn(conversation), "(no category)")] * len(example)
+            labels += [category.get(first_user_turn(record[0]), "(no category)")] * len(example)
         if not examples:
             raise fail(f"{args.data}: no answer token within training.max_length")
         dataset = with_features(base, tokenizer, recipe, examples, aux_ids)

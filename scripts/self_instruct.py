@@ -50,7 +50,7 @@ from heads.base import load_base  # noqa: E402
 from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe  # noqa: E402
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import asked_turns, write_atomic  # noqa: E402
-from train.prompts import Prompt, PromptSourceError, load_prompts  # noqa: E402
+from train.prompts import Prompt, PromptSourceError, jsonl_records, load_prompts  # noqa: E402
 
 logger = logging.getLogger("self_instruct")
 
@@ -180,9 +180,12 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig, end: str | No
 def read_kept(path: Path) -> list[dict]:
     if not path.is_file():
         return []
-    # split on newlines only: a prompt may hold U+2028 and the like raw (ensure_ascii=False)
-    text = path.read_text(encoding="utf-8")
-    return [json.loads(line) for line in text.split("\n") if line.strip()]
+    kept = []
+    for where, record in jsonl_records(path):
+        if isinstance(record, Exception):  # a line that is not UTF-8 or not JSON
+            raise PromptSourceError(f"{where}: {record}")
+        kept.append(record)
+    return kept
 
 
 def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) -> dict:

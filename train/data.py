@@ -15,15 +15,14 @@ special (added) token after the text. This works for any prefix-consistent templ
 
 from __future__ import annotations
 
-import json
+import itertools
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
 
 import torch
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from train.prompts import Message, normalize_record
+from train.prompts import Message, jsonl_records, normalize_record
 
 IGNORE_INDEX = -100  # labels value that cross-entropy ignores
 
@@ -207,17 +206,15 @@ def read_distilled(output_dir: str | Path) -> list[tuple[list[Message], bool]]:
     if not files:
         raise FileNotFoundError(f"{output_dir}: no .jsonl shards (run scripts/distill.py first)")
     conversations = []
-    for path in files:
-        with open(path, "rb") as f:  # bytes, so that a line not in UTF-8 is named below
-            for lineno, raw in enumerate(f, 1):
-                if not raw.strip():
-                    continue
-                try:
-                    record: dict[str, Any] = json.loads(raw.decode("utf-8"))
-                    finished = bool(record.get("finished", True))
-                    conversations.append((normalize_record(record), finished))
-                except ValueError as e:
-                    raise ValueError(f"{path}:{lineno}: {e}") from e
+    for where, record in itertools.chain.from_iterable(jsonl_records(f) for f in files):
+        try:
+            if isinstance(record, Exception):  # a line that is not UTF-8 or not JSON
+                raise record
+            conversations.append((normalize_record(record), bool(record.get("finished", True))))
+        except ValueError as e:
+            raise ValueError(
+                f"{where}: {e} (distill writes its shards as utf-8 JSON lines: edited by hand?)"
+            ) from e
     return conversations
 
 

@@ -40,24 +40,23 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             "and data.system_prompt as distill had them, unless this is meant.",
             stacklevel=2,
         )
-    conversations = [messages for messages, _ in records]
-    distilled = tokenize_answers(conversations, tokenizer, recipe, [f for _, f in records])
+    distilled = tokenize_answers(records, tokenizer, recipe)
     if not distilled:
         raise ValueError(f"no training examples with assistant tokens in {recipe.data.output_dir}")
     return distilled, corpus_examples(recipe, tokenizer)
 
 
-def tokenize_answers(conversations, tokenizer, recipe, finished=None) -> list[Example]:
-    """Distilled conversations as the recipe tokenises them (its chat template, system prompt and
-    training.max_length; `finished` as `build_examples`); a conversation with no answer token
-    within max_length is dropped."""
+def tokenize_answers(records, tokenizer, recipe) -> list[Example]:
+    """Distilled (conversation, finished) records (`read_distilled`) as the recipe tokenises them
+    (its chat template, system prompt and training.max_length; a cut answer's end-of-turn marker
+    is no target); a conversation with no answer token within max_length is dropped."""
     return build_examples(
-        conversations,
+        [messages for messages, _ in records],
         tokenizer,
         chat_template=recipe.data.chat_template,
         system_prompt=recipe.data.system_prompt,
         max_length=recipe.training.max_length,
-        finished=finished,
+        finished=[finished for _, finished in records],
     )
 
 

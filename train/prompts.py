@@ -182,13 +182,13 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             files = sorted(path.glob("*.jsonl"))
             if not files:
                 raise PromptSourceError(f"{path}: folder has no .jsonl files")
-            records = itertools.chain.from_iterable(_jsonl_records(f) for f in files)
+            records = itertools.chain.from_iterable(jsonl_records(f) for f in files)
         elif path.is_file() and path.name.endswith(".json.gz"):
             raise PromptSourceError(
                 f"{path}: gunzip it (.json is read as it is), or gzip JSON lines as .jsonl.gz"
             )
         elif path.is_file():
-            records = _json_records(path) if path.suffix == ".json" else _jsonl_records(path)
+            records = _json_records(path) if path.suffix == ".json" else jsonl_records(path)
         else:
             raise PromptSourceError(
                 f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
@@ -246,7 +246,7 @@ def expand_sources(sources: list[str]) -> list[str]:
     return [s for spec in sources for s in (spelled_out if spec == "embedded:all" else [spec])]
 
 
-def _jsonl_records(path: Path):
+def jsonl_records(path: Path):
     """Records of a .jsonl file (gzipped when it ends in .gz), each located by its line; a line
     that is not UTF-8 or not JSON is yielded as the error it is (skipped or stopped on by
     `on_error`), unreadable gzip data stops."""

@@ -23,8 +23,8 @@ from accelerate.utils import (
 from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from heads import EagleConfig, load_base
-from heads.checkpoint import read_config, read_tensors, resolve_folder
+from heads import load_base
+from heads.checkpoint import read_heads_folder, resolve_folder
 from train.checkpoint import TrainingDiverged, check_same_run, checkpoints_dir, resolve_resume
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
@@ -140,19 +140,11 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
     where = recipe.training.init_heads
     with stop_on_bad_input():
         folder = resolve_folder(where)
-        raw = read_config(folder)
-        ours = config.to_dict()
-        if raw.get("model_type") != ours["model_type"]:
-            diffs = [f"model_type: {raw.get('model_type')!r} there, {ours['model_type']!r} here"]
+        theirs, tensors = read_heads_folder(folder, base.config.num_hidden_layers)
+        if type(theirs) is not type(config):
+            kinds = [c.to_dict()["model_type"] for c in (theirs, config)]
+            diffs = [f"model_type: {kinds[0]!r} there, {kinds[1]!r} here"]
         else:
-            theirs = (
-                type(config).from_dict(raw, base.config.num_hidden_layers)
-                if isinstance(config, EagleConfig)
-                else type(config).from_dict(raw)
-            )
-            if isinstance(theirs, EagleConfig) and theirs.version == 1:
-                # EAGLE's reference layers have an fc bias their config need not name
-                theirs.fc_bias = "fc.bias" in read_tensors(folder)
             diffs = [
                 f"{name}: {_plain(getattr(theirs, name))!r} there, "
                 f"{_plain(getattr(config, name))!r} here"
@@ -167,8 +159,6 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
                 "were trained, or leave init_heads out to start fresh"
             )
         theirs.check_base(base.config)
-        tensors = read_tensors(folder)
-    tensors.pop("embed_tokens.weight", None)  # saved by some EAGLE trainers; the base's is read
     return tensors, str(folder)
 
 
