@@ -19,6 +19,9 @@ import yaml
 from train.config import RecipeError, recipe_to_dict, same_base, save_recipe
 
 STATE_NAME = "trainer_state.json"
+# How the held-out answers were chosen (train.features.split_held_out), recorded in each
+# checkpoint: a run resumed under another way would train on answers it measured before.
+HELD_OUT_SPLIT = "prompt-hash"
 # What a resumed run must share with its checkpoint: the base, the heads (and those it started
 # from), the data and the order of the batches. Anything else (epochs, max_steps, learning rate,
 # logging, eval and save steps, where the data folder lies) may change between a run and its
@@ -73,6 +76,7 @@ def save_checkpoint(
             **state,
             "num_processes": accelerator.num_processes,
             "data": data_fingerprint(recipe.data.output_dir),
+            "held_out_split": HELD_OUT_SPLIT,
         }
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
         save_recipe(recipe, tmp / "recipe.yaml")
@@ -138,6 +142,26 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
 
 
 _MISSING = object()
+
+
+def check_same_base_weights(path: Path, base_weights: str | None) -> bool:
+    """Compare the base's weights fingerprint with the one checkpoint `path` trained on (a base
+    re-exported, fine-tuned or merged under its old name). Returns whether the checkpoint chose
+    its held-out answers as this headstart does (False: written before the split was recorded).
+
+    Raises:
+        RecipeError: the fingerprints differ.
+    """
+    state = json.loads((path / STATE_NAME).read_text())
+    was = state.get("base_weights")
+    if was and base_weights and was != base_weights:
+        raise RecipeError(
+            f"the checkpoint {path} trained on other weights of the base than those loaded now "
+            f"(fingerprint {was} there, {base_weights} now: re-exported, fine-tuned or merged "
+            "since?). Resume with the base it trained on, or start afresh with "
+            "training.resume=never (it overwrites this output) or another output.dir."
+        )
+    return state.get("held_out_split") == HELD_OUT_SPLIT
 
 
 def data_fingerprint(output_dir: str | Path) -> str:

@@ -28,6 +28,7 @@ from train.run import (
     MetricsLog,
     Trainee,
     assert_trainable,
+    base_identity,
     count_steps,
     epoch_batches,
     evaluate,
@@ -188,6 +189,7 @@ def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
     base, tokenizer = load_frozen_base(recipe, accelerator)
+    base_weights = base_identity(base, ckpt)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
     heads = build_heads(recipe, base, train_ds, accelerator)
     lora_params = []
@@ -292,6 +294,7 @@ def training_function(recipe: Recipe) -> dict:
                     "epoch": epoch + done_epoch,
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
+                    "base_weights": base_weights,
                 }
                 save_checkpoint(
                     accelerator,

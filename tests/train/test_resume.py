@@ -206,3 +206,45 @@ def test_a_finished_run_run_again_trains_nothing_and_writes_its_heads(tiny_task,
     assert "at step 4" in capsys.readouterr().out
     assert (out / "metrics.jsonl").read_text() == metrics
     assert (out / "heads" / "model.safetensors").read_bytes() == weights
+
+
+@pytest.mark.slow
+def test_resume_refuses_other_weights_of_the_base_and_says_an_older_split(
+    tiny_task, tmp_path, capsys
+):
+    """The base re-saved with other weights under its old name: the checkpoint trained on the
+    former ones, so resuming is refused naming both fingerprints. A checkpoint from before the
+    held-out split was recorded resumes, saying its held-out figures read high."""
+    import json
+    import shutil
+
+    from safetensors.torch import save_file
+
+    base_dir, out = tmp_path / tiny_task.base_dir.name, tmp_path / "out"
+    shutil.copytree(tiny_task.base_dir, base_dir)
+    uses_copy = f"model.name_or_path={base_dir}"
+    interrupted_run(train.eagle, TINY_EAGLE, tiny_task, out, 3, uses_copy)
+    ckpt = out / "checkpoints" / "step-00000002"
+    state = json.loads((ckpt / "trainer_state.json").read_text())
+    assert state["held_out_split"] == "prompt-hash" and len(state["base_weights"]) == 16
+
+    weights = load_file(base_dir / "model.safetensors")
+    original = {k: v.clone() for k, v in weights.items()}
+    weights["model.norm.weight"] = weights["model.norm.weight"] * 1.5  # fine-tuned in place
+    save_file(weights, base_dir / "model.safetensors", metadata={"format": "pt"})
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(train.eagle, TINY_EAGLE, tiny_task, out, uses_copy)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "other weights of the base" in err and state["base_weights"] in err
+    assert "training.resume=never" in err and ckpt.is_dir()
+
+    save_file(original, base_dir / "model.safetensors", metadata={"format": "pt"})
+    del state["held_out_split"]  # as an earlier headstart wrote it
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    run(train.eagle, TINY_EAGLE, tiny_task, out, uses_copy)
+    captured = capsys.readouterr()
+    assert "at step 2" in captured.out
+    assert "chose its held-out answers another way" in captured.err
+    assert (out / "heads" / "config.json").is_file()
