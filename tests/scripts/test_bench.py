@@ -272,6 +272,12 @@ def test_per_category_takes_the_first_k_of_each(tmp_path):
     picked = bench.per_category(prompts, 2)
     assert [p.id for p in picked] == [0, 1, 2, 3]
     assert [p.category for p in picked] == ["a", "b", "a", "b"]
+    # --limit caps the balanced sample, not the file before it is taken
+    records = [{"question_id": i, "category": "aaabbbc"[i], "turns": [f"Q{i}?"]} for i in range(7)]
+    path = str(_jsonl(tmp_path / "grouped.jsonl", records))
+    assert [p.id for p in bench.read_prompts(path, k_per_category=1)] == [0, 3, 6]
+    assert [p.id for p in bench.read_prompts(path, limit=2, k_per_category=1)] == [0, 3]
+    assert [p.id for p in bench.read_prompts(path, limit=2)] == [0, 1]
 
 
 def test_exclude_keeps_the_prompts_distill_did_not_answer(tmp_path):
