@@ -72,9 +72,12 @@ def main(argv: list[str] | None = None) -> int:
         "--per-category", type=int, default=2, help="benchmark prompts per category"
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
-    parser.add_argument("--out", default="runs/demo")
+    parser.add_argument("--out", default=None, help="the report's folder (default: runs/demo)")
     args = parser.parse_args(argv)
-    out = ROOT / args.out
+    # The stages run in the repository; a path given here is read from where the demo was run.
+    out = Path(args.out).resolve() if args.out else ROOT / "runs/demo"
+    if args.prompts and Path(args.prompts).exists():
+        args.prompts = str(Path(args.prompts).resolve())
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 

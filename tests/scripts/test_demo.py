@@ -1,0 +1,54 @@
+"""scripts/demo.py's wiring, without running its stages: what each stage is asked to do, paths
+given on its command line read from where the demo runs, and the report it writes."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import demo  # noqa: E402  (scripts/ is not a package)
+
+
+def test_demo_runs_its_stages_in_order_and_writes_the_report(tmp_path, monkeypatch, capsys):
+    stages = []
+
+    def fake_stage(name, args, timings):
+        stages.append((name, args))
+        timings[name] = 60.0
+        if name == "benchmark":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "results.md").write_text("| method | tau |\n|---|---|\n| medusa | 1.50 |\n")
+
+    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    monkeypatch.chdir(tmp_path)  # a user's folder, not the repository
+    (tmp_path / "mine.jsonl").write_text(json.dumps({"turns": ["Hi?"]}) + "\n")
+    assert demo.main(["--prompts", "mine.jsonl", "--out", "report", "--per-category", "1"]) == 0
+
+    assert [name for name, _ in stages] == ["distill", "train eagle-3", "train medusa", "benchmark"]
+    assert stages[1][1][-1] == f"training.feature_cache={demo.FEATURES}"
+    bench = stages[3][1]
+    assert bench[bench.index("--prompts") + 1] == str(tmp_path / "mine.jsonl")
+    assert bench[bench.index("--out") + 1] == str(tmp_path / "report" / "bench")
+    assert bench[bench.index("--per-category") + 1] == "1"
+    assert bench[bench.index("--heads") + 1 : bench.index("--heads") + 3] == [
+        "runs/smollm2-medusa/heads",
+        "runs/smollm2-eagle/heads",
+    ]
+    report = (tmp_path / "report" / "REPORT.md").read_text()
+    assert f"Prompts: `{tmp_path / 'mine.jsonl'}`" in report
+    assert "- distill: 1.0 min" in report and "| medusa | 1.50 |" in report
+    assert str(tmp_path / "report" / "REPORT.md") in capsys.readouterr().out
+
+
+def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
+    monkeypatch.setattr(demo.sys, "executable", "false")  # every stage exits 1
+    with pytest.raises(SystemExit) as stop:
+        demo.run_stage("distill", ["scripts/distill.py"], {})
+    message = str(stop.value.code)
+    assert "stage 'distill' failed (exit 1" in message and "resumes" in message
