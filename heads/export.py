@@ -1,6 +1,6 @@
 """Writing heads in other engines' layouts.
 
-vLLM reads headstart's native folders as they are (DESIGN.md), so exporting to it writes the loaded
+vLLM reads headstart's native folders as they are (README, Export), so exporting to it writes the loaded
 heads in that layout (a checked copy of a native folder); SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
 rather than the state entering it), and wants EAGLE-1 under its own architecture name with an fc
 bias, which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys

@@ -3,7 +3,7 @@
 A `Draft` is a tree (node 0 = the root, the token the base chose last step) with a token per
 node and, per child, how it was chosen: deterministically (top-k, a static tree, n-gram; a
 point mass) or sampled from the drafter's distribution q at its parent (`draft_probs`). One
-verifier serves every drafter (DESIGN.md, Inference).
+verifier serves every drafter.
 """
 
 from __future__ import annotations

@@ -78,7 +78,7 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
     if not isinstance(getattr(base, "model", None), nn.Module):
         raise ValueError(
             f"{type(base).__name__} has no .model decoder: the generator runs Llama-style "
-            "causal LMs (Llama, Mistral, Qwen2, SmolLM, ...; DESIGN.md)"
+            "causal LMs (Llama, Mistral, Qwen2, SmolLM, ...: a base whose decoder is `.model`)"
         )
     attn = getattr(base.config, "_attn_implementation", None)
     if attn not in ("sdpa", "eager"):

@@ -7,7 +7,7 @@ python scripts/bench_verify.py [--base smollm2-135m-instruct|random:llama3-8b|ra
 
 1. Tree cost: one forward of N tree tokens (tree mask, lm_head over all N rows) over a cached
    prefix, for each N, median of --repeats, as a ratio to the 1-token forward. Speculation pays
-   when tau * cost(1) > cost(N) + drafting (DESIGN.md): a CPU's cost grows with N, so small
+   when tau * cost(1) > cost(N) + drafting (docs/bench.md): a CPU's cost grows with N, so small
    trees; a GPU's hardly does until the matmuls fill it, so trees of 32-64 nodes.
 2. The loop: `SpeculativeGenerator` with an oracle drafter that knows the base's greedy output
    and proposes, per step, a tree of depth D and width W (per level W-1 wrong siblings, then the

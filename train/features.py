@@ -166,7 +166,7 @@ def draft_vocabulary(
     output_dir: str | Path, examples: Sequence[Example], size: int, vocab_size: int
 ) -> torch.Tensor:
     """The reduced draft vocabulary of a run: built once from the training targets and kept in
-    OUTPUT/draft_vocab.safetensors, so a resumed run never rebuilds it (DESIGN.md)."""
+    OUTPUT/draft_vocab.safetensors, so a resumed run never rebuilds it."""
     from safetensors.torch import load_file, save_file
 
     path = Path(output_dir) / "draft_vocab.safetensors"

@@ -10,7 +10,7 @@ Lossless at every temperature: point-mass nodes (top-k, static trees, n-gram) ar
 sampled nodes (a draft model's chain at temperature > 0) come from one drafter only, which goes
 first, and are never merged with another drafter's node, so each sampled node keeps the q it was
 drawn from.
-The verifier's per-child rule (DESIGN.md, Inference) is exact for any mix of such children.
+The verifier's per-child rule (inference/draft.py) is exact for any mix of such children.
 """
 
 from __future__ import annotations
