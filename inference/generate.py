@@ -22,7 +22,6 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
-from transformers.cache_utils import DynamicLayer
 
 from heads.base import check_model
 from inference.acceptance import (
@@ -35,6 +34,7 @@ from inference.acceptance import (
     warp_probs,
 )
 from inference.adaptive import AdaptivePolicy
+from inference.base_checks import check_base_takes_trees, warn_unapplied_logits_settings
 from inference.draft import Draft, Drafter, Sampling
 from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
@@ -66,43 +66,6 @@ class GenerationOutput:
     @property
     def num_steps(self) -> int:
         return len(self.accepted_lengths)
-
-
-def check_base_takes_trees(base: PreTrainedModel) -> None:
-    """Refuse a base whose verification forward would not be the base's own computation.
-
-    A tree verifies in one forward with a 4D additive mask and per-node positions, and the
-    cache keeps the accepted rows by absolute position: that needs sdpa or eager attention and
-    full attention in every layer (a sliding-window layer keeps only its last keys).
-    """
-    if not isinstance(getattr(base, "model", None), nn.Module):
-        raise ValueError(
-            f"{type(base).__name__} has no .model decoder: the generator runs Llama-style "
-            "causal LMs (Llama, Mistral, Qwen2, SmolLM, ...: a base whose decoder is `.model`)"
-        )
-    attn = getattr(base.config, "_attn_implementation", None)
-    if attn not in ("sdpa", "eager"):
-        raise ValueError(
-            f"the base runs attn_implementation={attn!r}, which does not take the 4D tree "
-            "masks that verify a draft in one forward: load it with attn_implementation='sdpa' "
-            "(load_base's default) or 'eager'"
-        )
-    # A window as wide as the context never applies (the loop stops within the context).
-    context = base.config.max_position_embeddings
-    other = sorted(
-        {
-            type(layer).__name__
-            for layer in DynamicCache(config=base.config).layers
-            if type(layer) is not DynamicLayer and getattr(layer, "sliding_window", 0) < context
-        }
-    )
-    if other:
-        raise ValueError(
-            f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
-            "attention narrower than its context, e.g. Gemma-2/3 or Mistral v0.1): tree "
-            "verification keeps and crops the KV cache by position, which needs full attention "
-            "in every layer"
-        )
 
 
 def check_arms(arms: list[dict | None]) -> None:
@@ -152,6 +115,7 @@ class SpeculativeGenerator:
     ) -> None:
         check_model(base)
         check_base_takes_trees(base)
+        warn_unapplied_logits_settings(base)
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()
@@ -447,7 +411,8 @@ class SpeculativeGenerator:
         """Generate up to `max_new_tokens` tokens after `input_ids` ((1,T) or (T,)).
 
         temperature 0 is greedy: the output equals `base.generate(do_sample=False)` token for
-        token. temperature > 0 samples from the base's warped distribution (temperature, then
+        token (without logits settings of its generation_config such as repetition_penalty,
+        which the generator does not apply: it warns when the base has some). temperature > 0 samples from the base's warped distribution (temperature, then
         top_k, then top_p) exactly, whatever the drafter proposes. `acceptance="typical"` is
         Medusa's typical acceptance: faster at high temperature but LOSSY (opt-in).
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.

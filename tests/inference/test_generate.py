@@ -2,6 +2,7 @@
 loop's contract (EOS, stop strings, streaming, stats, batch > 1), and KV-cache compaction."""
 
 import sys
+import warnings
 from pathlib import Path
 
 import numpy as np
@@ -363,3 +364,25 @@ def test_a_tree_that_no_longer_fits_the_context_gives_way_to_plain_steps():
             out = gen.generate(prompt, max_new_tokens=50, eos_token_id=[])
         # an 8-node tree stops fitting 8 tokens before the end: plain steps fill the rest
         assert torch.equal(out.sequences, ref)
+
+
+def test_logits_settings_of_the_generation_config_are_said_not_applied():
+    """HF generate applies a generation_config's repetition penalty; the verifier reads the
+    base's own logits: the generator says so, and its output is the plain greedy one."""
+    base = make_tiny_llama()
+    prompt = torch.tensor([[5, 6, 7, 5, 6]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a base with no such settings: nothing to say
+        plain = SpeculativeGenerator(base, None, num_tokens=3).generate(
+            prompt, max_new_tokens=12, eos_token_id=[]
+        )
+    base.generation_config.repetition_penalty = 1.3
+    base.generation_config.suppress_tokens = []  # empty: changes nothing
+    with pytest.warns(UserWarning, match=r"sets repetition_penalty=1\.3, which HF generate"):
+        gen = SpeculativeGenerator(base, None, num_tokens=3)
+    out = gen.generate(prompt, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(out.sequences, plain.sequences)
+    neutral = base.generate(
+        prompt, max_new_tokens=12, do_sample=False, repetition_penalty=1.0, eos_token_id=None
+    )
+    assert torch.equal(out.sequences, neutral)

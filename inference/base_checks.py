@@ -1,0 +1,85 @@
+"""What the decode loop needs of a base, checked when a generator is built: a base whose tree
+forward would not be its own computation is refused, and generation_config settings that HF
+`generate` applies and the verifier does not are said."""
+
+from __future__ import annotations
+
+import warnings
+
+from torch import nn
+from transformers import DynamicCache, PreTrainedModel
+from transformers.cache_utils import DynamicLayer
+
+
+def check_base_takes_trees(base: PreTrainedModel) -> None:
+    """Refuse a base whose verification forward would not be the base's own computation.
+
+    A tree verifies in one forward with a 4D additive mask and per-node positions, and the
+    cache keeps the accepted rows by absolute position: that needs sdpa or eager attention and
+    full attention in every layer (a sliding-window layer keeps only its last keys).
+    """
+    if not isinstance(getattr(base, "model", None), nn.Module):
+        raise ValueError(
+            f"{type(base).__name__} has no .model decoder: the generator runs Llama-style "
+            "causal LMs (Llama, Mistral, Qwen2, SmolLM, ...: a base whose decoder is `.model`)"
+        )
+    attn = getattr(base.config, "_attn_implementation", None)
+    if attn not in ("sdpa", "eager"):
+        raise ValueError(
+            f"the base runs attn_implementation={attn!r}, which does not take the 4D tree "
+            "masks that verify a draft in one forward: load it with attn_implementation='sdpa' "
+            "(load_base's default) or 'eager'"
+        )
+    # A window as wide as the context never applies (the loop stops within the context).
+    context = base.config.max_position_embeddings
+    other = sorted(
+        {
+            type(layer).__name__
+            for layer in DynamicCache(config=base.config).layers
+            if type(layer) is not DynamicLayer and getattr(layer, "sliding_window", 0) < context
+        }
+    )
+    if other:
+        raise ValueError(
+            f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
+            "attention narrower than its context, e.g. Gemma-2/3 or Mistral v0.1): tree "
+            "verification keeps and crops the KV cache by position, which needs full attention "
+            "in every layer"
+        )
+
+
+# What a base's generation_config may set that makes HF `generate` change the logits before it
+# chooses a token, with the values that change nothing. The verifier reads the base's own logits.
+_LOGITS_SETTINGS = {
+    "repetition_penalty": (None, 1.0),
+    "no_repeat_ngram_size": (None, 0),
+    "min_length": (None, 0),
+    "min_new_tokens": (None, 0),
+    "bad_words_ids": (None, []),
+    "suppress_tokens": (None, []),
+    "begin_suppress_tokens": (None, []),
+    "sequence_bias": (None, {}),
+    "forced_eos_token_id": (None,),
+    "exponential_decay_length_penalty": (None,),
+}
+
+
+def warn_unapplied_logits_settings(base: PreTrainedModel) -> None:
+    """Say which of the base's generation_config settings `base.generate()` applies and the
+    generator does not (Qwen2.5-Instruct's repetition_penalty 1.05, for one)."""
+    config = getattr(base, "generation_config", None)
+    found = {
+        name: getattr(config, name)
+        for name, neutral in _LOGITS_SETTINGS.items()
+        if getattr(config, name, None) not in neutral
+    }
+    if found:
+        settings = ", ".join(f"{k}={v!r}" for k, v in found.items())
+        warnings.warn(
+            f"the base's generation_config sets {settings}, which HF generate applies to the "
+            "logits: the generator verifies the base's own logits, so its output is the base's "
+            "greedy (or sampled) output without them and may differ from base.generate()'s. "
+            "Compare against base.generate() with those settings neutral (e.g. "
+            "repetition_penalty=1.0).",
+            stacklevel=3,
+        )
