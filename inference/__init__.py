@@ -1,5 +1,6 @@
 """headstart inference: token trees, tree attention, lossless verification, the decode loop."""
 
+from inference.base_checks import plain_generation, plain_generation_config
 from inference.draft import Draft, Drafter, Sampling
 from inference.drafters.eagle import EagleDrafter
 from inference.drafters.medusa import MedusaDrafter
@@ -25,6 +26,8 @@ __all__ = [
     "UnionDrafter",
     "get_preset",
     "make_drafter",
+    "plain_generation",
+    "plain_generation_config",
     "tree_from_choices",
     "tree_from_parents",
 ]

@@ -4,10 +4,13 @@ forward would not be its own computation is refused, and generation_config setti
 
 from __future__ import annotations
 
+import copy
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 from torch import nn
-from transformers import DynamicCache, PreTrainedModel
+from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
 
@@ -64,6 +67,30 @@ _LOGITS_SETTINGS = {
 }
 
 
+def plain_generation_config(base: PreTrainedModel) -> GenerationConfig:
+    """The base's generation_config without its logits settings."""
+    plain = copy.deepcopy(getattr(base, "generation_config", None) or GenerationConfig())
+    for name in _LOGITS_SETTINGS:
+        setattr(plain, name, None)
+    return plain
+
+
+@contextmanager
+def plain_generation(
+    base: PreTrainedModel, plain: GenerationConfig | None = None
+) -> Iterator[None]:
+    """Within it, HF `generate` on `base` chooses from the base's own logits, as the verifier
+    does (what distill generates and bench compares against): the base's generation_config is
+    `plain` (default: `plain_generation_config(base)`) for the while. (Given to `generate`
+    instead, such a config would be filled from the base's own where it holds None.)"""
+    kept = base.generation_config
+    base.generation_config = plain or plain_generation_config(base)
+    try:
+        yield
+    finally:
+        base.generation_config = kept
+
+
 def warn_unapplied_logits_settings(base: PreTrainedModel) -> None:
     """Say which of the base's generation_config settings `base.generate()` applies and the
     generator does not (Qwen2.5-Instruct's repetition_penalty 1.05, for one)."""
@@ -79,7 +106,6 @@ def warn_unapplied_logits_settings(base: PreTrainedModel) -> None:
             f"the base's generation_config sets {settings}, which HF generate applies to the "
             "logits: the generator verifies the base's own logits, so its output is the base's "
             "greedy (or sampled) output without them and may differ from base.generate()'s. "
-            "Compare against base.generate() with those settings neutral (e.g. "
-            "repetition_penalty=1.0).",
+            "Compare against base.generate() within inference.plain_generation(base).",
             stacklevel=3,
         )

@@ -17,7 +17,14 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from inference import NgramDrafter, NgramTable, SpeculativeGenerator, make_drafter
+from inference import (
+    NgramDrafter,
+    NgramTable,
+    SpeculativeGenerator,
+    make_drafter,
+    plain_generation,
+    plain_generation_config,
+)
 
 METHODS = (
     "baseline",
@@ -332,21 +339,22 @@ def _hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable
     sample = settings["temperature"] > 0
     # Explicit values, so that a checkpoint's generation_config cannot change the distribution.
     sampling = dict(temperature=settings["temperature"], top_p=settings["top_p"], top_k=0)
+    plain = plain_generation_config(base)
 
     def run(input_ids: torch.Tensor, seed: int, max_new_tokens: int | None = None) -> Run:
         if sample:
             torch.manual_seed(seed)
-        out = base.generate(
-            input_ids=input_ids,
-            attention_mask=torch.ones_like(input_ids),
-            max_new_tokens=max_new_tokens or settings["max_new_tokens"],
-            do_sample=sample,
-            **(sampling if sample else {}),
-            repetition_penalty=1.0,
-            eos_token_id=settings["eos"],
-            pad_token_id=pad_token_id,
-            **extra,
-        )
+        with plain_generation(base, plain):  # the base's own logits, as the verifier reads them
+            out = base.generate(
+                input_ids=input_ids,
+                attention_mask=torch.ones_like(input_ids),
+                max_new_tokens=max_new_tokens or settings["max_new_tokens"],
+                do_sample=sample,
+                **(sampling if sample else {}),
+                eos_token_id=settings["eos"],
+                pad_token_id=pad_token_id,
+                **extra,
+            )
         return Run(out[0, input_ids.shape[1] :].tolist())  # (new,)
 
     return run

@@ -40,6 +40,7 @@ from tqdm import tqdm
 from transformers import StaticCache
 
 from heads.base import load_base, resolve_base_path
+from inference.base_checks import plain_generation, plain_generation_config
 from train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
 from train.data import (
     ChatTemplateError,
@@ -211,19 +212,18 @@ def transformers_generator(
     sample = data.temperature > 0
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     device = next(model.parameters()).device
-    # Explicit sampling values, so that a checkpoint's generation_config.json cannot change the
-    # distribution the heads are trained on.
+    # Explicit sampling values and no logits settings (repetition penalty, a minimum length,
+    # ...), so that a checkpoint's generation_config.json cannot change the distribution the
+    # heads are trained on: the base's own, which the verifier accepts from.
     sampling = dict(temperature=data.temperature, top_p=data.top_p, top_k=0) if sample else {}
+    plain = plain_generation_config(model)
     settings = dict(
         do_sample=sample,
         **sampling,
-        repetition_penalty=1.0,
         eos_token_id=eos_ids,
         pad_token_id=pad_id,
         use_cache=True,
-        # The cache is passed in; a per-answer minimum would apply to every chunk.
-        cache_implementation=None,
-        min_new_tokens=0,
+        cache_implementation=None,  # the cache is passed in
     )
     chunked = static_cache and chunk_tokens > 0 and device.type == "cpu"
     chunk = chunk_tokens if chunked else data.max_new_tokens
@@ -245,13 +245,14 @@ def transformers_generator(
         produced = 0
         while rows:
             n = min(chunk, data.max_new_tokens - produced)
-            out = model.generate(
-                input_ids=input_ids,
-                attention_mask=attention_mask,
-                cache=cache,
-                max_new_tokens=n,
-                **settings,
-            )  # (b, length + <= n): stops early when every row has ended
+            with plain_generation(model, plain):
+                out = model.generate(
+                    input_ids=input_ids,
+                    attention_mask=attention_mask,
+                    cache=cache,
+                    max_new_tokens=n,
+                    **settings,
+                )  # (b, length + <= n): stops early when every row has ended
             new = out[:, input_ids.shape[1] :]
             produced += new.shape[1]
             ended = torch.isin(new, eos).any(dim=1) | (produced >= data.max_new_tokens)

@@ -19,6 +19,7 @@ from inference import (
     NgramDrafter,
     NgramTable,
     SpeculativeGenerator,
+    plain_generation,
     tree_from_parents,
 )
 from inference.generate import DENSE_LOGITS_MAX_NODES
@@ -382,7 +383,9 @@ def test_logits_settings_of_the_generation_config_are_said_not_applied():
         gen = SpeculativeGenerator(base, None, num_tokens=3)
     out = gen.generate(prompt, max_new_tokens=12, eos_token_id=[])
     assert torch.equal(out.sequences, plain.sequences)
-    neutral = base.generate(
-        prompt, max_new_tokens=12, do_sample=False, repetition_penalty=1.0, eos_token_id=None
-    )
+    with plain_generation(base):
+        neutral = base.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert base.generation_config.repetition_penalty == 1.3  # given back
     assert torch.equal(out.sequences, neutral)
+    penalised = base.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert not torch.equal(out.sequences, penalised)  # what the warning is about

@@ -122,6 +122,23 @@ def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_ba
     assert batched == [dynamic([p])[0] for p in prompts]
 
 
+def test_logits_settings_of_the_generation_config_do_not_change_the_answers(tmp_path, tiny_base):
+    """A base whose generation_config penalises repeats (Qwen2.5-Instruct's 1.05) still
+    answers with its own greedy tokens: those the verifier accepts from its plain logits."""
+    recipe = load_recipe(
+        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=12)
+    )
+    model, tok = load_base(str(tiny_base))
+    prompts = [[5, 6, 7, 5, 6], [9, 9, 9]]
+    want = distill.transformers_generator(model, tok, recipe, [])(prompts)
+    model.generation_config.repetition_penalty = 2.0
+    model.generation_config.no_repeat_ngram_size = 2
+    assert distill.transformers_generator(model, tok, recipe, [])(prompts) == want
+    assert model.generation_config.repetition_penalty == 2.0  # the base's own, given back
+    penalised = model.generate(torch.tensor(prompts[:1]), max_new_tokens=12, do_sample=False)
+    assert penalised[0, 5:].tolist() != want[0][0]  # the settings would have changed them
+
+
 def test_rows_that_end_leave_the_batch_between_chunks(tmp_path, tiny_base):
     """Chunked generation (ended rows dropped from the batch and the static cache every 2
     tokens) answers as one call over the whole batch, and as each prompt alone."""
