@@ -45,7 +45,13 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_report  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
-from inference import Draft, Drafter, SpeculativeGenerator, tree_from_parents  # noqa: E402
+from inference import (  # noqa: E402
+    Draft,
+    Drafter,
+    SpeculativeGenerator,
+    plain_generation_config,
+    tree_from_parents,
+)
 from inference.mask import tree_attention_mask, tree_position_ids  # noqa: E402
 
 FORMAT = "headstart-bench-verify-1"
@@ -108,6 +114,8 @@ def build_base(name: str, dtype: torch.dtype, device: torch.device, attn: str):
     """The frozen base: `random:SHAPE` weights, or any base `load_base` takes."""
     if not name.startswith("random:"):
         model, _ = load_base(name, dtype=dtype, device=device, attn_implementation=attn)
+        # HF generate's truth from the base's own logits, as the verifier reads them
+        model.generation_config = plain_generation_config(model)
         return model
     shape = name.removeprefix("random:")
     if shape not in SHAPES:

@@ -26,7 +26,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from bench import prompt_ids, read_prompts  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
-from inference import NgramDrafter, NgramTable  # noqa: E402
+from inference import NgramDrafter, NgramTable, plain_generation_config  # noqa: E402
 
 
 def replay_tau(answers: list[tuple[list[int], list[int]]], drafter: NgramDrafter) -> float:
@@ -78,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     chain_lengths = parse_chain_lengths(args.num_tokens)
 
     base, tokenizer = load_base(args.base)
+    base.generation_config = plain_generation_config(base)  # greedy from its own logits
     prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
     table = None
     if args.corpus:
