@@ -387,6 +387,12 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     eos_ids = eos_token_ids(tokenizer, gen_config)
 
     items, counts = build_items(recipe, tokenizer, template)
+    if not items:  # every prompt too long: nothing to answer, and training would find nothing
+        raise DistillError(
+            f"all {counts['prompts']} prompts are too long: a prompt must fit in "
+            f"data.max_length - data.max_new_tokens = {data.max_length - data.max_new_tokens} "
+            "tokens; raise data.max_length or lower data.max_new_tokens"
+        )
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_done_ids(out_dir)
     manifest = {

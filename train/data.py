@@ -36,9 +36,14 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, override: str | No
     tokenizer's own. A tokenizer without one and no override is an error."""
     if override:
         path = Path(override).expanduser()
-        if "{" not in override and path.is_file():
+        if "{" in override:
+            return override
+        if path.is_file():
             return path.read_text(encoding="utf-8")
-        return override
+        raise ChatTemplateError(
+            f"chat_template={override!r}: no such file, and not a Jinja template (no '{{'): "
+            "give a template file's path or the template itself"
+        )
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # several named templates: the default one
         template = template.get("default")
@@ -210,7 +215,8 @@ def read_distilled(output_dir: str | Path) -> list[tuple[list[Message], bool]]:
         try:
             if isinstance(record, Exception):  # a line that is not UTF-8 or not JSON
                 raise record
-            conversations.append((normalize_record(record), bool(record.get("finished", True))))
+            messages = normalize_record(record, empty_answers=True)  # an answer ended at once
+            conversations.append((messages, bool(record.get("finished", True))))
         except ValueError as e:
             raise ValueError(
                 f"{where}: {e} (distill writes its shards as utf-8 JSON lines: edited by hand?)"

@@ -94,20 +94,27 @@ def conversation_id(messages: list[Message]) -> str:
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
 
 
-def normalize_record(record: Any) -> list[Message]:
+def normalize_record(record: Any, empty_answers: bool = False) -> list[Message]:
     """Turn one ShareGPT / OpenAI / MT-bench / `prompt` record into a list of messages.
 
     Leading assistant turns (some ShareGPT dumps start with one) are dropped. Raises ValueError
-    naming the problem when the record has none of the known forms or a bad turn.
+    naming the problem when the record has none of the known forms or a bad turn (empty text;
+    `empty_answers` takes empty assistant turns: a base that ended its turn at once).
     """
     if not isinstance(record, dict):
         raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
     if "conversations" in record:
         turns = _as_list(record["conversations"], "conversations")
-        messages = [_turn(t, "from", "value", _SHAREGPT_ROLES, i) for i, t in enumerate(turns)]
+        messages = [
+            _turn(t, "from", "value", _SHAREGPT_ROLES, i, empty_answers)
+            for i, t in enumerate(turns)
+        ]
     elif "messages" in record:
         turns = _as_list(record["messages"], "messages")
-        messages = [_turn(t, "role", "content", _OPENAI_ROLES, i) for i, t in enumerate(turns)]
+        messages = [
+            _turn(t, "role", "content", _OPENAI_ROLES, i, empty_answers)
+            for i, t in enumerate(turns)
+        ]
     elif "turns" in record:
         turns = _as_list(record["turns"], "turns")
         messages = [
@@ -137,7 +144,7 @@ def _as_list(value: Any, name: str) -> list:
     return value
 
 
-def _text(value: Any, where: str) -> str:
+def _text(value: Any, where: str, empty: bool = False) -> str:
     if isinstance(value, list):  # OpenAI content parts: [{"type": "text", "text": ...}]
         parts = [p.get("text") for p in value if isinstance(p, dict) and p.get("type") == "text"]
         if len(parts) != len(value):
@@ -145,12 +152,14 @@ def _text(value: Any, where: str) -> str:
         value = "".join(p for p in parts if isinstance(p, str))
     if not isinstance(value, str):
         raise ValueError(f"{where}: expected a string, got {type(value).__name__}")
-    if not value.strip():
+    if not value.strip() and not empty:
         raise ValueError(f"{where}: empty text")
     return value
 
 
-def _turn(turn: Any, role_key: str, text_key: str, roles: dict[str, str], i: int) -> Message:
+def _turn(
+    turn: Any, role_key: str, text_key: str, roles: dict[str, str], i: int, empty_answers: bool
+) -> Message:
     if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
         raise ValueError(f"turn {i}: expected an object with '{role_key}' and '{text_key}'")
     role = roles.get(str(turn[role_key]).lower())
@@ -158,7 +167,8 @@ def _turn(turn: Any, role_key: str, text_key: str, roles: dict[str, str], i: int
         raise ValueError(
             f"turn {i}: unsupported role {turn[role_key]!r} (known: {', '.join(roles)})"
         )
-    return {"role": role, "content": _text(turn[text_key], f"turn {i}")}
+    empty = empty_answers and role == "assistant"
+    return {"role": role, "content": _text(turn[text_key], f"turn {i}", empty)}
 
 
 def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt], list[str]]:

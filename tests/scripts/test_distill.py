@@ -323,6 +323,11 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys, monkeypatch):
     assert "prompts.jsonl:9: invalid JSON" in capsys.readouterr().err
     assert distill.main([str(recipe), "data.tempreature=1"]) == 2
     assert "Did you mean 'temperature'" in capsys.readouterr().err
+    # every prompt too long: said, and nothing written (training would find no shards)
+    no_room = [str(recipe), "data.on_error=skip", "data.max_new_tokens=300", "data.max_length=256"]
+    assert distill.main(no_room) == 2
+    assert "prompts are too long: a prompt must fit in" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
     # a base that is neither here nor on the Hub (offline here: the Hub cannot be asked)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     assert distill.main([str(recipe), "model.name_or_path=nobody/no-such-model"]) == 2

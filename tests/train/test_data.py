@@ -164,6 +164,9 @@ def test_missing_chat_template_is_a_clear_error(smollm2_tokenizer, tmp_path):
         == expected
     )
     assert resolve_chat_template(tok, str(path)) == smollm2_tokenizer.chat_template
+    # A path that is not there is not taken for the template itself
+    with pytest.raises(ChatTemplateError, match="no such file, and not a Jinja template"):
+        resolve_chat_template(tok, str(tmp_path / "chatml.jinja"))
 
 
 def test_generation_prompt_is_the_prefix_of_the_answer(smollm2_tokenizer):
@@ -303,14 +306,19 @@ def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_token
 
     records = [
         {"conversations": [{"from": "human", "value": "Count"}, {"from": "gpt", "value": v}], **f}
-        for v, f in (("1 2 3 4 5", {"finished": True}), ("1 2 3", {"finished": False}))
+        for v, f in (
+            ("1 2 3 4 5", {"finished": True}),
+            ("1 2 3", {"finished": False}),
+            ("", {"finished": True}),  # the base ended its turn at once
+        )
     ]
     (tmp_path / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
-    assert [f for _, f in read_distilled(tmp_path)] == [True, False]
+    assert [f for _, f in read_distilled(tmp_path)] == [True, False, True]
     end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
     recipe = load_recipe(None, [f"data.output_dir={tmp_path}"])
-    done, cut = load_examples(recipe, smollm2_tokenizer)[0]
-    targets = [[t for t, m in zip(e["input_ids"], e["loss_mask"]) if m] for e in (done, cut)]
+    done, cut, empty = load_examples(recipe, smollm2_tokenizer)[0]
+    targets = [[t for t, m in zip(e["input_ids"], e["loss_mask"]) if m] for e in (done, cut, empty)]
+    assert targets[2] == [end]  # an empty answer trains its end of turn
     # The template closes both answers; only the finished one's marker is the base's own.
     assert targets[0][-1] == end and smollm2_tokenizer.decode(targets[0][:-1]) == "1 2 3 4 5"
     assert end in cut["input_ids"] and smollm2_tokenizer.decode(targets[1]) == "1 2 3"
