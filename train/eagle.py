@@ -213,11 +213,11 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
             if spec.version == 3:
                 check_vocab_map(draft.d2t, draft.t2d)
     elif spec.version == 3:  # built once from the data, saved before step 1, reused on resume
-        draft.set_vocab_map(
-            draft_vocabulary(
+        with stop_on_bad_input():
+            vocab = draft_vocabulary(
                 recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size
             )
-        )
+        draft.set_vocab_map(vocab)
     return draft.to(base.device)
 
 

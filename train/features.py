@@ -171,7 +171,12 @@ def draft_vocabulary(
 
     path = Path(output_dir) / "draft_vocab.safetensors"
     if path.is_file():
-        ids = load_file(path)["token_ids"]
+        try:
+            ids = load_file(path)["token_ids"]
+        except Exception as e:  # safetensors' own error type for a damaged file
+            raise ValueError(
+                f"{path} cannot be read ({e}): delete it and rerun (the same data rebuilds it)"
+            ) from e
         if ids.numel() != size:
             raise ValueError(
                 f"{path} holds {ids.numel()} tokens but the recipe asks for {size}; use a new output.dir"
@@ -179,7 +184,9 @@ def draft_vocabulary(
         return ids
     ids = frequent_tokens(examples, size, vocab_size)
     path.parent.mkdir(parents=True, exist_ok=True)
-    save_file({"token_ids": ids}, path)
+    tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write leaves no half file behind
+    save_file({"token_ids": ids}, tmp)
+    tmp.replace(path)
     return ids
 
 

@@ -165,7 +165,8 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
         init = read_init_heads(recipe, cfg, base)
         token_map = init[0].get("token_map")
     elif vocab is not None:
-        with accelerator.main_process_first():  # the first process writes it, the others read
+        # the first process writes it, the others read
+        with accelerator.main_process_first(), stop_on_bad_input():
             token_map = draft_vocabulary(
                 recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
             )

@@ -248,3 +248,18 @@ def test_resume_refuses_other_weights_of_the_base_and_says_an_older_split(
     assert "at step 2" in captured.out
     assert "chose its held-out answers another way" in captured.err
     assert (out / "heads" / "config.json").is_file()
+
+
+def test_the_draft_vocabulary_is_written_whole_and_a_damaged_one_named(tmp_path):
+    from train.features import draft_vocabulary
+
+    examples = [{"input_ids": [5, 6, 6, 7, 7, 7], "loss_mask": [0, 1, 1, 1, 1, 1]}]
+    ids = draft_vocabulary(tmp_path, examples, 2, 16)
+    assert ids.tolist() == [6, 7] and sorted(p.name for p in tmp_path.iterdir()) == [
+        "draft_vocab.safetensors"  # no temporary file left
+    ]
+    assert torch.equal(draft_vocabulary(tmp_path, [], 2, 16), ids)  # read back, not rebuilt
+    path = tmp_path / "draft_vocab.safetensors"
+    path.write_bytes(path.read_bytes()[:20])  # as a kill mid-write left it before
+    with pytest.raises(ValueError, match="draft_vocab.safetensors cannot be read.*delete it"):
+        draft_vocabulary(tmp_path, examples, 2, 16)
