@@ -116,7 +116,11 @@ def assistant_spans(
                 "first turns with the generation prompt is not a prefix of the whole "
                 "conversation), so its assistant tokens cannot be located"
             )
-        content = message["content"].strip()  # templates may trim
+        # The answer as written (its leading or trailing whitespace is the base's own tokens),
+        # else as templates that trim it render it
+        content = message["content"]
+        if not upto.startswith(content, len(prompt)):
+            content = content.strip()
         start = upto.find(content, len(prompt))
         if start < 0:
             raise ChatTemplateError(f"assistant turn {i}: its text is not in the rendered template")

@@ -133,6 +133,18 @@ def test_empty_answer_masks_only_the_end_of_turn(smollm2_tokenizer):
     assert masked_runs(smollm2_tokenizer, example) == ["<|im_end|>"]
 
 
+def test_whitespace_around_an_answer_is_a_target(smollm2_tokenizer):
+    """The base wrote it (a cut answer often ends in a newline): not left out of the mask."""
+    for answer in ("Hello.\n\n", "\nHello."):
+        conversation = [
+            {"role": "user", "content": "Greet me."},
+            {"role": "assistant", "content": answer},
+        ]
+        example = tokenize_conversation(conversation, smollm2_tokenizer, finished=False)
+        targets = [t for t, m in zip(example["input_ids"], example["loss_mask"]) if m]
+        assert smollm2_tokenizer.decode(targets).endswith(answer)
+
+
 def test_truncation_cuts_on_a_token_boundary(smollm2_tokenizer):
     tok = smollm2_tokenizer
     full = tokenize_conversation(CONVERSATION, tok)
