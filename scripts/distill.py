@@ -56,9 +56,11 @@ from train.distilled import (
     check_manifest,
     read_done_ids,
     record_id,
+    recorded_settings,
     write_atomic,
 )
 from train.prompts import (
+    PROMPT_ORDER,
     Message,
     PromptSourceError,
     conversation_id,
@@ -136,14 +138,17 @@ def generation_settings(recipe: Recipe) -> dict[str, Any]:
         "system_prompt": data.system_prompt,
         "chat_template": data.chat_template,
         "max_length": data.max_length,
+        "order": PROMPT_ORDER,
     }
 
 
-def build_items(recipe: Recipe, tokenizer, template: str) -> tuple[list[WorkItem], dict[str, int]]:
+def build_items(
+    recipe: Recipe, tokenizer, template: str, order: str = PROMPT_ORDER
+) -> tuple[list[WorkItem], dict[str, int]]:
     """All records the run must produce, and counts of what was skipped on the way."""
     data = recipe.data
     prompts, malformed = load_prompts(
-        data.sources, limit=data.limit, seed=data.seed, on_error=data.on_error
+        data.sources, limit=data.limit, seed=data.seed, on_error=data.on_error, order=order
     )
     items: list[WorkItem] = []
     seen: set[str] = set()
@@ -359,6 +364,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     data = recipe.data
     out_dir = Path(data.output_dir)
     settings = generation_settings(recipe)
+    if recorded_settings(out_dir) and "order" not in recorded_settings(out_dir):
+        del settings["order"]  # a run begun before prompts were ordered by hash keeps its shuffle
     check_manifest(out_dir, settings)
     vllm = use_vllm(recipe)
     if vllm and state.num_processes > 1:
@@ -386,7 +393,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     template = resolve_chat_template(tokenizer, data.chat_template)
     eos_ids = eos_token_ids(tokenizer, gen_config)
 
-    items, counts = build_items(recipe, tokenizer, template)
+    items, counts = build_items(recipe, tokenizer, template, settings.get("order", "shuffle"))
     if not items:  # every prompt too long: nothing to answer, and training would find nothing
         raise DistillError(
             f"all {counts['prompts']} prompts are too long: a prompt must fit in "

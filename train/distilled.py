@@ -64,12 +64,25 @@ def read_done_ids(out_dir: Path) -> set[str]:
     return done
 
 
-def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
-    """Refuse to continue a run made with other generation settings."""
+def recorded_settings(out_dir: Path) -> dict[str, Any]:
+    """The settings in `out_dir`'s manifest ({} when there is none)."""
     path = out_dir / MANIFEST
     if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text(encoding="utf-8")).get("settings") or {}
+    except ValueError as e:
+        raise DistillError(
+            f"{path} is damaged ({e}): restore it (it records the settings of the answers "
+            "written there), or use another data.output_dir"
+        ) from e
+
+
+def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
+    """Refuse to continue a run made with other generation settings."""
+    old = recorded_settings(out_dir)
+    if not old:
         return
-    old = json.loads(path.read_text(encoding="utf-8")).get("settings", {})
     diffs = [
         f"{key}: {old.get(key)!r} in the manifest, {settings.get(key)!r} now"
         for key in sorted(set(old) | set(settings))

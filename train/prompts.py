@@ -225,14 +225,30 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
     return prompts, skipped
 
 
+# How load_prompts orders the prompts before `limit`: by a seeded hash of each prompt, so that a
+# prompt's place does not move when others are added or removed (a shuffle depends on the count:
+# one prompt fewer, as another Python's stdlib gives, reordered them all). "shuffle": the order
+# of distill runs begun before, which keep it.
+PROMPT_ORDER = "prompt-hash"
+
+
 def load_prompts(
-    sources: list[str], *, limit: int | None = None, seed: int = 0, on_error: OnError = "skip"
+    sources: list[str],
+    *,
+    limit: int | None = None,
+    seed: int = 0,
+    on_error: OnError = "skip",
+    order: str = PROMPT_ORDER,
 ) -> tuple[list[Prompt], list[str]]:
-    """Read every source, drop exact duplicates, shuffle with `seed` and keep `limit`.
+    """Read every source, drop exact duplicates, order them (`order`, with `seed`) and keep
+    `limit`: a larger limit, or more prompts in the sources, keeps the prompts chosen before
+    but for the few that the added ones displace.
 
     Returns (prompts, messages about skipped malformed records). The result depends only on the
-    sources' contents, `limit` and `seed`.
+    sources' contents, `limit`, `seed` and `order`.
     """
+    if order not in (PROMPT_ORDER, "shuffle"):
+        raise ValueError(f"order={order!r}: {PROMPT_ORDER!r} or 'shuffle'")
     if not sources:
         raise PromptSourceError("no prompt sources given")
     prompts: list[Prompt] = []
@@ -245,7 +261,10 @@ def load_prompts(
             if prompt.id not in seen:
                 seen.add(prompt.id)
                 prompts.append(prompt)
-    random.Random(seed).shuffle(prompts)
+    if order == "shuffle":
+        random.Random(seed).shuffle(prompts)
+    else:
+        prompts.sort(key=lambda p: hashlib.blake2b(f"{seed}:{p.id}".encode()).digest())
     return prompts[:limit] if limit is not None else prompts, skipped
 
 

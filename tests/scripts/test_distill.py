@@ -243,6 +243,32 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert json.loads((out / "manifest.json").read_text())["settings"]["limit"] == 6
     assert distill.main([recipe, "data.limit=4"]) == 2  # a smaller limit is a different set
     assert "limit: 6 in the manifest, 4 now" in capsys.readouterr().err
+
+
+def test_a_run_begun_with_shuffled_prompts_extends_in_its_order(tmp_path, tiny_base):
+    """A folder whose manifest predates the hash order (no settings.order) keeps its shuffle:
+    a larger limit adds prompts to those answered, not another selection beside them."""
+    out = tmp_path / "out"
+    prompts = prompts_file(tmp_path)
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts, out))
+    assert distill.main([recipe, "data.limit=3"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["order"] == "prompt-hash"
+    del manifest["settings"]["order"]  # as an earlier headstart wrote it
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    for f in out.glob("shard-*.jsonl"):
+        f.unlink()  # answers to the shuffle's first 3, as that headstart chose them
+    shuffled, _ = distill.load_prompts([str(prompts)], limit=5, seed=0, order="shuffle")
+    assert distill.main([recipe, "data.limit=5"]) == 0
+    system_prompt = load_recipe(recipe).data.system_prompt
+    want = {
+        distill.record_id(
+            distill.conversation_id(distill.asked_turns(p.messages, system_prompt)), 0
+        )
+        for p in shuffled
+    }
+    assert {r["id"] for r in read_records(out)} == want
+    assert "order" not in json.loads((out / "manifest.json").read_text())["settings"]
     assert distill.main([recipe]) == 0  # no limit: every prompt
     assert len(read_records(out)) == 8
 

@@ -209,6 +209,16 @@ def test_load_prompts_dedupes_shuffles_deterministically_and_limits(tmp_path):
     assert len(a) == 20 and [p.id for p in a] == [p.id for p in b] != [p.id for p in c]
     limited, _ = load_prompts([str(path)], seed=1, limit=5)
     assert [p.id for p in limited] == [p.id for p in a[:5]]
+    # One prompt fewer in the source (another Python's stdlib, an edited file) or two more:
+    # the prompts chosen before stay chosen, but for those the change itself displaces.
+    fewer = write_jsonl(tmp_path / "fewer.jsonl", [{"prompt": f"q{i}"} for i in range(1, 20)])
+    more = write_jsonl(tmp_path / "more.jsonl", [{"prompt": f"q{i}"} for i in range(22)])
+    before = {p.id for p in load_prompts([str(path)], seed=1, limit=10)[0]}
+    after_fewer = {p.id for p in load_prompts([str(fewer)], seed=1, limit=10)[0]}
+    after_more = {p.id for p in load_prompts([str(more)], seed=1, limit=10)[0]}
+    assert len(before & after_fewer) >= 9 and len(before & after_more) >= 8
+    shuffled = {p.id for p in load_prompts([str(fewer)], seed=1, limit=10, order="shuffle")[0]}
+    assert len(before & shuffled) < 9  # what a shuffle of the new count did
 
 
 def test_hf_source_goes_through_load_dataset(monkeypatch):
