@@ -10,6 +10,7 @@ forward is most of a step, so offline mode makes every epoch after the first far
 from __future__ import annotations
 
 import hashlib
+import sys
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
@@ -41,8 +42,15 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             stacklevel=2,
         )
     distilled = tokenize_answers(records, tokenizer, recipe)
-    if not distilled:
-        raise ValueError(f"no training examples with assistant tokens in {recipe.data.output_dir}")
+    if len(distilled) < len(records):
+        cut = len(records) - len(distilled)
+        message = (
+            f"{cut} of the {len(records)} conversations in {recipe.data.output_dir} have no "
+            f"answer token within training.max_length={recipe.training.max_length}"
+        )
+        if not distilled:
+            raise ValueError(f"{message}: no training examples; raise training.max_length")
+        print(f"note: {message}: left out", file=sys.stderr)
     return distilled, corpus_examples(recipe, tokenizer)
 
 

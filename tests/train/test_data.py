@@ -331,6 +331,10 @@ def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_token
     done, cut, empty = load_examples(recipe, smollm2_tokenizer)[0]
     targets = [[t for t, m in zip(e["input_ids"], e["loss_mask"]) if m] for e in (done, cut, empty)]
     assert targets[2] == [end]  # an empty answer trains its end of turn
+    # training.max_length under a prompt: its conversation is left out, and said
+    short = load_recipe(None, [f"data.output_dir={tmp_path}", "training.max_length=8"])
+    with pytest.raises(ValueError, match="3 of the 3 conversations .* raise training.max_length"):
+        load_examples(short, smollm2_tokenizer)
     # The template closes both answers; only the finished one's marker is the base's own.
     assert targets[0][-1] == end and smollm2_tokenizer.decode(targets[0][:-1]) == "1 2 3 4 5"
     assert end in cut["input_ids"] and smollm2_tokenizer.decode(targets[1]) == "1 2 3"
