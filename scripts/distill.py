@@ -57,6 +57,7 @@ from train.distilled import (
     read_done_ids,
     record_id,
     recorded_settings,
+    summarize_shards,
     write_atomic,
 )
 from train.prompts import (
@@ -343,18 +344,6 @@ def run_batch(
             new_tokens += len(ids) + int(finished)
         active = [item for item in active if len(item.answers) < len(item.users)]
     return new_tokens
-
-
-def summarize_shards(out_dir: Path) -> dict[str, int]:
-    records = unfinished = dropped = 0
-    for path in sorted(out_dir.glob("shard-*.jsonl")):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                record = json.loads(line)
-                records += 1
-                unfinished += not record["finished"]
-                dropped += record.get("dropped_turns", 0)
-    return {"records_written": records, "unfinished": unfinished, "turns_dropped_too_long": dropped}
 
 
 def distill(recipe: Recipe) -> dict[str, Any]:

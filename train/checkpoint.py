@@ -12,11 +12,15 @@ import hashlib
 import json
 import math
 import shutil
+import sys
 from pathlib import Path
 
 import yaml
+from accelerate import PartialState
+from transformers.integrations import is_deepspeed_zero3_enabled
 
 from train.config import RecipeError, recipe_to_dict, same_base, save_recipe
+from train.feature_cache import weights_fingerprint
 
 STATE_NAME = "trainer_state.json"
 # How the held-out answers were chosen (train.features.split_held_out), recorded in each
@@ -144,24 +148,37 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
 _MISSING = object()
 
 
-def check_same_base_weights(path: Path, base_weights: str | None) -> bool:
-    """Compare the base's weights fingerprint with the one checkpoint `path` trained on (a base
-    re-exported, fine-tuned or merged under its old name). Returns whether the checkpoint chose
-    its held-out answers as this headstart does (False: written before the split was recorded).
+def base_identity(base, ckpt: Path | None) -> str | None:
+    """The base's weights fingerprint, which each checkpoint records, checked against that of
+    the checkpoint `ckpt` the run resumes (a base re-exported, fine-tuned or merged under its
+    old name); a checkpoint from before the held-out split was recorded is said. None under
+    ZeRO-3, where each process holds a shard of the weights. Call on every process.
 
     Raises:
         RecipeError: the fingerprints differ.
     """
-    state = json.loads((path / STATE_NAME).read_text())
+    if is_deepspeed_zero3_enabled():
+        return None
+    fingerprint = weights_fingerprint(base)
+    state = json.loads((ckpt / STATE_NAME).read_text()) if ckpt is not None else {}
     was = state.get("base_weights")
-    if was and base_weights and was != base_weights:
+    if was and was != fingerprint:
         raise RecipeError(
-            f"the checkpoint {path} trained on other weights of the base than those loaded now "
-            f"(fingerprint {was} there, {base_weights} now: re-exported, fine-tuned or merged "
+            f"the checkpoint {ckpt} trained on other weights of the base than those loaded now "
+            f"(fingerprint {was} there, {fingerprint} now: re-exported, fine-tuned or merged "
             "since?). Resume with the base it trained on, or start afresh with "
             "training.resume=never (it overwrites this output) or another output.dir."
         )
-    return state.get("held_out_split") == HELD_OUT_SPLIT
+    older = ckpt is not None and state.get("held_out_split") != HELD_OUT_SPLIT
+    if older and PartialState().is_main_process:
+        print(
+            f"warning: the checkpoint {ckpt} was written by an earlier headstart, which chose "
+            "its held-out answers another way: resumed, the run trains on some answers it "
+            "measured before, so its held-out figures read high. training.resume=never starts "
+            "afresh.",
+            file=sys.stderr,
+        )
+    return fingerprint
 
 
 def data_fingerprint(output_dir: str | Path) -> str:

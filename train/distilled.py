@@ -169,3 +169,16 @@ def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
             f"{recipe.data.system_prompt!r})"
         )
     return notes
+
+
+def summarize_shards(out_dir: Path) -> dict[str, int]:
+    """Counts of the records in `out_dir`'s shards, for its manifest."""
+    records = unfinished = dropped = 0
+    for path in sorted(out_dir.glob("shard-*.jsonl")):
+        with open(path, encoding="utf-8") as f:
+            for line in f:
+                record = json.loads(line)
+                records += 1
+                unfinished += not record["finished"]
+                dropped += record.get("dropped_turns", 0)
+    return {"records_written": records, "unfinished": unfinished, "turns_dropped_too_long": dropped}

@@ -27,7 +27,7 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft
 from heads.checkpoint import load_state_checked
 from heads.eagle import check_vocab_map
-from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
+from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left, walk_accept_length
@@ -35,7 +35,6 @@ from train.run import (
     MetricsLog,
     Trainee,
     assert_trainable,
-    base_identity,
     count_steps,
     epoch_batches,
     evaluate,
@@ -225,7 +224,8 @@ def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
     base, tokenizer = load_frozen_base(recipe, accelerator)
-    base_weights = base_identity(base, ckpt)
+    with stop_on_bad_input():  # other weights than the checkpoint's
+        base_weights = base_identity(base, ckpt)
     spec = recipe.heads
     aux_ids = []
     if spec.version == 3:

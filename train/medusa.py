@@ -20,7 +20,7 @@ from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
 from heads.checkpoint import load_state_checked
-from train.checkpoint import check_finite, load_checkpoint, save_checkpoint
+from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.losses import chain_accept_length, shift_left, walk_accept_length
@@ -28,7 +28,6 @@ from train.run import (
     MetricsLog,
     Trainee,
     assert_trainable,
-    base_identity,
     count_steps,
     epoch_batches,
     evaluate,
@@ -190,7 +189,8 @@ def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
     base, tokenizer = load_frozen_base(recipe, accelerator)
-    base_weights = base_identity(base, ckpt)
+    with stop_on_bad_input():  # other weights than the checkpoint's
+        base_weights = base_identity(base, ckpt)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
     heads = build_heads(recipe, base, train_ds, accelerator)
     lora_params = []

@@ -27,13 +27,12 @@ from heads import load_base
 from heads.checkpoint import read_heads_folder, resolve_folder
 from train.checkpoint import (
     TrainingDiverged,
-    check_same_base_weights,
     check_same_run,
     checkpoints_dir,
     resolve_resume,
 )
 from train.config import Recipe, RecipeError, load_recipe, save_recipe
-from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache, weights_fingerprint
+from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
     collate,
@@ -242,27 +241,6 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
             prepack=False if zero3 else None,
         )
     return base, tokenizer
-
-
-def base_identity(base, ckpt: Path | None) -> str | None:
-    """The base's weights fingerprint, which each checkpoint records; checked against that of
-    the checkpoint the run resumes (exits with the difference). None under ZeRO-3, where each
-    process holds a shard of the weights."""
-    if is_deepspeed_zero3_enabled():
-        return None
-    fingerprint = weights_fingerprint(base)
-    if ckpt is not None:
-        with stop_on_bad_input():  # on every process: each has the whole base
-            same_split = check_same_base_weights(ckpt, fingerprint)
-        if not same_split and PartialState().is_main_process:
-            print(
-                f"warning: the checkpoint {ckpt} was written by an earlier headstart, which "
-                "chose its held-out answers another way: resumed, the run trains on some "
-                "answers it measured before, so its held-out figures read high. "
-                "training.resume=never starts afresh.",
-                file=sys.stderr,
-            )
-    return fingerprint
 
 
 def gather_for_reading(*params: torch.nn.Parameter):

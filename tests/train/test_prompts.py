@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-import train.prompts as prompts_module
+import train.prompt_set as prompt_set
 from train.prompts import (
     EMBEDDED_CATEGORIES,
     EXTRA_CATEGORIES,
@@ -251,7 +251,7 @@ def test_embedded_set_is_large_diverse_unique_and_deterministic():
     assert len({p.id for p in prompts}) == len(prompts)
     assert 0.1 < sum(len(p.messages) == 2 for p in prompts) / len(prompts) < 0.2  # follow-ups
     assert all(m["role"] == "user" and m["content"].strip() for p in prompts for m in p.messages)
-    prompts_module._embedded_turns.cache_clear()
+    prompt_set.embedded_turns.cache_clear()
     assert [p.id for p in embedded_prompts()] == [p.id for p in prompts]
     coding = embedded_prompts(["coding"])
     assert {p.source for p in coding} == {"embedded:coding"}
@@ -284,7 +284,7 @@ def test_extra_categories_come_only_by_name():
 
 @pytest.mark.parametrize("category", EMBEDDED_CATEGORIES + EXTRA_CATEGORIES)
 def test_embedded_templates_use_exactly_their_slots(category):
-    spec = json.loads((prompts_module._DATA_DIR / f"{category}.json").read_text())
+    spec = json.loads((prompt_set._DATA_DIR / f"{category}.json").read_text())
     assert spec["category"] == category
     for group in spec["groups"]:
         slots = set(group.get("slots", {}))
@@ -294,7 +294,7 @@ def test_embedded_templates_use_exactly_their_slots(category):
             )
             assert fields == slots, (category, template)
         for values in group.get("slots", {}).values():
-            values = prompts_module._slot_values(values)
+            values = prompt_set._slot_values(values)
             assert values and len(set(values)) == len(values), (category, values[:3])
 
 
