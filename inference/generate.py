@@ -412,8 +412,9 @@ class SpeculativeGenerator:
 
         temperature 0 is greedy: the output equals `base.generate(do_sample=False)` token for
         token (without logits settings of its generation_config such as repetition_penalty,
-        which the generator does not apply: it warns when the base has some). temperature > 0 samples from the base's warped distribution (temperature, then
-        top_k, then top_p) exactly, whatever the drafter proposes. `acceptance="typical"` is
+        which the generator does not apply: it warns when the base has some). temperature > 0
+        samples from the base's warped distribution (temperature, then top_k, then top_p)
+        exactly, whatever the drafter proposes. `acceptance="typical"` is
         Medusa's typical acceptance: faster at high temperature but LOSSY (opt-in).
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
         """
