@@ -187,7 +187,7 @@ def test_magpie_shows_the_prefix_alone_and_filters_what_comes_back(tmp_path, smo
         "Explain why the sky is blue to a child.",
     ]
     prompts, _ = load_prompts([str(out)])
-    assert [p.messages[0]["content"] for p in prompts[:1]] == [kept[0]["prompt"]]
+    assert sorted(p.messages[0]["content"] for p in prompts) == sorted(k["prompt"] for k in kept)
 
     # The file is magpie's: the list method refuses to extend it (and the reverse).
     more = recipe(tmp_path, "self_instruct.num_prompts=4")
