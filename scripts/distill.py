@@ -353,7 +353,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     data = recipe.data
     out_dir = Path(data.output_dir)
     settings = generation_settings(recipe)
-    if recorded_settings(out_dir) and "order" not in recorded_settings(out_dir):
+    recorded = recorded_settings(out_dir)
+    if recorded and "order" not in recorded:
         del settings["order"]  # a run begun before prompts were ordered by hash keeps its shuffle
     check_manifest(out_dir, settings)
     vllm = use_vllm(recipe)

@@ -40,13 +40,9 @@ def record_id(prompt: str, sample: int) -> str:
 def answered_prompts(out_dir: Path) -> tuple[set[str], str | None]:
     """The prompt ids a distill output holds records of, and the system prompt its recipe added
     (what `prompt_id` needs to recognise them in a prompt source)."""
-    path = out_dir / MANIFEST
-    if not path.is_file():
+    if not (out_dir / MANIFEST).is_file():
         raise DistillError(f"{out_dir} is not a distill output (no {MANIFEST})")
-    try:
-        settings = json.loads(path.read_text(encoding="utf-8"))["settings"]
-    except (ValueError, KeyError, TypeError) as e:
-        raise DistillError(f"{path}: unreadable manifest ({e})") from e
+    settings = recorded_settings(out_dir)
     ids = {i.rpartition("-")[0] for i in read_done_ids(out_dir)}
     return ids, settings.get("system_prompt")
 
@@ -71,7 +67,7 @@ def recorded_settings(out_dir: Path) -> dict[str, Any]:
         return {}
     try:
         return json.loads(path.read_text(encoding="utf-8")).get("settings") or {}
-    except ValueError as e:
+    except (ValueError, AttributeError) as e:  # not JSON, or not an object
         raise DistillError(
             f"{path} is damaged ({e}): restore it (it records the settings of the answers "
             "written there), or use another data.output_dir"
