@@ -78,7 +78,7 @@ def build(args: argparse.Namespace):
     )
     model, tokenizer = load_base(args.base)
     template = resolve_chat_template(tokenizer, None)
-    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
+    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config, template)
     return recipe, model, tokenizer, template, eos_ids
 
 

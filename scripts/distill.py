@@ -46,6 +46,7 @@ from train.data import (
     ChatTemplateError,
     render_conversation,
     resolve_chat_template,
+    turn_end_token_id,
 )
 from train.distilled import (
     FORMAT,
@@ -182,11 +183,23 @@ def build_items(
     return items, counts
 
 
-def eos_token_ids(tokenizer, generation_config) -> list[int]:
-    """Every id that ends an answer: the tokenizer's EOS and the model's generation EOS ids."""
+def eos_token_ids(tokenizer, generation_config, template: str | None = None) -> list[int]:
+    """Every id that ends an answer: the tokenizer's EOS, the model's generation EOS ids and,
+    given the chat template, the token it closes an assistant turn with (a base whose
+    generation_config leaves that token out would otherwise answer the user's next turn too)."""
     ids = {tokenizer.eos_token_id}
     extra = getattr(generation_config, "eos_token_id", None)
     ids.update(extra if isinstance(extra, list) else [extra])
+    turn_end = turn_end_token_id(tokenizer, template) if template is not None else None
+    if turn_end is not None and turn_end not in ids:
+        logger.warning(
+            "the chat template closes a turn with %r (id %d), which is not among the base's EOS "
+            "ids %s: answers end there too (HF generate on this base would not stop there)",
+            tokenizer.convert_ids_to_tokens(turn_end),
+            turn_end,
+            sorted(i for i in ids if i is not None),
+        )
+        ids.add(turn_end)
     return sorted(i for i in ids if i is not None)
 
 
@@ -381,7 +394,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         )
         gen_config = model.generation_config
     template = resolve_chat_template(tokenizer, data.chat_template)
-    eos_ids = eos_token_ids(tokenizer, gen_config)
+    eos_ids = eos_token_ids(tokenizer, gen_config, template)
 
     items, counts = build_items(recipe, tokenizer, template, settings.get("order", "shuffle"))
     if not items:  # every prompt too long: nothing to answer, and training would find nothing

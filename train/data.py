@@ -134,6 +134,23 @@ def assistant_spans(
     return text, spans
 
 
+def turn_end_token_id(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
+    """The token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
+    ...), found by rendering a short exchange; None when the template closes it with no special
+    token. A base whose EOS ids leave this token out would write past its turn."""
+    probe: list[Message] = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    text, [(_, end)] = assistant_spans(probe, tokenizer, chat_template=chat_template)
+    _, [(_, answer_end)] = assistant_spans(
+        probe, tokenizer, chat_template=chat_template, end_markers=False
+    )
+    if end == answer_end:
+        return None
+    return tokenizer(text[answer_end:end], add_special_tokens=False)["input_ids"][-1]
+
+
 def tokenize_conversation(
     messages: list[Message],
     tokenizer: PreTrainedTokenizerBase,

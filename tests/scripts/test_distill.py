@@ -1,5 +1,6 @@
 """scripts/distill.py end to end on a tiny random Llama that uses the embedded tokenizer."""
 
+import copy
 import json
 import os
 import signal
@@ -104,6 +105,22 @@ def test_eos_ids_merge_tokenizer_and_generation_config(smollm2_tokenizer):
 
     assert distill.eos_token_ids(smollm2_tokenizer, Config()) == [2, 7]
     assert distill.eos_token_ids(smollm2_tokenizer, None) == [2]
+
+
+def test_eos_ids_take_the_token_the_template_ends_a_turn_with(smollm2_tokenizer, caplog):
+    """A base whose EOS is not its end-of-turn token (the template closes turns with <|im_end|>,
+    EOS is <|endoftext|>) would answer past its turn: the template's token ends answers too."""
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.eos_token = "<|endoftext|>"
+    template = tok.chat_template
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+    with caplog.at_level("WARNING", logger="distill"):
+        assert distill.eos_token_ids(tok, None, template) == sorted([tok.eos_token_id, im_end])
+    assert "'<|im_end|>'" in caplog.text and "not among the base's EOS ids" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="distill"):  # already an EOS id: nothing to say
+        assert distill.eos_token_ids(smollm2_tokenizer, None, template) == [im_end]
+    assert caplog.text == ""
 
 
 def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_base):

@@ -14,6 +14,7 @@ from train.data import (
     render_conversation,
     resolve_chat_template,
     tokenize_conversation,
+    turn_end_token_id,
 )
 
 CONVERSATION = [
@@ -122,6 +123,24 @@ def test_gemma_golden_without_system_prompt(gemma_tokenizer):
         "<start_of_turn>model\nIt is 6.<end_of_turn>\n"
     )
     assert masked_runs(tok, example) == ["2+2 is 4.<end_of_turn>", "It is 6.<end_of_turn>"]
+
+
+def test_turn_end_token_is_read_from_the_template(
+    smollm2_tokenizer, llama3_tokenizer, gemma_tokenizer
+):
+    for tok, marker in [
+        (smollm2_tokenizer, "<|im_end|>"),
+        (llama3_tokenizer, "<|eot_id|>"),
+        (gemma_tokenizer, "<end_of_turn>"),  # followed by a newline, which is not the marker
+    ]:
+        assert turn_end_token_id(tok) == tok.convert_tokens_to_ids(marker)
+    plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    assert (
+        turn_end_token_id(
+            smollm2_tokenizer, plain + "{% if add_generation_prompt %}assistant: {% endif %}"
+        )
+        is None
+    )
 
 
 def test_empty_answer_masks_only_the_end_of_turn(smollm2_tokenizer):
