@@ -31,6 +31,7 @@ import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from datetime import timedelta
 from pathlib import Path
 from typing import Any
 
@@ -82,6 +83,10 @@ Generate = Callable[[list[list[int]]], list[tuple[list[int], bool]]]
 # ended leave the batch between calls (2 cores, one process: +7-10% tokens/s over one call per
 # batch; chunks of 8 gained less). docs/distill.md has the figures.
 CHUNK_TOKENS = 16
+# How long a process waits for the others at the end: their shares take the same prompts'
+# lengths but not the same answers', and over a long run the last one can finish well after
+# torch's default (10 minutes under NCCL). A process that dies ends the launch anyway.
+WAIT_FOR_OTHERS = timedelta(hours=3)
 
 
 @dataclass
@@ -362,7 +367,7 @@ def run_batch(
 def distill(recipe: Recipe) -> dict[str, Any]:
     """Run (or resume) self-distillation; returns the manifest."""
     # cpu=True lets several CPU processes (torchrun / accelerate launch) share the work over gloo.
-    state = PartialState(cpu=not torch.cuda.is_available())
+    state = PartialState(cpu=not torch.cuda.is_available(), timeout=WAIT_FOR_OTHERS)
     data = recipe.data
     out_dir = Path(data.output_dir)
     settings = generation_settings(recipe)
