@@ -118,7 +118,18 @@ def read_index(cache_dir: Path) -> dict[str, tuple[str, int, int]]:
 
 def _read_identity(cache_dir: Path) -> dict | None:
     path = cache_dir / MANIFEST
-    return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
+    if not path.is_file():
+        return None
+    try:
+        identity = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        identity = e
+    if not isinstance(identity, dict):  # written whole (renamed into place): damaged since
+        raise FeatureCacheError(
+            f"{path} is damaged ({identity}): it says what the cached features are of, so the "
+            "cache cannot be checked; delete the folder to compute the features again"
+        )
+    return identity
 
 
 # Keys a cache made by an earlier headstart may lack: not a difference of setup.

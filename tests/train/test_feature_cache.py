@@ -135,6 +135,14 @@ def test_an_unreadable_shard_names_itself(base, tmp_path):
         fill(base, examples(3), tmp_path)
 
 
+@pytest.mark.parametrize("damage", [b'{"base": "tiny", "dty', b"\xff\xfe", b"[1, 2]"])
+def test_a_damaged_manifest_names_itself(base, tmp_path, damage):
+    fill(base, examples(3), tmp_path)
+    (tmp_path / fc.MANIFEST).write_bytes(damage)
+    with pytest.raises(fc.FeatureCacheError, match="features.json is damaged.*delete the folder"):
+        fill(base, examples(3), tmp_path)
+
+
 def _metadata(path):
     from safetensors import safe_open
 
