@@ -46,6 +46,7 @@ from train.run import (
     read_init_heads,
     run_training,
     save_final,
+    step_norms,
     stop_on_bad_input,
 )
 
@@ -75,7 +76,10 @@ class EagleTrainee(Trainee):
         self.seed = recipe.training.seed
         self._noise_at = (-1, 0)  # (step, micro-batches noised in it so far)
 
-    def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
+    def forward(self, batch: dict[str, torch.Tensor], step: int = 0, norm: float | None = None):
+        """(loss, metrics). The loss is the sum over target tokens (and TTT steps) divided by
+        `norm`: the mean target count of the optimizer step's micro-batches (`step_norms`), so
+        that each token weighs the same in the step; None divides by this batch's own count."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         if "hidden" in batch:
             feats = {k: batch[k] for k in ("hidden", "aux") if k in batch}
@@ -102,15 +106,16 @@ class EagleTrainee(Trainee):
         dtype = self.heads.fc.weight.dtype
         feats = {k: v.to(dtype) for k, v in feats.items()}
         embeds = embeds.to(dtype)
+        n = norm if norm is not None else max(int(next_is_target.sum()), 1)
         if not v3:
             return self._eagle1(
-                feats["hidden"], embeds, next_is_target, starts, row_of, base_logits, step
+                feats["hidden"], embeds, next_is_target, starts, row_of, base_logits, step, n
             )
         return self._eagle3(
-            feats["aux"], embeds, attn, next_is_target, starts, row_of, base_logits, base_top
+            feats["aux"], embeds, attn, next_is_target, starts, row_of, base_logits, base_top, n
         )
 
-    def _eagle1(self, hidden, embeds, next_is_target, starts, row_of, base_logits, step):
+    def _eagle1(self, hidden, embeds, next_is_target, starts, row_of, base_logits, step, n):
         B, T, H = hidden.shape
         x = hidden
         if self.training and self.spec.feature_noise > 0:
@@ -137,8 +142,8 @@ class EagleTrainee(Trainee):
         target = base_logits[rows].float().softmax(-1)
         lm_head = self.base.get_output_embeddings()
         logits = lm_head(pred.to(lm_head.weight.dtype)).float()  # EAGLE-1 shares the base lm_head
-        feature_loss = F.smooth_l1_loss(pred.float(), true.float())
-        token_loss = -(target * logits.log_softmax(-1)).sum(-1).mean()
+        feature_loss = F.smooth_l1_loss(pred.float(), true.float(), reduction="sum") / (n * H)
+        token_loss = -(target * logits.log_softmax(-1)).sum() / n
         loss = (
             self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
         )
@@ -155,9 +160,9 @@ class EagleTrainee(Trainee):
             metrics["walk_tau"] = walk_accept_length(ok[None], starts)
         return loss, metrics
 
-    def _eagle3(self, aux, embeds, attn, next_is_target, starts, row_of, draft_logits, base_top):
+    def _eagle3(self, aux, embeds, attn, next_is_target, starts, row_of, draft_logits, base_top, n):
         """draft_logits (p, V_draft): the base's logits on the draft vocabulary at the target
-        rows; base_top (p,) its greedy tokens there."""
+        rows; base_top (p,) its greedy tokens there; n the loss's divisor."""
         B, T, _ = aux.shape
         draft = self.heads
         # The base's distribution restricted to the draft vocabulary and renormalised is the
@@ -180,7 +185,7 @@ class EagleTrainee(Trainee):
             )  # (B,T,H)
             logits = draft.compute_logits(out[valid]).float()  # (n_j, V_draft)
             rows = shift_left(row_of, j + 1, -1)[valid]
-            loss = loss + self.decay**j * -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
+            loss = loss + self.decay**j * -(targets[rows] * logits.log_softmax(-1)).sum() / n
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok)
@@ -265,10 +270,11 @@ def training_function(recipe: Recipe) -> dict:
     model.train()
     while step < total:
         batches = epoch_batches(len(train_ds), recipe, epoch, accelerator)
+        norms = step_norms(train_ds, batches, recipe, accelerator)
         for bi in range(skip, len(batches)):
             batch = collate(train_ds, batches[bi], pad_id, device)
             with accelerator.accumulate(model):
-                loss, metrics = model(batch, step)
+                loss, metrics = model(batch, step, norms[bi])
                 # Every micro-batch, before any update: a NaN never reaches the weights or a
                 # checkpoint (a collective, so every process stops together).
                 loss_value = float(accelerator.reduce(loss.detach(), "mean"))
@@ -291,7 +297,7 @@ def training_function(recipe: Recipe) -> dict:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
                 log.log(
                     {
-                        "loss": step_loss,  # mean over the step's micro-batches
+                        "loss": step_loss,  # per target token of the step
                         "lr": lr,
                         "tokens_per_s": rate,
                         **metrics,

@@ -1,7 +1,8 @@
 """Losses and accuracy metrics of the draft heads. Pure tensor functions, no model calls.
 
 Shapes: B batch, T tokens, H hidden, V vocab, K heads / steps. `mask` (B,T) marks the
-positions whose *target* token is an assistant token; every loss is normalised by its count.
+positions whose *target* token is an assistant token; a loss is normalised by its count unless
+given another divisor (the trainees divide every head's sum by the answer tokens).
 """
 
 from __future__ import annotations
@@ -11,22 +12,24 @@ import torch.nn.functional as F
 
 
 def soft_cross_entropy(
-    logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor
+    logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, divisor=None
 ) -> torch.Tensor:
-    """sum_t mask_t * CE(target_probs_t, softmax(logits_t)) / sum mask. logits, targets (B,T,V)."""
+    """sum_t mask_t * CE(target_probs_t, softmax(logits_t)) / divisor (sum mask by default).
+    logits, targets (B,T,V)."""
     logp = logits.float().log_softmax(-1)
     ce = -(target_probs.float() * logp).sum(-1)  # (B,T)
-    return (ce * mask).sum() / mask.sum().clamp(min=1)
+    return (ce * mask).sum() / (mask.sum().clamp(min=1) if divisor is None else divisor)
 
 
 def hard_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor
+    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, divisor=None
 ) -> torch.Tensor:
-    """Masked token CE. logits (B,T,V), labels (B,T)."""
+    """Masked token CE summed over the mask / divisor (sum mask by default). logits (B,T,V),
+    labels (B,T)."""
     ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(
         labels
     )
-    return (ce * mask).sum() / mask.sum().clamp(min=1)
+    return (ce * mask).sum() / (mask.sum().clamp(min=1) if divisor is None else divisor)
 
 
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
@@ -82,7 +85,9 @@ def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> tuple[int,
 
 
 def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None):
-    """Medusa-1 loss (Cai et al. 2024): sum_k decay^k * CE(head_k(h_t), y_{t+k+2}).
+    """Medusa-1 loss (Cai et al. 2024): sum_k decay^k * CE(head_k(h_t), y_{t+k+2}), each head's
+    sum over its targets divided by the answer tokens (rows whose next token is one), as the
+    trainee divides it.
 
     head_logits (K,B,T,V) from h_t; labels (B,T) the token ids; mask (B,T) 1 on assistant
     tokens; target_probs optional (B,T,V): the base's distribution at each position (it predicts
@@ -90,14 +95,16 @@ def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None
     """
     K = head_logits.shape[0]
     total = head_logits.new_zeros(())
+    answer_tokens = shift_left(mask, 1).sum().clamp(min=1)
     stats = []
     for k in range(K):
         tgt = shift_left(labels, k + 2)
         valid = shift_left(mask, k + 2).float()
         if target_probs is None:
-            loss_k = hard_cross_entropy(head_logits[k], tgt, valid)
+            loss_k = hard_cross_entropy(head_logits[k], tgt, valid, answer_tokens)
         else:
-            loss_k = soft_cross_entropy(head_logits[k], shift_left(target_probs, k + 1), valid)
+            probs = shift_left(target_probs, k + 1)
+            loss_k = soft_cross_entropy(head_logits[k], probs, valid, answer_tokens)
         total = total + decay**k * loss_k
         v = valid.bool()
         stats.append(

@@ -40,6 +40,7 @@ from train.run import (
     read_init_heads,
     run_training,
     save_final,
+    step_norms,
     stop_on_bad_input,
 )
 
@@ -60,7 +61,10 @@ class MedusaTrainee(Trainee):
         draft_of[ids.cpu()] = torch.arange(ids.numel())
         self.register_buffer("draft_of", draft_of, persistent=False)
 
-    def forward(self, batch: dict[str, torch.Tensor], step: int = 0):
+    def forward(self, batch: dict[str, torch.Tensor], step: int = 0, norm: float | None = None):
+        """(loss, metrics). The loss is the sum over target tokens (and heads) divided by `norm`:
+        the mean target count of the optimizer step's micro-batches (`step_norms`), so that each
+        token weighs the same in the step; None divides by this batch's own count (a mean)."""
         ids, mask, attn = batch["input_ids"], batch["loss_mask"].bool(), batch["attention_mask"]
         if "hidden" in batch:  # offline: the base's features were computed once
             hidden = original = batch["hidden"].float()
@@ -91,6 +95,7 @@ class MedusaTrainee(Trainee):
             full=self.lora,  # Medusa-2's KL term reads the whole distribution
         )  # (n, V_draft) or None, (n,), (n, V) or None
         targets = draft_logits.float().softmax(-1) if self.soft else None  # (n, V_draft)
+        n = norm if norm is not None else max(int(next_is_target.sum()), 1)
         del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
         loss = hidden.new_zeros(())
         metrics: dict[str, float] = {}
@@ -103,13 +108,12 @@ class MedusaTrainee(Trainee):
             logits = self.heads.head_logits(k, hidden[valid]).float()  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
-                loss_k = -(targets[rows] * logits.log_softmax(-1)).sum(-1).mean()
+                loss_k = -(targets[rows] * logits.log_softmax(-1)).sum() / n
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]
                 drafted = labels >= 0  # targets outside a reduced draft vocabulary teach nothing
                 losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
-                # a micro-batch with none of them in it adds 0, not the NaN of an empty mean
-                loss_k = (losses * drafted).sum() / drafted.sum().clamp(min=1)
+                loss_k = (losses * drafted).sum() / n
             loss = loss + self.decay**k * loss_k
             pred = self.heads.to_base_ids(logits.argmax(-1))
             truth = shift_left(ids, k + 2)[valid]
@@ -128,9 +132,7 @@ class MedusaTrainee(Trainee):
                 lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
             )
             p = base_logits.float().softmax(-1)
-            kl = (
-                (p * (p.clamp(min=1e-12).log() - adapted)).sum(-1).mean()
-            )  # KL(original || adapted)
+            kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
             metrics["kl"] = float(kl.detach())
         metrics["sim_tau"] = (
@@ -244,10 +246,11 @@ def training_function(recipe: Recipe) -> dict:
     model.train()
     while step < total:
         batches = epoch_batches(len(train_ds), recipe, epoch, accelerator)
+        norms = step_norms(train_ds, batches, recipe, accelerator)
         for bi in range(skip, len(batches)):
             batch = collate(train_ds, batches[bi], pad_id, device)
             with accelerator.accumulate(model):
-                loss, metrics = model(batch, step)
+                loss, metrics = model(batch, step, norms[bi])
                 # Every micro-batch, before any update: a NaN never reaches the weights or a
                 # checkpoint (a collective, so every process stops together).
                 loss_value = float(accelerator.reduce(loss.detach(), "mean"))
@@ -270,7 +273,7 @@ def training_function(recipe: Recipe) -> dict:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
                 log.log(
                     {
-                        "loss": step_loss,  # mean over the step's micro-batches
+                        "loss": step_loss,  # per target token of the step
                         "lr": lr,
                         "tokens_per_s": rate,
                         **metrics,

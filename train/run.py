@@ -332,6 +332,22 @@ def epoch_batches(
     return [mine[i : i + mb] for i in range(0, len(mine), mb)]
 
 
+def step_norms(
+    dataset, batches: list[list[int]], recipe: Recipe, accelerator: Accelerator
+) -> list[float]:
+    """Each micro-batch's loss divisor: the mean target-token count of the micro-batches of its
+    optimizer step, over every process. A trainee divides its loss sum by it; accelerate's mean
+    over the accumulated micro-batches and DDP's over processes then give the step's loss per
+    target token, each token weighing the same (a mean per micro-batch weighs the tokens of a
+    batch of short answers more, the more so the smaller the micro-batches)."""
+    gas = recipe.training.gradient_accumulation_steps
+    counts = [sum(sum(dataset.examples[i]["loss_mask"]) for i in batch) for batch in batches]
+    per_step = torch.tensor(counts, dtype=torch.float64, device=accelerator.device)
+    per_step = accelerator.reduce(per_step.view(-1, gas).sum(1), "sum")  # every process's
+    mean = (per_step / (gas * accelerator.num_processes)).clamp(min=1)
+    return mean.repeat_interleave(gas).tolist()
+
+
 def make_optimizer(recipe: Recipe, param_groups, steps_total: int):
     optimizer = torch.optim.AdamW(
         param_groups, lr=recipe.training.learning_rate, weight_decay=recipe.training.weight_decay

@@ -77,6 +77,7 @@ def test_soft_cross_entropy_averages_over_masked_positions_only():
     expected = (math.log(2) + 0.5 * (lse - 2) + 0.5 * lse) / 2
     assert float(soft_cross_entropy(logits, target, mask)) == pytest.approx(expected, rel=1e-6)
     assert float(soft_cross_entropy(logits, target, torch.zeros(1, 3))) == 0.0  # no 0/0
+    assert float(soft_cross_entropy(logits, target, mask, 8)) == pytest.approx(expected / 4)
 
 
 def test_hard_cross_entropy_averages_over_masked_positions_only():
@@ -90,6 +91,7 @@ def test_hard_cross_entropy_averages_over_masked_positions_only():
     ]
     loss = hard_cross_entropy(logits, labels, mask)
     assert float(loss) == pytest.approx(sum(ce) / 3, rel=1e-6)
+    assert float(hard_cross_entropy(logits, labels, mask, 6)) == pytest.approx(sum(ce) / 6)
     assert float(hard_cross_entropy(logits, labels.clamp(min=0), torch.zeros(2, 2))) == 0.0
 
 
@@ -118,7 +120,8 @@ def test_medusa_loss_targets_token_t_plus_k_plus_2_with_decay():
 
     uniform = torch.zeros(K, 1, 6, V)  # CE log(V) at every valid position of every head
     loss, stats = medusa_loss(uniform, labels, mask, decay=0.5)
-    assert float(loss) == pytest.approx((1 + 0.5) * math.log(V), rel=1e-6)
+    # Each head's sum over its targets (4 and 3) per answer token (rows 1-4 predict one: 4)
+    assert float(loss) == pytest.approx((4 / 4 + 0.5 * 3 / 4) * math.log(V), rel=1e-6)
     # Wrong only where the target is outside the mask: no effect on the loss.
     wrong_outside = right.clone()
     wrong_outside[0, 0, 4:] = 0.0  # head 0 at t=4,5: targets t+2 = 6, 7 do not exist
@@ -213,8 +216,12 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
         offline = dict(batch, hidden=hidden, top=greedy_tokens(tiny_llama, hidden))
         with _no_full_lm_head(tiny_llama):  # the draft vocabulary's rows only
             loss_offline, metrics_offline = trainee(offline)
+    answer_tokens = shift_left(mask, 1).sum()  # each head's sum is divided by these
     expected = sum(
-        0.8**k * soft_cross_entropy(logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2))
+        0.8**k
+        * soft_cross_entropy(
+            logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2), answer_tokens
+        )
         for k in range(2)
     )
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
@@ -258,7 +265,8 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
         logits = draft.compute_logits(out)  # (B,T,48)
     target = _restricted(shift_left(base_logits, 1).softmax(-1), vocab)  # p_{t+1}
     valid = shift_left(mask, 2).bool()
-    expected = -(target[valid] * logits[valid].log_softmax(-1)).sum(-1).mean()
+    answer_tokens = shift_left(mask, 1).sum()  # the sum is divided by these, not by valid's
+    expected = -(target[valid] * logits[valid].log_softmax(-1)).sum() / answer_tokens
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     right = draft.to_base_ids(logits[valid].argmax(-1)) == shift_left(base_logits, 1)[valid].argmax(
         -1
@@ -295,3 +303,83 @@ def test_ttt_mask_step_0_is_causal():
     mask = ttt_mask(4, 0, torch.zeros(1, 4, dtype=torch.bool), torch.bfloat16)
     assert mask.dtype == torch.bfloat16 and mask.shape == (1, 1, 4, 4)
     assert torch.equal(mask[0, 0] == 0, torch.ones(4, 4, dtype=torch.bool).tril())
+
+
+def _trainee(kind: str, base):
+    from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+    from train.config import load_recipe
+    from train.eagle import EagleTrainee
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(3)
+    if kind == "eagle3":
+        config = EagleConfig.from_base(
+            base.config, version=3, draft_vocab_size=64, aux_layer_ids=[0, 1, 1]
+        )
+        draft = EagleDraft(config)
+        draft.set_vocab_map(torch.randperm(256)[:64].sort().values)
+        return EagleTrainee(
+            base, draft, load_recipe(None, ["heads.type=eagle", "heads.ttt_steps=2"])
+        )
+    soft = str(kind == "medusa-soft").lower()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    for block in heads.blocks:  # a fresh block is the identity; make the heads differ
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+    return MedusaTrainee(base, heads, load_recipe(None, [f"training.soft_labels={soft}"]))
+
+
+@pytest.mark.parametrize("kind", ["medusa-hard", "medusa-soft", "eagle3"])
+def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
+    """An optimizer step's gradient is that of its conversations' loss per target token, whether
+    they come as one micro-batch or as several of other lengths, each divided by the step's
+    mean target count (`step_norms`) and averaged as accelerate averages accumulated ones; a
+    mean per micro-batch would weigh the tokens of the short answer more."""
+    from tests.conftest import make_tiny_llama
+    from train.data import pad_batch
+
+    trainee = _trainee(kind, make_tiny_llama(seed=5)).train()
+    g = torch.Generator().manual_seed(0)
+    examples = []
+    for length, answer in [(16, 11), (7, 3), (11, 2)]:  # tokens, answer tokens at the end
+        ids = torch.randint(3, 256, (length,), generator=g).tolist()
+        mask = [0] * (length - answer) + [1] * answer
+        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+    params = [p for p in trainee.heads.parameters() if p.requires_grad]
+
+    def gradient(micro_batches, norm):
+        trainee.zero_grad()
+        total = 0.0
+        for mb in micro_batches:
+            loss, _ = trainee(pad_batch(mb, 0), 0, norm)
+            (loss / len(micro_batches)).backward()  # accelerate's mean over accumulation
+            total += float(loss.detach()) / len(micro_batches)
+        return total, [p.grad.clone() for p in params]
+
+    whole, whole_grad = gradient([examples], None)  # one micro-batch: its mean per token
+    targets = sum(sum(e["loss_mask"]) for e in examples)
+    split, split_grad = gradient([[e] for e in examples], targets / len(examples))
+    assert split == pytest.approx(whole, rel=1e-5)
+    for a, b in zip(split_grad, whole_grad):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+    _, means_grad = gradient([[e] for e in examples], None)  # each micro-batch its own mean
+    off = torch.cat([(a - b).flatten() for a, b in zip(means_grad, whole_grad)]).norm()
+    assert off > 0.05 * torch.cat([b.flatten() for b in whole_grad]).norm()
+
+
+def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
+    """Two processes, two micro-batches per step: each micro-batch's divisor is its step's
+    target tokens over both processes' four micro-batches."""
+    from types import SimpleNamespace
+
+    from train.config import load_recipe
+    from train.run import step_norms
+
+    recipe = load_recipe(None, ["training.gradient_accumulation_steps=2"])
+    dataset = SimpleNamespace(examples=[{"loss_mask": [0] * 3 + [1] * n} for n in (1, 2, 4, 8)])
+    other = torch.tensor([10.0, 20.0], dtype=torch.float64)  # the other process's step counts
+    accelerator = SimpleNamespace(
+        device="cpu", num_processes=2, reduce=lambda t, op: t + other if op == "sum" else None
+    )
+    batches = [[0], [1, 2], [3], [3, 0]]  # 1 | 6 ; 8 | 9 targets: steps of 7 and 17 here
+    norms = step_norms(dataset, batches, recipe, accelerator)
+    assert norms == [17 / 4, 17 / 4, 37 / 4, 37 / 4]

@@ -336,8 +336,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(
     out = tmp_path / "out"
     forward = trainee.forward
 
-    def nan_at_step_3(self, batch, step=0):
-        loss, metrics = forward(self, batch, step)
+    def nan_at_step_3(self, batch, step=0, norm=None):
+        loss, metrics = forward(self, batch, step, norm)
         return (loss * float("nan") if step == 2 else loss), metrics  # `step` counts done steps
 
     monkeypatch.setattr(trainee, "forward", nan_at_step_3)
