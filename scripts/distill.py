@@ -195,7 +195,11 @@ def eos_token_ids(tokenizer, generation_config, template: str | None = None) -> 
     ids = {tokenizer.eos_token_id}
     extra = getattr(generation_config, "eos_token_id", None)
     ids.update(extra if isinstance(extra, list) else [extra])
-    turn_end = turn_end_token_id(tokenizer, template) if template is not None else None
+    try:
+        turn_end = turn_end_token_id(tokenizer, template) if template is not None else None
+    except Exception as e:  # a probe: a template that wants a system turn, say, may refuse it
+        logger.warning("the chat template's end-of-turn token was not found (%s)", e)
+        turn_end = None
     if turn_end is not None and turn_end not in ids:
         logger.warning(
             "the chat template closes a turn with %r (id %d), which is not among the base's EOS "

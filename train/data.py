@@ -135,9 +135,9 @@ def assistant_spans(
 
 
 def turn_end_token_id(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
-    """The token the chat template closes an assistant turn with (`<|im_end|>`, `<|eot_id|>`,
-    ...), found by rendering a short exchange; None when the template closes it with no special
-    token. A base whose EOS ids leave this token out would write past its turn."""
+    """The special token the chat template closes an assistant turn with (`<|im_end|>`,
+    `<|eot_id|>`, ...), found by rendering a short exchange; None when the template closes it
+    with no special token. A base whose EOS ids leave this token out would write past its turn."""
     probe: list[Message] = [
         {"role": "user", "content": "Hi."},
         {"role": "assistant", "content": "Hello."},
@@ -148,7 +148,9 @@ def turn_end_token_id(tokenizer: PreTrainedTokenizerBase, chat_template: str | N
     )
     if end == answer_end:
         return None
-    return tokenizer(text[answer_end:end], add_special_tokens=False)["input_ids"][-1]
+    token = tokenizer(text[answer_end:end], add_special_tokens=False)["input_ids"][-1]
+    added = getattr(tokenizer, "added_tokens_decoder", {}).get(token)
+    return token if added is not None and added.special else None  # not, say, an added "\n"
 
 
 def tokenize_conversation(

@@ -121,6 +121,11 @@ def test_eos_ids_take_the_token_the_template_ends_a_turn_with(smollm2_tokenizer,
     with caplog.at_level("WARNING", logger="distill"):  # already an EOS id: nothing to say
         assert distill.eos_token_ids(smollm2_tokenizer, None, template) == [im_end]
     assert caplog.text == ""
+    # A template that refuses the probe (it wants a system turn): the EOS ids alone, said so
+    wants_system = "{{ raise_exception('a system turn first') }}"
+    with caplog.at_level("WARNING", logger="distill"):
+        assert distill.eos_token_ids(tok, None, wants_system) == [tok.eos_token_id]
+    assert "end-of-turn token was not found (a system turn first)" in caplog.text
 
 
 def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_base):

@@ -135,6 +135,15 @@ def test_turn_end_token_is_read_from_the_template(
     ]:
         assert turn_end_token_id(tok) == tok.convert_tokens_to_ids(marker)
     plain = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+    # An added token that is not special (here closing the turn) is no end-of-turn token
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_tokens(["<not-special>"])
+    closes = plain.replace("\n", "<not-special>")
+    assert "<not-special>" in closes
+    assert (
+        turn_end_token_id(tok, closes + "{% if add_generation_prompt %}assistant: {% endif %}")
+        is None
+    )
     assert (
         turn_end_token_id(
             smollm2_tokenizer, plain + "{% if add_generation_prompt %}assistant: {% endif %}"
