@@ -142,6 +142,7 @@ class EagleTrainee(Trainee):
         target = base_logits[rows].float().softmax(-1)
         lm_head = self.base.get_output_embeddings()
         logits = lm_head(pred.to(lm_head.weight.dtype)).float()  # EAGLE-1 shares the base lm_head
+        own = max(int(next_is_target.sum()), 1)
         feature_loss = F.smooth_l1_loss(pred.float(), true.float(), reduction="sum") / (n * H)
         token_loss = -(target * logits.log_softmax(-1)).sum() / n
         loss = (
@@ -149,8 +150,9 @@ class EagleTrainee(Trainee):
         )
         top1 = (logits.argmax(-1) == target.argmax(-1)).float()
         metrics = {
-            "feature_loss": float(feature_loss.detach()),
-            "token_loss": float(token_loss.detach()),
+            # this batch's means (the loss's divisor may be its step's)
+            "feature_loss": float(feature_loss.detach()) * n / own,
+            "token_loss": float(token_loss.detach()) * n / own,
             "step0/top1": float(top1.mean()),
             "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
         }

@@ -134,7 +134,7 @@ class MedusaTrainee(Trainee):
             p = base_logits.float().softmax(-1)
             kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
-            metrics["kl"] = float(kl.detach())
+            metrics["kl"] = float(kl.detach()) * n / max(int(next_is_target.sum()), 1)  # a mean
         metrics["sim_tau"] = (
             float(chain_accept_length(torch.stack(chain)[:, next_is_target]).float().mean())
             if chain

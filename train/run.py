@@ -341,11 +341,11 @@ def step_norms(
     target token, each token weighing the same (a mean per micro-batch weighs the tokens of a
     batch of short answers more, the more so the smaller the micro-batches)."""
     gas = recipe.training.gradient_accumulation_steps
-    counts = [sum(sum(dataset.examples[i]["loss_mask"]) for i in batch) for batch in batches]
-    per_step = torch.tensor(counts, dtype=torch.float64, device=accelerator.device)
-    per_step = accelerator.reduce(per_step.view(-1, gas).sum(1), "sum")  # every process's
-    mean = (per_step / (gas * accelerator.num_processes)).clamp(min=1)
-    return mean.repeat_interleave(gas).tolist()
+    # A trainee's targets: the rows whose next token is one (a first token has no row before it)
+    counts = [sum(sum(dataset.examples[i]["loss_mask"][1:]) for i in batch) for batch in batches]
+    per_step = torch.tensor(counts, dtype=torch.long, device=accelerator.device)
+    per_step = accelerator.reduce(per_step.view(-1, gas).sum(1), "sum").tolist()  # every process's
+    return [max(n / (gas * accelerator.num_processes), 1.0) for n in per_step for _ in range(gas)]
 
 
 def make_optimizer(recipe: Recipe, param_groups, steps_total: int):

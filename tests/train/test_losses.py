@@ -340,7 +340,8 @@ def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
     trainee = _trainee(kind, make_tiny_llama(seed=5)).train()
     g = torch.Generator().manual_seed(0)
     examples = []
-    for length, answer in [(16, 11), (7, 3), (11, 2)]:  # tokens, answer tokens at the end
+    # tokens, answer tokens at the end (all of them: a text corpus, the first no row's target)
+    for length, answer in [(16, 11), (7, 3), (11, 2), (5, 5)]:
         ids = torch.randint(3, 256, (length,), generator=g).tolist()
         mask = [0] * (length - answer) + [1] * answer
         examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
@@ -356,7 +357,7 @@ def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
         return total, [p.grad.clone() for p in params]
 
     whole, whole_grad = gradient([examples], None)  # one micro-batch: its mean per token
-    targets = sum(sum(e["loss_mask"]) for e in examples)
+    targets = sum(sum(e["loss_mask"][1:]) for e in examples)
     split, split_grad = gradient([[e] for e in examples], targets / len(examples))
     assert split == pytest.approx(whole, rel=1e-5)
     for a, b in zip(split_grad, whole_grad):
@@ -375,11 +376,13 @@ def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
     from train.run import step_norms
 
     recipe = load_recipe(None, ["training.gradient_accumulation_steps=2"])
-    dataset = SimpleNamespace(examples=[{"loss_mask": [0] * 3 + [1] * n} for n in (1, 2, 4, 8)])
-    other = torch.tensor([10.0, 20.0], dtype=torch.float64)  # the other process's step counts
+    masks = [[0] * 3 + [1] * n for n in (1, 2, 4)] + [[1] * 9]  # a text corpus: all targets
+    dataset = SimpleNamespace(examples=[{"loss_mask": mask} for mask in masks])
+    other = torch.tensor([10, 20])  # the other process's step counts
     accelerator = SimpleNamespace(
         device="cpu", num_processes=2, reduce=lambda t, op: t + other if op == "sum" else None
     )
+    # the first token has no row before it to predict it: the last example has 8 targets
     batches = [[0], [1, 2], [3], [3, 0]]  # 1 | 6 ; 8 | 9 targets: steps of 7 and 17 here
     norms = step_norms(dataset, batches, recipe, accelerator)
     assert norms == [17 / 4, 17 / 4, 37 / 4, 37 / 4]
