@@ -9,8 +9,8 @@ EAGLE-3 (Li et al. 2025, arXiv:2503.01840): the first input fuses three base lay
 test (TTT) unrolls `ttt_steps` draft steps, step j feeding the draft's own output from step j-1
 (as at inference) and the true token x_{t+1+j}; step j's query at t attends to step 0's keys
 at positions <= t and to its own chain's keys at t from steps 1..j. Loss: sum_j decay^j * soft CE
-over the draft vocabulary (the base's distribution restricted and renormalised), each step
-normalised by its valid tokens. The draft vocabulary (d2t / t2d) is built once from the data
+over the draft vocabulary (the base's distribution restricted and renormalised), summed over
+the steps' tokens and divided by the target tokens (per token, as train.run.step_norms says). The draft vocabulary (d2t / t2d) is built once from the data
 and saved before step 1; a resumed run reuses it.
 """
 

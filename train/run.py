@@ -467,9 +467,8 @@ class Trainee(torch.nn.Module):
 def evaluate(
     model: torch.nn.Module, dataset, recipe: Recipe, pad_id: int, device
 ) -> dict[str, float]:
-    """A trainee's held-out loss and metrics (accuracies, simulated acceptance): batch means,
-    except a metric given as (numerator, denominator), which is summed over the batches and
-    divided once (tokens / steps)."""
+    """Held-out loss per target token, as training weighs it; metrics are batch means, but one
+    given as (numerator, denominator) is summed over the batches and divided once."""
     model.eval()
     totals: dict[str, float] = {}
     ratios: dict[str, tuple[float, float]] = {}
@@ -477,8 +476,9 @@ def evaluate(
     bs = recipe.training.micro_batch_size
     for start in range(0, len(dataset), bs):
         batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
-        loss, metrics = model(batch)
-        for key, value in {"loss": float(loss), **metrics}.items():
+        loss, metrics = model(batch, norm=1.0)  # the sum over the batch's target tokens
+        targets = int(batch["loss_mask"][:, 1:].sum())  # a first token is no row's target
+        for key, value in {"loss": (float(loss), targets), **metrics}.items():
             if isinstance(value, tuple):
                 num, den = ratios.get(key, (0.0, 0.0))
                 ratios[key] = (num + value[0], den + value[1])

@@ -367,6 +367,37 @@ def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
     assert off > 0.05 * torch.cat([b.flatten() for b in whole_grad]).norm()
 
 
+@pytest.mark.parametrize("kind", ["medusa-hard", "medusa-soft", "eagle3"])
+def test_held_out_loss_is_per_target_token_whatever_the_batch_size(kind):
+    """The held-out loss weighs every target token the same, as training does: evaluated one
+    conversation at a time it equals the loss of all of them as one batch, not the mean of the
+    conversations' means (which weighs a short answer's tokens more)."""
+    from tests.conftest import make_tiny_llama
+    from train.config import load_recipe
+    from train.data import pad_batch
+    from train.features import ExampleDataset
+    from train.run import evaluate
+
+    trainee = _trainee(kind, make_tiny_llama(seed=5))
+    g = torch.Generator().manual_seed(1)
+    examples = []
+    for length, answer in [(16, 11), (7, 3), (11, 2), (5, 5)]:
+        ids = torch.randint(3, 256, (length,), generator=g).tolist()
+        mask = [0] * (length - answer) + [1] * answer
+        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+    dataset = ExampleDataset(examples)
+
+    def held_out(micro_batch_size):
+        recipe = load_recipe(None, [f"training.micro_batch_size={micro_batch_size}"])
+        return evaluate(trainee, dataset, recipe, 0, "cpu")["eval/loss"]
+
+    whole, one_by_one = held_out(len(examples)), held_out(1)
+    assert one_by_one == pytest.approx(whole, rel=1e-5)
+    with torch.no_grad():  # each conversation's own mean per target token
+        means = [float(trainee.eval()(pad_batch([e], 0))[0]) for e in examples]
+    assert sum(means) / len(means) != pytest.approx(whole, rel=1e-2)
+
+
 def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
     """Two processes, two micro-batches per step: each micro-batch's divisor is its step's
     target tokens over both processes' four micro-batches."""
