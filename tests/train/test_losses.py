@@ -328,6 +328,18 @@ def _trainee(kind: str, base):
     return MedusaTrainee(base, heads, load_recipe(None, [f"training.soft_labels={soft}"]))
 
 
+def _conversations(seed: int) -> list[dict[str, list[int]]]:
+    """Four random conversations of different lengths, their answers at the end (the last all
+    answer: a text corpus, whose first token is no row's target)."""
+    g = torch.Generator().manual_seed(seed)
+    examples = []
+    for length, answer in [(16, 11), (7, 3), (11, 2), (5, 5)]:
+        ids = torch.randint(3, 256, (length,), generator=g).tolist()
+        mask = [0] * (length - answer) + [1] * answer
+        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+    return examples
+
+
 @pytest.mark.parametrize("kind", ["medusa-hard", "medusa-soft", "eagle3"])
 def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
     """An optimizer step's gradient is that of its conversations' loss per target token, whether
@@ -338,13 +350,7 @@ def test_a_step_weighs_every_target_token_the_same_however_it_is_split(kind):
     from train.data import pad_batch
 
     trainee = _trainee(kind, make_tiny_llama(seed=5)).train()
-    g = torch.Generator().manual_seed(0)
-    examples = []
-    # tokens, answer tokens at the end (all of them: a text corpus, the first no row's target)
-    for length, answer in [(16, 11), (7, 3), (11, 2), (5, 5)]:
-        ids = torch.randint(3, 256, (length,), generator=g).tolist()
-        mask = [0] * (length - answer) + [1] * answer
-        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+    examples = _conversations(seed=0)
     params = [p for p in trainee.heads.parameters() if p.requires_grad]
 
     def gradient(micro_batches, norm):
@@ -379,12 +385,7 @@ def test_held_out_loss_is_per_target_token_whatever_the_batch_size(kind):
     from train.run import evaluate
 
     trainee = _trainee(kind, make_tiny_llama(seed=5))
-    g = torch.Generator().manual_seed(1)
-    examples = []
-    for length, answer in [(16, 11), (7, 3), (11, 2), (5, 5)]:
-        ids = torch.randint(3, 256, (length,), generator=g).tolist()
-        mask = [0] * (length - answer) + [1] * answer
-        examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+    examples = _conversations(seed=1)
     dataset = ExampleDataset(examples)
 
     def held_out(micro_batch_size):
