@@ -35,6 +35,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import distill  # noqa: E402  (the distill script's own functions)
 
 from heads.base import load_base  # noqa: E402
+from train.answering import CHUNK_TOKENS, eos_token_ids, transformers_generator  # noqa: E402
 from train.config import DataConfig, load_recipe  # noqa: E402
 from train.data import resolve_chat_template  # noqa: E402
 
@@ -78,7 +79,7 @@ def build(args: argparse.Namespace):
     )
     model, tokenizer = load_base(args.base)
     template = resolve_chat_template(tokenizer, None)
-    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config, template)
+    eos_ids = eos_token_ids(tokenizer, model.generation_config, template)
     return recipe, model, tokenizer, template, eos_ids
 
 
@@ -97,9 +98,7 @@ def worker(
     try:
         torch.set_num_threads(threads)
         recipe, model, tokenizer, template, eos_ids = build(args)
-        generate = distill.transformers_generator(
-            model, tokenizer, recipe, eos_ids, chunk_tokens=chunk
-        )
+        generate = transformers_generator(model, tokenizer, recipe, eos_ids, chunk_tokens=chunk)
         common = (tokenizer, template, recipe)
         distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], generate, *common)
         items = fresh_items(recipe, tokenizer, template)
@@ -180,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
         "--chunk-tokens",
         type=int,
         nargs="+",
-        default=[distill.CHUNK_TOKENS],
+        default=[CHUNK_TOKENS],
         help="new tokens per generate call of the batched runs; 0: one call per batch",
     )
     parser.add_argument(
@@ -205,9 +204,9 @@ def main(argv: list[str] | None = None) -> int:
     recipe, model, tokenizer, template, eos_ids = build(args)
     # The baseline is plain HF generate, one prompt at a time, as a user runs it: its default
     # (dynamic) cache, not the static one of the batched path.
-    plain = distill.transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
+    plain = transformers_generator(model, tokenizer, recipe, eos_ids, static_cache=False)
     common = (tokenizer, template, recipe)
-    warm = distill.transformers_generator(
+    warm = transformers_generator(
         model, tokenizer, recipe, eos_ids, chunk_tokens=args.chunk_tokens[0]
     )
     distill.run_batch(fresh_items(recipe, tokenizer, template)[:2], warm, *common)  # warm-ups
@@ -221,9 +220,7 @@ def main(argv: list[str] | None = None) -> int:
     ):
         if processes == 1:
             items = fresh_items(recipe, tokenizer, template)
-            generate = distill.transformers_generator(
-                model, tokenizer, recipe, eos_ids, chunk_tokens=chunk
-            )
+            generate = transformers_generator(model, tokenizer, recipe, eos_ids, chunk_tokens=chunk)
             run = without_clock(measure(items, generate, *common, batch_size))
             run.update(chunk_tokens=chunk, processes=1, threads_per_process=torch.get_num_threads())
         else:

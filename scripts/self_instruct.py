@@ -43,14 +43,12 @@ import torch
 from jinja2 import TemplateError
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).parent))
-import distill  # noqa: E402  (the distill script's EOS ids)
-
-from heads.base import load_base  # noqa: E402
-from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe  # noqa: E402
-from train.data import ChatTemplateError, render_conversation  # noqa: E402
-from train.distilled import asked_turns, write_atomic  # noqa: E402
-from train.prompts import Prompt, PromptSourceError, jsonl_records, load_prompts  # noqa: E402
+from heads.base import load_base
+from train.answering import eos_token_ids
+from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe
+from train.data import ChatTemplateError, render_conversation
+from train.distilled import asked_turns, write_atomic
+from train.prompts import Prompt, PromptSourceError, jsonl_records, load_prompts
 
 logger = logging.getLogger("self_instruct")
 
@@ -135,7 +133,7 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig, end: str | No
     max_new_tokens cut it. A list line ends at a newline or EOS; a magpie request at EOS or at
     `end`, the text that ends a user's message (see `user_turn`)."""
     device = next(model.parameters()).device
-    eos_ids = distill.eos_token_ids(tokenizer, model.generation_config)
+    eos_ids = eos_token_ids(tokenizer, model.generation_config)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     stop = end if cfg.method == MAGPIE else "\n"
     if not stop:

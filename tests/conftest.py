@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -59,3 +61,25 @@ def smollm2_tokenizer():
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer
+
+
+@pytest.fixture(scope="module")
+def tiny_base(tmp_path_factory, smollm2_tokenizer) -> Path:
+    """A random 2-layer Llama (H=64) saved with the embedded tokenizer and its chat template."""
+    path = tmp_path_factory.mktemp("tiny-base")
+    tok = smollm2_tokenizer
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **{
+            **TINY,
+            "vocab_size": len(tok),
+            "max_position_embeddings": 1024,
+            "bos_token_id": tok.bos_token_id,
+            "eos_token_id": tok.eos_token_id,
+            "pad_token_id": tok.pad_token_id,
+            "tie_word_embeddings": True,
+        }
+    )
+    LlamaForCausalLM(config).save_pretrained(path)
+    tok.save_pretrained(path)
+    return path
