@@ -7,7 +7,6 @@ import sys
 import torch
 
 from heads.base import load_base
-from tests.scripts.test_distill import prompts_file, recipe_file
 from train.answering import eos_token_ids, split_answer, transformers_generator, vllm_generator
 from train.config import load_recipe
 
@@ -47,11 +46,9 @@ def test_eos_ids_take_the_token_the_template_ends_a_turn_with(smollm2_tokenizer,
     assert "end-of-turn token was not found (a system turn first)" in caplog.text
 
 
-def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_base):
+def test_static_and_dynamic_cache_give_the_same_greedy_answers(tiny_base):
     """bench_distill's batch-1 baseline (HF's default cache) answers as the distill path does."""
-    recipe = load_recipe(
-        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=8)
-    )
+    recipe = load_recipe(None, ["data.max_new_tokens=8"])  # the settings it reads
     model, tok = load_base(str(tiny_base))
     eos = eos_token_ids(tok, model.generation_config)
     prompts = [tok(f"Question {i}: a colour?")["input_ids"] for i in range(3)]
@@ -63,12 +60,10 @@ def test_static_and_dynamic_cache_give_the_same_greedy_answers(tmp_path, tiny_ba
     assert batched == [dynamic([p])[0] for p in prompts]
 
 
-def test_logits_settings_of_the_generation_config_do_not_change_the_answers(tmp_path, tiny_base):
+def test_logits_settings_of_the_generation_config_do_not_change_the_answers(tiny_base):
     """A base whose generation_config penalises repeats (Qwen2.5-Instruct's 1.05) still
     answers with its own greedy tokens: those the verifier accepts from its plain logits."""
-    recipe = load_recipe(
-        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=12)
-    )
+    recipe = load_recipe(None, ["data.max_new_tokens=12"])  # the settings it reads
     model, tok = load_base(str(tiny_base))
     prompts = [[5, 6, 7, 5, 6], [9, 9, 9]]
     want = transformers_generator(model, tok, recipe, [])(prompts)
@@ -80,12 +75,10 @@ def test_logits_settings_of_the_generation_config_do_not_change_the_answers(tmp_
     assert penalised[0, 5:].tolist() != want[0][0]  # the settings would have changed them
 
 
-def test_rows_that_end_leave_the_batch_between_chunks(tmp_path, tiny_base):
+def test_rows_that_end_leave_the_batch_between_chunks(tiny_base):
     """Chunked generation (ended rows dropped from the batch and the static cache every 2
     tokens) answers as one call over the whole batch, and as each prompt alone."""
-    recipe = load_recipe(
-        recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "o", max_new_tokens=9)
-    )
+    recipe = load_recipe(None, ["data.max_new_tokens=9"])  # the settings it reads
     model, tok = load_base(str(tiny_base))
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (6 + i,), generator=g).tolist() for i in range(6)]
