@@ -30,7 +30,7 @@ from heads.eagle import check_vocab_map
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, shift_left, walk_accept_length
+from train.losses import chain_accept_length, count, ratio_means, shift_left, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -79,7 +79,9 @@ class EagleTrainee(Trainee):
     def forward(self, batch: dict[str, torch.Tensor], step: int = 0, norm: float | None = None):
         """(loss, metrics). The loss is the sum over target tokens (and TTT steps) divided by
         `norm`: the mean target count of the optimizer step's micro-batches (`step_norms`), so
-        that each token weighs the same in the step; None divides by this batch's own count."""
+        that each token weighs the same in the step; None divides by this batch's own count.
+        Metrics are (sum, number) pairs: a training log divides them per batch, `evaluate` sums
+        them over the held-out split."""
         ids, attn = batch["input_ids"], batch["attention_mask"]
         if "hidden" in batch:
             feats = {k: batch[k] for k in ("hidden", "aux") if k in batch}
@@ -142,23 +144,23 @@ class EagleTrainee(Trainee):
         target = base_logits[rows].float().softmax(-1)
         lm_head = self.base.get_output_embeddings()
         logits = lm_head(pred.to(lm_head.weight.dtype)).float()  # EAGLE-1 shares the base lm_head
-        own = max(int(next_is_target.sum()), 1)
+        own = int(next_is_target.sum())
         feature_loss = F.smooth_l1_loss(pred.float(), true.float(), reduction="sum") / (n * H)
         token_loss = -(target * logits.log_softmax(-1)).sum() / n
         loss = (
             self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
         )
-        top1 = (logits.argmax(-1) == target.argmax(-1)).float()
+        top1 = logits.argmax(-1) == target.argmax(-1)
         metrics = {
-            # this batch's means (the loss's divisor may be its step's)
-            "feature_loss": float(feature_loss.detach()) * n / own,
-            "token_loss": float(token_loss.detach()) * n / own,
-            "step0/top1": float(top1.mean()),
-            "sim_tau": float(chain_accept_length(top1.bool()[None]).float().mean()),
+            # per target token (the loss's divisor may be its step's)
+            "feature_loss": (float(feature_loss.detach()) * n, own),
+            "token_loss": (float(token_loss.detach()) * n, own),
+            "step0/top1": count(top1),
+            "sim_tau": count(chain_accept_length(top1[None])),
         }
         if not self.training:  # a Python walk over the rows: evaluation only
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device)
-            ok[valid] = top1.bool()
+            ok[valid] = top1
             metrics["walk_tau"] = walk_accept_length(ok[None], starts)
         return loss, metrics
 
@@ -191,12 +193,13 @@ class EagleTrainee(Trainee):
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok)
-            metrics[f"step{j}/top1"] = float(ok[valid].float().mean())
+            metrics[f"step{j}/top1"] = count(ok[valid])
             hidden = out
+        # 1 + leading right steps at every row whose next token is a target (1 with no step)
         metrics["sim_tau"] = (
-            float(chain_accept_length(torch.stack(correct)[:, next_is_target]).float().mean())
+            count(chain_accept_length(torch.stack(correct)[:, next_is_target]))
             if correct
-            else 1.0
+            else (int(next_is_target.sum()),) * 2
         )
         if not self.training and correct:  # a Python walk over the rows: evaluation only
             metrics["walk_tau"] = walk_accept_length(torch.stack(correct), starts)
@@ -302,11 +305,12 @@ def training_function(recipe: Recipe) -> dict:
                         "loss": step_loss,  # per target token of the step
                         "lr": lr,
                         "tokens_per_s": rate,
-                        **metrics,
+                        **ratio_means(metrics),  # this micro-batch's
                     },
                     step,
                 )
-                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{metrics.get('step0/top1', 0):.2f}")
+                top1 = ratio_means(metrics).get("step0/top1", 0)
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{top1:.2f}")
             if step % eval_every == 0 or step == total:
                 best = (
                     evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)

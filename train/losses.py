@@ -47,6 +47,22 @@ def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Te
     return (logits.topk(k, dim=-1).indices == labels[..., None]).any(-1)
 
 
+def count(values: torch.Tensor) -> tuple[int, int]:
+    """(sum, number) of a tensor of hits or accept lengths: a metric given as a ratio, which
+    held-out evaluation sums over its batches and divides once (every position weighs the same),
+    and a training log divides per batch (`ratio_means`)."""
+    return int(values.long().sum()), values.numel()
+
+
+def ratio_means(metrics: dict) -> dict[str, float]:
+    """Metrics with each (numerator, denominator) pair divided out (an empty one left out)."""
+    return {
+        k: (v[0] / v[1] if isinstance(v, tuple) else v)
+        for k, v in metrics.items()
+        if not isinstance(v, tuple) or v[1]
+    }
+
+
 def chain_accept_length(correct: torch.Tensor) -> torch.Tensor:
     """Simulated tokens per verify step of a greedy chain from per-step correctness.
 

@@ -23,7 +23,7 @@ from heads.checkpoint import load_state_checked
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, shift_left, walk_accept_length
+from train.losses import chain_accept_length, count, ratio_means, shift_left, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -64,7 +64,9 @@ class MedusaTrainee(Trainee):
     def forward(self, batch: dict[str, torch.Tensor], step: int = 0, norm: float | None = None):
         """(loss, metrics). The loss is the sum over target tokens (and heads) divided by `norm`:
         the mean target count of the optimizer step's micro-batches (`step_norms`), so that each
-        token weighs the same in the step; None divides by this batch's own count (a mean)."""
+        token weighs the same in the step; None divides by this batch's own count (a mean).
+        Metrics are (sum, number) pairs: a training log divides them per batch, `evaluate` sums
+        them over the held-out split."""
         ids, mask, attn = batch["input_ids"], batch["loss_mask"].bool(), batch["attention_mask"]
         if "hidden" in batch:  # offline: the base's features were computed once
             hidden = original = batch["hidden"].float()
@@ -98,7 +100,7 @@ class MedusaTrainee(Trainee):
         n = norm if norm is not None else max(int(next_is_target.sum()), 1)
         del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
         loss = hidden.new_zeros(())
-        metrics: dict[str, float] = {}
+        metrics: dict[str, tuple] = {}  # (sum, number): a batch's mean, or summed held out
         chain = []  # (B,T) per head: right at that row and the data token is the base's
         for k in range(len(self.heads.blocks)):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
@@ -117,9 +119,9 @@ class MedusaTrainee(Trainee):
             loss = loss + self.decay**k * loss_k
             pred = self.heads.to_base_ids(logits.argmax(-1))
             truth = shift_left(ids, k + 2)[valid]
-            metrics[f"head{k}/top1"] = float((pred == truth).float().mean())
+            metrics[f"head{k}/top1"] = count(pred == truth)
             top5 = self.heads.to_base_ids(logits.topk(min(5, logits.shape[-1]), -1).indices)
-            metrics[f"head{k}/top5"] = float((top5 == truth[:, None]).any(-1).float().mean())
+            metrics[f"head{k}/top5"] = count((top5 == truth[:, None]).any(-1))
             # Chain acceptance: head k right and the data token is the base's greedy choice.
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = (pred == truth) & (base_top[rows] == truth)
@@ -134,11 +136,12 @@ class MedusaTrainee(Trainee):
             p = base_logits.float().softmax(-1)
             kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
-            metrics["kl"] = float(kl.detach()) * n / max(int(next_is_target.sum()), 1)  # a mean
+            metrics["kl"] = (float(kl.detach()) * n, int(next_is_target.sum()))  # per token
+        # 1 + leading right heads at every row whose next token is a target (1 with no head)
         metrics["sim_tau"] = (
-            float(chain_accept_length(torch.stack(chain)[:, next_is_target]).float().mean())
+            count(chain_accept_length(torch.stack(chain)[:, next_is_target]))
             if chain
-            else 1.0
+            else (int(next_is_target.sum()),) * 2
         )
         if not self.training and chain:  # a Python walk over the rows: evaluation only
             # A step starts at row t when its root (t + 1) and first target (t + 2) are answer tokens.
@@ -276,11 +279,12 @@ def training_function(recipe: Recipe) -> dict:
                         "loss": step_loss,  # per target token of the step
                         "lr": lr,
                         "tokens_per_s": rate,
-                        **metrics,
+                        **ratio_means(metrics),  # this micro-batch's
                     },
                     step,
                 )
-                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{metrics.get('head0/top1', 0):.2f}")
+                top1 = ratio_means(metrics).get("head0/top1", 0)
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{top1:.2f}")
             if step % eval_every == 0 or step == total:
                 best = (
                     evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)

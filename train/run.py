@@ -40,6 +40,7 @@ from train.features import (
     precompute_features,
     split_held_out,
 )
+from train.losses import ratio_means
 
 
 @contextmanager
@@ -467,27 +468,21 @@ class Trainee(torch.nn.Module):
 def evaluate(
     model: torch.nn.Module, dataset, recipe: Recipe, pad_id: int, device
 ) -> dict[str, float]:
-    """Held-out loss per target token, as training weighs it; metrics are batch means, but one
-    given as (numerator, denominator) is summed over the batches and divided once."""
+    """Held-out loss and metrics over the whole split, as training weighs the loss: each of the
+    trainee's (sum, number) pairs is summed over the batches and divided once, so that every
+    target token (or row) weighs the same whatever the batch size."""
     model.eval()
-    totals: dict[str, float] = {}
-    ratios: dict[str, tuple[float, float]] = {}
-    n = 0
+    sums: dict[str, tuple[float, float]] = {}
     bs = recipe.training.micro_batch_size
     for start in range(0, len(dataset), bs):
         batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)
         loss, metrics = model(batch, norm=1.0)  # the sum over the batch's target tokens
         targets = int(batch["loss_mask"][:, 1:].sum())  # a first token is no row's target
-        for key, value in {"loss": (float(loss), targets), **metrics}.items():
-            if isinstance(value, tuple):
-                num, den = ratios.get(key, (0.0, 0.0))
-                ratios[key] = (num + value[0], den + value[1])
-            else:
-                totals[key] = totals.get(key, 0.0) + value
-        n += 1
+        for key, (num, den) in {"loss": (float(loss), targets), **metrics}.items():
+            total, number = sums.get(key, (0.0, 0))
+            sums[key] = (total + num, number + den)
     model.train()
-    means = {f"eval/{k}": v / max(n, 1) for k, v in totals.items()}
-    return means | {f"eval/{k}": num / den for k, (num, den) in ratios.items() if den}
+    return {f"eval/{k}": v for k, v in ratio_means(sums).items()}
 
 
 def assert_trainable(model: torch.nn.Module, expected: int, accelerator: Accelerator) -> None:

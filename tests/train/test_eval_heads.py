@@ -128,3 +128,49 @@ def test_eval_heads_refuses_bad_arguments(medusa_run, eagle3_run, tiny_task, tmp
         with pytest.raises(SystemExit) as stop:
             eval_heads.main([str(a) for a in argv])
         assert stop.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_held_out_metrics_weigh_every_row_the_same_whatever_the_batch_size(
+    kind, medusa_run, eagle3_run, tiny_task
+):
+    """Held-out accuracies and taus are summed over the split and divided once: one answer at a
+    time gives what all of them as one batch give, not the mean of the answers' own figures
+    (which weighs a short answer's rows more)."""
+    from train.features import ExampleDataset
+    from train.run import evaluate
+
+    out = (medusa_run if kind == "medusa" else eagle3_run)[0]
+    base = load_tiny_base(tiny_task)
+    heads = load_heads(out / "heads", base=base)
+    trainee_of = train.medusa.MedusaTrainee if kind == "medusa" else train.eagle.EagleTrainee
+    trainee = trainee_of(base, heads, load_recipe(out / "recipe.yaml"))
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    examples = []
+    for letter, new_tokens in (("b", 20), ("d", 7), ("g", 4)):
+        messages = [
+            {"role": "system", "content": SYSTEM_PROMPT},
+            {"role": "user", "content": f"Recite the letters from '{letter}'."},
+        ]
+        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+        prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        answer = base.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[
+            0, prompt.shape[1] :
+        ]
+        for tokens in (answer, answer.flip(0)):  # the base's answer; reversed, mostly missed
+            ids = prompt[0].tolist() + tokens.tolist()
+            mask = [0] * prompt.shape[1] + [1] * len(tokens)
+            examples.append({"input_ids": ids, "loss_mask": mask, "labels": ids})
+
+    def held_out(dataset, micro_batch_size):
+        recipe = load_recipe(out / "recipe.yaml", [f"training.micro_batch_size={micro_batch_size}"])
+        return evaluate(trainee, dataset, recipe, tokenizer.pad_token_id, "cpu")
+
+    whole = held_out(ExampleDataset(examples), len(examples))
+    assert held_out(ExampleDataset(examples), 1) == pytest.approx(whole, rel=1e-5)
+    each = [held_out(ExampleDataset([e]), 1) for e in examples]
+    top1 = "eval/head0/top1" if kind == "medusa" else "eval/step0/top1"
+    assert 0.2 < whole[top1] < 0.9  # right on the base's answers, mostly wrong on the reversed
+    for key in (top1, "eval/sim_tau"):
+        assert whole[key] != pytest.approx(sum(e[key] for e in each) / len(each), rel=1e-2), key

@@ -164,8 +164,8 @@ def test_medusa_recipe_loss_equals_medusa_loss(tiny_llama, soft):
         expected, stats = medusa_loss(heads(hidden), ids, mask, 0.8, probs)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     for k, (top1, top5) in enumerate(stats):
-        assert metrics[f"head{k}/top1"] == pytest.approx(float(top1.float().mean()))
-        assert metrics[f"head{k}/top5"] == pytest.approx(float(top5.float().mean()))
+        assert metrics[f"head{k}/top1"] == (int(top1.sum()), top1.numel())
+        assert metrics[f"head{k}/top5"] == (int(top5.sum()), top5.numel())
 
 
 @contextlib.contextmanager
@@ -226,7 +226,7 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     )
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
-    assert metrics_offline == pytest.approx(metrics)
+    assert metrics_offline == metrics  # the same hits and rows
 
 
 def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
@@ -271,10 +271,10 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
     right = draft.to_base_ids(logits[valid].argmax(-1)) == shift_left(base_logits, 1)[valid].argmax(
         -1
     )
-    assert metrics["step0/top1"] == pytest.approx(float(right.float().mean()))
+    assert metrics["step0/top1"] == (int(right.sum()), right.numel())
     assert torch.equal(feats["top"], base_logits.argmax(-1))
     assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
-    assert metrics_offline == pytest.approx(metrics)
+    assert metrics_offline == metrics  # the same hits and rows
 
 
 def test_ttt_mask_step_2_with_padding():
