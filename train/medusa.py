@@ -274,17 +274,9 @@ def training_function(recipe: Recipe) -> dict:
             bar.update(1)
             if step % recipe.logging.log_every_steps == 0 or step == total:
                 rate = tokens * accelerator.num_processes / (time.perf_counter() - t0)
-                log.log(
-                    {
-                        "loss": step_loss,  # per target token of the step
-                        "lr": lr,
-                        "tokens_per_s": rate,
-                        **ratio_means(metrics),  # this micro-batch's
-                    },
-                    step,
-                )
-                top1 = ratio_means(metrics).get("head0/top1", 0)
-                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{top1:.2f}")
+                means = ratio_means(metrics)  # this micro-batch's; loss: per token of the step
+                log.log({"loss": step_loss, "lr": lr, "tokens_per_s": rate, **means}, step)
+                bar.set_postfix(loss=f"{step_loss:.3f}", top1=f"{means.get('head0/top1', 0):.2f}")
             if step % eval_every == 0 or step == total:
                 best = (
                     evaluate(accelerator.unwrap_model(model), eval_ds, recipe, pad_id, device)
