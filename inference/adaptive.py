@@ -75,6 +75,11 @@ class AdaptivePolicy:
             waits twice as long for its next try; otherwise it waits `explore_every`.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged); also of each path's acceptance rate.
+        time_smoothing: another weight for the seconds per step (None: `smoothing`). A short
+            one (0.25) follows the machine's load: in replays of recorded steps it came 1-4
+            points nearer the best fixed setting with trained heads and with untrained EAGLE-3
+            weights, as near with untrained Medusa heads; a live side-by-side run on fresh heads
+            could not tell the two apart (docs/bench.md), so it is not the default yet.
         pooled: estimate static trees' tokens per step from per-path acceptance rates on greedy
             steps (see the module's doc); False keeps every arm's own average.
     """
@@ -86,6 +91,7 @@ class AdaptivePolicy:
     max_explore_every: int = 512
     backoff_below: float = 0.9
     smoothing: float = 0.05
+    time_smoothing: float | None = None
     pooled: bool = True
     # Greedy decoding: the generator sets it per call; the pooled estimates serve only then.
     greedy: bool = field(default=False, init=False)
@@ -164,9 +170,8 @@ class AdaptivePolicy:
         are not the arm's shape) and `accepted` (the deepest accepted path; () when none was)."""
         arm = self.arms[index]
         arm.tries += 1
-        a = self._weight(arm.tries)
-        arm.tokens += a * (tokens - arm.tokens)
-        arm.seconds += a * (seconds - arm.seconds)
+        arm.tokens += self._weight(arm.tries) * (tokens - arm.tokens)
+        arm.seconds += self._weight(arm.tries, self.time_smoothing) * (seconds - arm.seconds)
         if drafted is not None:
             if static and arm.nodes is None:  # a static arm's tree is the same on every step
                 arm.nodes = frozenset(drafted)
@@ -190,9 +195,10 @@ class AdaptivePolicy:
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)
 
-    def _weight(self, samples: int) -> float:
-        """Weight of the newest of `samples` measurements: their mean, then an EMA."""
-        return max(self.smoothing, 1.0 / samples)
+    def _weight(self, samples: int, smoothing: float | None = None) -> float:
+        """Weight of the newest of `samples` measurements: their mean, then an EMA (of weight
+        `smoothing`, by default the policy's)."""
+        return max(self.smoothing if smoothing is None else smoothing, 1.0 / samples)
 
     def summary(self) -> list[dict]:
         """Per arm: its options, estimated tokens per step and per second, seconds per step and

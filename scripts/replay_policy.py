@@ -3,6 +3,7 @@
 python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl --per-category 2 --record \
     --arms '[{"choices": "chain-2"}, {"choices": [[0], [1], [2], [3], [0, 0]]}]'
 python scripts/replay_policy.py runs/bench-arms/steps.json [--subset 0,1,2 ...] [--orders 10]
+    [--busy 1.5]
 
 One bench run cannot tell two policies apart: their difference is a few percent, and so is the
 noise between two runs of one setting. A replay holds the text and the machine still. The record
@@ -16,7 +17,10 @@ setting that tries there. Rates count the steps' time only (no prefill or catch-
 tokens/s of arms.json. Prompts run in `--orders` shuffled orders (the policy kept across
 prompts, as in a generator's life); reported per subset of the settings (indices into the
 record's settings; the default is all of them): each setting's rate fixed and each policy's mean
-rate over the orders, as a fraction of the best fixed setting in the subset.
+rate over the orders, as a fraction of the best fixed setting in the subset. `--busy F` replays
+again with the second prompt of each order F times slower for every setting, as when another
+process takes a share of the cores for a while: how soon a policy recovers from measurements
+made then.
 """
 
 from __future__ import annotations
@@ -37,6 +41,10 @@ POLICIES: dict[str, tuple[Callable[[list], AdaptivePolicy], bool]] = {
     "per-arm averages": (lambda options: AdaptivePolicy.from_options(options, pooled=False), True),
     "shared path rates of static trees' steps only": (AdaptivePolicy.from_options, False),
     "shared path rates (default)": (AdaptivePolicy.from_options, True),
+    "shared path rates, seconds a short average (time_smoothing 0.25)": (
+        lambda options: AdaptivePolicy.from_options(options, time_smoothing=0.25),
+        True,
+    ),
 }
 
 
@@ -53,12 +61,15 @@ def replay(
     subset: list[int],
     order: list[int],
     dynamic_paths: bool = True,
+    busy: float = 1.0,
 ) -> float:
     """Tokens per second of `policy` (over the settings `subset`) decoding prompts `order`;
-    `dynamic_paths=False` withholds the paths a dynamic tree's steps measured."""
+    `dynamic_paths=False` withholds the paths a dynamic tree's steps measured; every step of the
+    second prompt takes `busy` times its recorded seconds."""
     policy.greedy = True
     tokens = seconds = 0.0
-    for p in order:
+    for position_in_order, p in enumerate(order):
+        slow = busy if position_in_order == 1 else 1.0
         per_arm = [record["prompts"][p][i] for i in subset]
         starts = [[s[0] for s in steps] for steps in per_arm]
         end = min(sum(s[1] for s in steps) for steps in per_arm)  # the last step may be cut
@@ -74,6 +85,7 @@ def replay(
             # A step that began earlier: its tokens from here on, its whole time; its paths say
             # nothing of a step beginning here.
             n = max(1, n - (position - start))
+            s *= slow
             policy.update(k, n, s, paths, tuple(accepted) if paths is not None else (), static)
             position += n
             tokens += n
@@ -81,15 +93,26 @@ def replay(
     return tokens / seconds if seconds else 0.0
 
 
-def compare(record: dict, subset: list[int], orders: int) -> dict:
-    """Each setting's fixed rate and each policy's mean replayed rate, over the subset."""
-    fixed = {i: fixed_rate(record, i) for i in subset}
-    best = max(fixed.values())
+def compare(record: dict, subset: list[int], orders: int, busy: float = 1.0) -> dict:
+    """Each setting's fixed rate and each policy's mean replayed rate, over the subset (with
+    the second prompt of each order `busy` times slower)."""
     count = len(record["prompts"])
     shuffles = [random.Random(seed).sample(range(count), count) for seed in range(orders)]
     options = [record["arms"][i] for i in subset]
+    fixed = {  # a policy of one arm runs that setting throughout
+        i: statistics.mean(
+            replay(record, AdaptivePolicy.from_options([o]), [i], order, True, busy)
+            for order in shuffles
+        )
+        if busy != 1.0
+        else fixed_rate(record, i)
+        for i, o in zip(subset, options)
+    }
+    best = max(fixed.values())
     policies = {
-        name: statistics.mean(replay(record, make(options), subset, o, told) for o in shuffles)
+        name: statistics.mean(
+            replay(record, make(options), subset, o, told, busy) for o in shuffles
+        )
         for name, (make, told) in POLICIES.items()
     }
     return {"fixed": fixed, "best": best, "policies": policies}
@@ -116,9 +139,17 @@ def main(argv: list[str] | None = None) -> int:
         "--subset", action="append", default=None, help="settings by index, e.g. 0,2,3 (repeatable)"
     )
     parser.add_argument("--orders", type=int, default=10, help="shuffled prompt orders")
+    parser.add_argument(
+        "--busy",
+        type=float,
+        default=None,
+        help="also replay with each order's second prompt this many times slower (e.g. 1.5)",
+    )
     args = parser.parse_args(argv)
     if args.orders < 1:
         parser.error("--orders must be >= 1")
+    if args.busy is not None and args.busy <= 0:
+        parser.error("--busy must be > 0 (1: as recorded)")
     try:
         record = json.loads(Path(args.record).read_text(encoding="utf-8"))
         n = len(record["arms"])
@@ -141,6 +172,9 @@ def main(argv: list[str] | None = None) -> int:
             parser.error(f"--subset indices must be in 0..{n - 1} (the record's settings)")
     for subset in subsets:
         print(render(record, subset, compare(record, subset, args.orders)))
+        if args.busy is not None:
+            print(f"  with the second prompt {args.busy:g}x slower:")
+            print(render(record, subset, compare(record, subset, args.orders, args.busy)))
     return 0
 
 

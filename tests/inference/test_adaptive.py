@@ -149,6 +149,24 @@ def test_an_arm_close_to_the_best_keeps_the_base_interval():
     assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
 
 
+def test_a_short_time_average_brings_a_tree_timed_while_busy_back_after_one_re_try():
+    """A step's cost moves with the machine's load: the tree (2 tokens a step at 1.4x plain's
+    cost) had its 4 warm-up steps while another process took the cores (twice their time), so
+    it looked slower than plain decoding. With seconds a short average (`time_smoothing` 0.25)
+    its first re-try, on a quiet machine, brings it back for good; averaged as long as tokens
+    are (the default), that re-try still leaves it behind."""
+
+    def outcome(step, arm):
+        busy = 2.0 if 4 <= step < 8 else 1.0
+        return (1, 1.0) if arm == 0 else (2, 1.4 * busy)
+
+    short = AdaptivePolicy.from_options([None, {"tree": 1}], time_smoothing=0.25)
+    chosen = drive(short, 100, outcome)
+    assert chosen[:8] == [0] * 4 + [1] * 4 and chosen[8:39] == [0] * 31  # backed off
+    assert chosen[39:43] == [1] * 4 and chosen[43:100].count(1) >= 50  # its re-try, and kept
+    assert drive(AdaptivePolicy.from_options([None, {"tree": 1}]), 100, outcome)[43:70] == [0] * 27
+
+
 def test_an_arm_averages_its_first_steps_then_smooths():
     policy = AdaptivePolicy.from_options([None], smoothing=0.25)
     for tokens in (1, 3, 2, 2):  # the first 1/smoothing = 4 steps: their mean

@@ -57,6 +57,21 @@ def test_a_policy_over_both_ends_near_the_faster_setting(tmp_path, capsys):
     assert "adaptive, per-arm averages: 1.67 tok/s (1.000 of the best)" in out  # [1] alone
 
 
+def test_busy_replays_every_setting_slower_on_each_orders_second_prompt(tmp_path, capsys):
+    """Six prompts of equal work, the second of each order twice as slow: every fixed rate is
+    6/7 of its recorded one, and the policies are replayed under the same load."""
+    rec = record()
+    result = replay_policy.compare(rec, [0, 1], orders=3, busy=2.0)
+    assert result["fixed"] == {0: pytest.approx(6 / 7), 1: pytest.approx(2 / 1.2 * 6 / 7)}
+    for rate in result["policies"].values():
+        assert 0.9 * result["best"] < rate <= result["best"]
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(rec))
+    assert replay_policy.main([str(path), "--busy", "2"]) == 0
+    out = capsys.readouterr().out
+    assert "with the second prompt 2x slower:" in out and out.count("settings [0, 1]:") == 2
+
+
 def test_a_dynamic_trees_ranked_paths_feed_the_shared_rates_only_when_told():
     """Steps recorded with `static` false (a dynamic tree's root ranking) feed the path rates,
     never the arm's shape; the variant without them feeds nothing."""
@@ -88,6 +103,7 @@ def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
         (["--subset", "0,2"], "--subset indices must be in 0..1"),
         (["--subset", "a"], "--subset takes indices"),
         (["--orders", "0"], "--orders must be >= 1"),
+        (["--busy", "0"], "--busy must be > 0"),
     ]:
         with pytest.raises(SystemExit) as e:
             replay_policy.main([str(path), *bad])
