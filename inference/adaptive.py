@@ -76,7 +76,7 @@ class AdaptivePolicy:
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged); also of each path's acceptance rate.
         time_smoothing: another weight for the seconds per step (None: `smoothing`). A short
-            one (0.25) follows the machine's load: in replays of recorded steps it came 1-4
+            one (0.25) follows the machine's load: in replays of recorded steps it came 1-5
             points nearer the best fixed setting with trained heads and with untrained EAGLE-3
             weights, as near with untrained Medusa heads; a live side-by-side run on fresh heads
             could not tell the two apart (docs/bench.md), so it is not the default yet.

@@ -156,11 +156,12 @@ class EagleTrainee(Trainee):
             "feature_loss": (float(feature_loss.detach()) * n, own),
             "token_loss": (float(token_loss.detach()) * n, own),
             "step0/top1": count(top1),
-            "sim_tau": count(chain_accept_length(top1[None])),
         }
+        ok = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device)
+        ok[valid] = top1
+        # 1 + a right step at every row whose next token is a target, as Medusa and EAGLE-3 count
+        metrics["sim_tau"] = count(chain_accept_length(ok[next_is_target][None]))
         if not self.training:  # a Python walk over the rows: evaluation only
-            ok = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device)
-            ok[valid] = top1
             metrics["walk_tau"] = walk_accept_length(ok[None], starts)
         return loss, metrics
 

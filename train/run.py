@@ -432,7 +432,8 @@ def save_final(
 
 class Trainee(torch.nn.Module):
     """The module a recipe trains: the base and its heads. Checkpoints hold only what trains
-    (heads, LoRA adapters) and the heads' buffers, never the frozen base."""
+    (heads, LoRA adapters) and the heads' buffers, never the frozen base. Its forward returns
+    (loss, metrics), each metric a (sum, number) pair (`train.losses.count`)."""
 
     def train(self, mode: bool = True):
         """`mode` for the heads; a frozen base stays in eval mode (no dropout in its features),
@@ -472,7 +473,7 @@ def evaluate(
     trainee's (sum, number) pairs is summed over the batches and divided once, so that every
     target token (or row) weighs the same whatever the batch size."""
     model.eval()
-    sums: dict[str, tuple[float, float]] = {}
+    sums: dict[str, tuple[float, int]] = {}
     bs = recipe.training.micro_batch_size
     for start in range(0, len(dataset), bs):
         batch = collate(dataset, list(range(start, min(start + bs, len(dataset)))), pad_id, device)

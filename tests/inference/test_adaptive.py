@@ -162,7 +162,7 @@ def test_a_short_time_average_brings_a_tree_timed_while_busy_back_after_one_re_t
 
     short = AdaptivePolicy.from_options([None, {"tree": 1}], time_smoothing=0.25)
     chosen = drive(short, 100, outcome)
-    assert chosen[:8] == [0] * 4 + [1] * 4 and chosen[8:39] == [0] * 31  # backed off
+    assert chosen[:8] == [0] * 4 + [1] * 4 and chosen[8:39] == [0] * 31  # next try in 32 steps
     assert chosen[39:43] == [1] * 4 and chosen[43:100].count(1) >= 50  # its re-try, and kept
     assert drive(AdaptivePolicy.from_options([None, {"tree": 1}]), 100, outcome)[43:70] == [0] * 27
 

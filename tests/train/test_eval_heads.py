@@ -1,6 +1,7 @@
 """scripts/eval_heads.py and the trainers' walk_tau on the tiny recipe runs of conftest.py: walk_tau
-equals the tau of a fixed chain decoding the same answers, the script reproduces a run's held-out
-metrics and scores other answers per category, and bad input exits 2 with a message."""
+equals the tau of a fixed chain decoding the same answers, held-out metrics do not depend on the
+batch size, the script reproduces a run's held-out metrics and scores other answers per category,
+and bad input exits 2 with a message."""
 
 from __future__ import annotations
 

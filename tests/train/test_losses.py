@@ -305,6 +305,14 @@ def test_ttt_mask_step_0_is_causal():
     assert torch.equal(mask[0, 0] == 0, torch.ones(4, 4, dtype=torch.bool).tril())
 
 
+def test_metric_pairs_are_divided_once_and_an_empty_one_is_left_out():
+    from train.losses import count, ratio_means
+
+    assert count(torch.tensor([True, False, True])) == (2, 3)
+    assert count(torch.tensor([1, 3, 2])) == (6, 3)  # accept lengths
+    assert ratio_means({"a": (3, 4), "b": (0, 0), "lr": 0.5}) == {"a": 0.75, "lr": 0.5}
+
+
 def _trainee(kind: str, base):
     from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
     from train.config import load_recipe
