@@ -30,7 +30,7 @@ from heads.eagle import check_vocab_map
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, count, ratio_means, shift_left, walk_accept_length
+from train.losses import count, ratio_means, shift_left, sim_tau, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -159,8 +159,7 @@ class EagleTrainee(Trainee):
         }
         ok = torch.zeros(valid.shape, dtype=torch.bool, device=hidden.device)
         ok[valid] = top1
-        # 1 + a right step at every row whose next token is a target, as Medusa and EAGLE-3 count
-        metrics["sim_tau"] = count(chain_accept_length(ok[next_is_target][None]))
+        metrics["sim_tau"] = sim_tau([ok], next_is_target)
         if not self.training:  # a Python walk over the rows: evaluation only
             metrics["walk_tau"] = walk_accept_length(ok[None], starts)
         return loss, metrics
@@ -196,12 +195,7 @@ class EagleTrainee(Trainee):
             correct.append(ok)
             metrics[f"step{j}/top1"] = count(ok[valid])
             hidden = out
-        # 1 + leading right steps at every row whose next token is a target (1 with no step)
-        metrics["sim_tau"] = (
-            count(chain_accept_length(torch.stack(correct)[:, next_is_target]))
-            if correct
-            else (int(next_is_target.sum()),) * 2
-        )
+        metrics["sim_tau"] = sim_tau(correct, next_is_target)
         if not self.training and correct:  # a Python walk over the rows: evaluation only
             metrics["walk_tau"] = walk_accept_length(torch.stack(correct), starts)
         return loss, metrics

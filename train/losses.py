@@ -72,6 +72,14 @@ def chain_accept_length(correct: torch.Tensor) -> torch.Tensor:
     return 1 + correct.long().cumprod(dim=0).sum(dim=0)
 
 
+def sim_tau(correct: list[torch.Tensor], rows: torch.Tensor) -> tuple[int, int]:
+    """`count` of the simulated chain's accept lengths at `rows` (B,T), the rows whose next token
+    is a target: 1 + the leading right steps of `correct` (K tensors (B,T); 1 where none)."""
+    if not correct:
+        return (int(rows.sum()),) * 2
+    return count(chain_accept_length(torch.stack(correct)[:, rows]))
+
+
 def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> tuple[int, int]:
     """Tokens and verify steps of a greedy chain decoding the answers: (tokens, steps).
 

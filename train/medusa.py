@@ -23,7 +23,7 @@ from heads.checkpoint import load_state_checked
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
-from train.losses import chain_accept_length, count, ratio_means, shift_left, walk_accept_length
+from train.losses import count, ratio_means, shift_left, sim_tau, walk_accept_length
 from train.run import (
     MetricsLog,
     Trainee,
@@ -137,12 +137,7 @@ class MedusaTrainee(Trainee):
             kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
             metrics["kl"] = (float(kl.detach()) * n, int(next_is_target.sum()))  # per token
-        # 1 + leading right heads at every row whose next token is a target (1 with no head)
-        metrics["sim_tau"] = (
-            count(chain_accept_length(torch.stack(chain)[:, next_is_target]))
-            if chain
-            else (int(next_is_target.sum()),) * 2
-        )
+        metrics["sim_tau"] = sim_tau(chain, next_is_target)
         if not self.training and chain:  # a Python walk over the rows: evaluation only
             # A step starts at row t when its root (t + 1) and first target (t + 2) are answer tokens.
             starts = next_is_target & shift_left(next_is_target, 1, False)
