@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -77,6 +77,18 @@ def check_arms(arms: list[dict | None]) -> None:
             "once another arm has configured the drafter, {} no longer means its first "
             "settings; name them instead"
         )
+
+
+def prompt_tensor(input_ids) -> torch.Tensor:
+    """The prompt's token ids as a tensor, or a clear error for text or a tokenizer's dict."""
+    if isinstance(input_ids, str):
+        raise TypeError(
+            "input_ids is text: tokenize it first, e.g. tokenizer.apply_chat_template(messages, "
+            "add_generation_prompt=True, return_tensors='pt', return_dict=True)['input_ids']"
+        )
+    if isinstance(input_ids, Mapping):  # a tokenizer's BatchEncoding
+        raise TypeError("input_ids is a tokenizer's output dict: pass its ['input_ids']")
+    return torch.as_tensor(input_ids)
 
 
 class SpeculativeGenerator:
@@ -227,7 +239,7 @@ class SpeculativeGenerator:
         `stats`, when given, receives `accepted_lengths`, `timings` and `finished` as it goes.
         See `generate` for the arguments.
         """
-        ids = torch.as_tensor(input_ids)
+        ids = prompt_tensor(input_ids)
         if ids.dim() == 2:
             if ids.shape[0] != 1:
                 raise ValueError(
@@ -419,7 +431,7 @@ class SpeculativeGenerator:
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
         """
         stats: dict = {}
-        prompt = torch.as_tensor(input_ids)  # (1,T) or (T,); stream refuses other shapes
+        prompt = prompt_tensor(input_ids)  # (1,T) or (T,); stream refuses other shapes
         new: list[int] = []
         for step in self.stream(
             input_ids,

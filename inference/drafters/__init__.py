@@ -6,11 +6,45 @@ list of them, or nothing.
 
 from __future__ import annotations
 
+import inspect
 import os
 
 from transformers import PreTrainedModel
 
 from inference.draft import Drafter
+
+# generate()'s own arguments: given to the generator's constructor they are a common slip.
+GENERATE_ARGS = (
+    "max_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "seed",
+    "eos_token_id",
+    "stop_strings",
+    "tokenizer",
+    "acceptance",
+)
+
+
+def check_options(drafter_class: type, options: dict, skip: int) -> None:
+    """A clear error for options the drafter does not take (its constructor's parameters after
+    the first `skip`), naming those it takes, and generate()'s arguments where one was meant."""
+    params = list(inspect.signature(drafter_class.__init__).parameters)[1 + skip :]
+    unknown = sorted(set(options) - set(params))
+    if not unknown:
+        return
+    meant = [k for k in unknown if k in GENERATE_ARGS]
+    hint = (
+        f"; {', '.join(meant)} {'is an argument' if len(meant) == 1 else 'are arguments'} of "
+        "gen.generate(...) / gen.stream(...), not of the generator"
+        if meant
+        else ""
+    )
+    raise TypeError(
+        f"{drafter_class.__name__} takes no option {', '.join(map(repr, unknown))} "
+        f"(its options: {', '.join(params) or 'none'}){hint}"
+    )
 
 
 def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
@@ -49,14 +83,18 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     if isinstance(heads_or_drafter, Drafter):
         return heads_or_drafter
     if heads_or_drafter is None:
+        check_options(NgramDrafter, options, 0)
         return NgramDrafter(**options)
     if isinstance(heads_or_drafter, MedusaHeads):
+        check_options(MedusaDrafter, options, 1)
         return MedusaDrafter(heads_or_drafter, **options)
     if isinstance(heads_or_drafter, EagleDraft):
+        check_options(EagleDrafter, options, 2)
         return EagleDrafter(heads_or_drafter, base, **options)
     if isinstance(heads_or_drafter, PreTrainedModel):
         if heads_or_drafter.config.vocab_size != base.config.vocab_size:
             raise ValueError("a draft model must share the base's tokenizer (vocab sizes differ)")
+        check_options(ModelDrafter, options, 1)
         return ModelDrafter(heads_or_drafter, **options)
     if isinstance(heads_or_drafter, (str, os.PathLike)):
         raise TypeError(

@@ -280,7 +280,27 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, object())
     with pytest.raises(TypeError, match=r"path 'runs/x/heads': load the heads first"):
         SpeculativeGenerator(base, "runs/x/heads")
+    with pytest.raises(TypeError, match="input_ids is text: tokenize it first"):
+        gen.generate("Hello")
+    with pytest.raises(TypeError, match=r"tokenizer's output dict: pass its \['input_ids'\]"):
+        gen.generate({"input_ids": torch.ones(1, 3, dtype=torch.long)})
     heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2))
+    # generate()'s arguments given to the generator, or options the drafter does not take
+    with pytest.raises(
+        TypeError,
+        match=r"MedusaDrafter takes no option 'acceptance' \(its options: choices\); "
+        r"acceptance is an argument of gen.generate",
+    ):
+        SpeculativeGenerator(base, heads, acceptance="typical")
+    with pytest.raises(TypeError, match=r"NgramDrafter takes no option 'depth', 'temperature'"):
+        SpeculativeGenerator(base, None, temperature=0.7, depth=3)
+    eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3))
+    SpeculativeGenerator(base, eagle3, top_k=2, depth=2, total_tokens=4)  # EAGLE's own top_k
+    with pytest.raises(
+        TypeError,
+        match=r"EagleDrafter takes no option 'num_tokens' \(its options: top_k, depth, total_tokens, choices\)$",
+    ):
+        SpeculativeGenerator(base, eagle3, num_tokens=4)
     with pytest.raises(TypeError, match=r"load_base's \(model, tokenizer\) pair"):
         SpeculativeGenerator((base, None), heads)
     with pytest.raises(TypeError, match=r"base is the name 'smollm2-135m-instruct': load it first"):
