@@ -9,6 +9,7 @@ safetensors copy to the cache folder and later loads read that in about a second
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
 import logging
 import os
@@ -123,6 +124,18 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     return name, name
 
 
+def _name_hint(name: str) -> str:
+    """What a name that did not load may have meant: the embedded model, or a Hub id's form."""
+    if difflib.get_close_matches(name.lower(), [EMBEDDED_NAME], n=1, cutoff=0.6):
+        return f"\n(did you mean the embedded model '{EMBEDDED_NAME}'? it loads offline)"
+    if "/" not in name and not Path(name).exists():
+        return (
+            f"\n(a Hub id has the form 'owner/name'; a local folder needs its path; the embedded "
+            f"model is '{EMBEDDED_NAME}')"
+        )
+    return ""
+
+
 def load_base(
     name_or_path: str | os.PathLike = EMBEDDED_NAME,
     *,
@@ -159,7 +172,9 @@ def load_base(
             path, dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
     except OSError as e:  # transformers' own message may not name it: no such repo, no network
-        raise BaseNotFoundError(f"base model '{name_or_path}' could not be loaded: {e}") from e
+        raise BaseNotFoundError(
+            f"base model '{name_or_path}' could not be loaded: {e}{_name_hint(str(name_or_path))}"
+        ) from e
     model.config.name_or_path = recorded_name
     model.eval()
     if frozen:

@@ -84,6 +84,10 @@ class PretrainedHeads(nn.Module):
 def read_config(folder: Path) -> dict:
     path = folder / CONFIG_NAME
     if not path.is_file():
+        if (folder / "heads" / CONFIG_NAME).is_file():  # a training run's output.dir
+            raise FileNotFoundError(
+                f"{folder} is a training run's folder: its heads are in {folder / 'heads'}"
+            )
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a heads folder?")
     try:
         data = json.loads(path.read_text())

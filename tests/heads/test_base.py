@@ -47,3 +47,13 @@ def test_a_missing_base_folder_is_said():
     for name in ("./no-such-model", "runs/x/no-such-model"):  # two slashes: not a Hub id
         with pytest.raises(FileNotFoundError, match=f"base model folder not found: {name}"):
             load_base(name, device="cpu")
+
+
+def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):
+    import huggingface_hub
+
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no Hub retries
+    with pytest.raises(OSError, match="did you mean the embedded model 'smollm2-135m-instruct'"):
+        load_base("SmolLM2-135M", device="cpu")
+    with pytest.raises(OSError, match="a Hub id has the form 'owner/name'"):
+        load_base("no-such-model-anywhere", device="cpu")

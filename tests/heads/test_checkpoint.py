@@ -255,9 +255,18 @@ def test_inconsistent_vocab_map_is_refused(tiny_llama, tmp_path):
         load_heads(tmp_path)
 
 
-def test_not_a_heads_folder(tmp_path):
+def test_not_a_heads_folder(tiny_llama, tmp_path):
     with pytest.raises(FileNotFoundError):
         load_heads(tmp_path / "nope")
+    # a training run's output.dir given for the heads folder inside it
+    run = tmp_path / "run"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1)).save_pretrained(
+        run / "heads"
+    )
+    with pytest.raises(
+        FileNotFoundError, match=f"training run's folder: its heads are in {run}/heads"
+    ):
+        load_heads(run)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="neither Medusa"):
         load_heads(tmp_path)
