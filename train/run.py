@@ -23,7 +23,7 @@ from accelerate.utils import (
 from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from heads import load_base
+from heads import EagleConfig, load_base
 from heads.checkpoint import read_heads_folder, resolve_folder
 from train.checkpoint import (
     TrainingDiverged,
@@ -148,16 +148,19 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
         folder = resolve_folder(where)
         theirs, tensors = read_heads_folder(folder, base.config.num_hidden_layers)
         if type(theirs) is not type(config):
-            kinds = [c.to_dict()["model_type"] for c in (theirs, config)]
-            diffs = [f"model_type: {kinds[0]!r} there, {kinds[1]!r} here"]
-        else:
-            diffs = [
-                f"{name}: {_plain(getattr(theirs, name))!r} there, "
-                f"{_plain(getattr(config, name))!r} here"
-                for name in _SHAPE_FIELDS
-                if hasattr(config, name)
-                and _plain(getattr(theirs, name)) != _plain(getattr(config, name))
-            ]
+            script = "train/eagle.py" if isinstance(theirs, EagleConfig) else "train/medusa.py"
+            raise RecipeError(
+                f"training.init_heads={where} holds {_kind(theirs)}, and this recipe trains "
+                f"{_kind(config)}: go on training them with {script}, or leave init_heads out "
+                "to start fresh"
+            )
+        diffs = [
+            f"{name}: {_plain(getattr(theirs, name))!r} there, "
+            f"{_plain(getattr(config, name))!r} here"
+            for name in _SHAPE_FIELDS
+            if hasattr(config, name)
+            and _plain(getattr(theirs, name)) != _plain(getattr(config, name))
+        ]
         if diffs:
             raise RecipeError(
                 f"training.init_heads={where} is not the heads this recipe builds "
@@ -166,6 +169,11 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
             )
         theirs.check_base(base.config)
     return tensors, str(folder)
+
+
+def _kind(config) -> str:
+    """Heads' kind in words: 'Medusa heads', 'an EAGLE-3 draft'."""
+    return f"an EAGLE-{config.version} draft" if isinstance(config, EagleConfig) else "Medusa heads"
 
 
 def _plain(value):
