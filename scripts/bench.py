@@ -10,9 +10,10 @@ python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [
 Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
 run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per
 `--heads` folder, Medusa or EAGLE), `heads+ngram` (each heads folder and the n-gram drafter
-verified together, the union of their trees; not in the default set), `ngram+corpus` and
-`heads+ngram+corpus` (the lookup also in a table of `--lookup-corpus` answers, e.g. the distill
-output) and `draft` (`--draft-model`, same tokenizer). For each
+verified together, the union of their trees), `ngram+corpus` and `heads+ngram+corpus` (the
+lookup also in a table of `--lookup-corpus` answers, e.g. the distill output) and `draft`
+(`--draft-model`, same tokenizer). Without `--methods`, every method the options allow except
+`heads+ngram` and `heads+ngram+corpus` (name them to run them). For each
 prompt every method runs in turn, in an order rotated per prompt, so that machine noise hits
 all of them alike. Writes OUT/results.json, OUT/results.md and PNG plots (docs/bench.md).
 """
@@ -43,7 +44,7 @@ from bench_methods import BenchError, Method, Run  # noqa: E402
 
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
-from train.prompts import Message, PromptSourceError, read_source  # noqa: E402
+from train.prompts import RECORD_FORMS, Message, PromptSourceError, read_source  # noqa: E402
 
 FORMAT = "headstart-bench-1"
 HUMANEVAL_INSTRUCTION = (
@@ -79,7 +80,10 @@ class Distilled:
 
 def read_distilled(path: str) -> Distilled:
     """A distill output folder (`--exclude`), checked to be one."""
-    hint = "pass a distill run's data.output_dir, e.g. --exclude runs/smollm2-distill"
+    hint = (
+        "pass the data.output_dir of a distill run (scripts/distill.py RECIPE writes it; "
+        "`make demo` writes runs/smollm2-distill)"
+    )
     try:
         ids, system_prompt = answered_prompts(Path(path))
     except DistillError as e:
@@ -116,9 +120,13 @@ def read_prompts(
             BenchPrompt(i, task_id, "humaneval", task_id, [], [HUMANEVAL_INSTRUCTION.format(**p)])
             for i, (task_id, p) in enumerate(problems)
         ]
-    prompts, skipped = read_source(spec, on_error="skip")
+    prompts, skipped = read_source(spec, on_error="collect")
     if skipped:
-        raise BenchError("malformed prompt records (fix or remove them):\n" + "\n".join(skipped))
+        raise BenchError(
+            "malformed prompt records (fix or remove them):\n"
+            + "\n".join(skipped)
+            + f"\nExpected: {RECORD_FORMS}"
+        )
     if exclude is not None:
         held_out = [p for p in prompts if not exclude.answered(p.messages)]
         if len(held_out) == len(prompts):

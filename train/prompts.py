@@ -33,7 +33,8 @@ from train.prompt_set import EMBEDDED_CATEGORIES, EXTRA_CATEGORIES, embedded_tur
 logger = logging.getLogger(__name__)
 
 Message = dict[str, str]
-OnError = Literal["skip", "stop"]
+# "collect": skip malformed records without a warning, the caller reports them.
+OnError = Literal["skip", "stop", "collect"]
 
 _SHAREGPT_ROLES = {
     "human": "user",
@@ -74,6 +75,14 @@ def conversation_id(messages: list[Message]) -> str:
     """A stable 16-hex-digit id from the roles and contents of `messages`."""
     canonical = json.dumps([[m["role"], m["content"]] for m in messages], ensure_ascii=False)
     return hashlib.sha1(canonical.encode("utf-8")).hexdigest()[:16]
+
+
+RECORD_FORMS = (
+    "each line of a .jsonl file (or each item of a .json list) is a JSON object such as "
+    '{"prompt": "..."}, {"turns": ["..."]} (MT-bench, Spec-Bench), {"messages": [{"role": '
+    '"user", "content": "..."}]} (OpenAI) or {"conversations": [{"from": "human", "value": '
+    '"..."}]} (ShareGPT)'
+)
 
 
 def normalize_record(record: Any, empty_answers: bool = False) -> list[Message]:
@@ -157,7 +166,8 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
     """Read one source; returns (prompts, messages about skipped malformed records).
 
     Raises PromptSourceError for a missing or unreadable source, for a malformed record when
-    `on_error="stop"`, and when the source yields no prompt at all.
+    `on_error="stop"`, and when the source yields no prompt at all (with `"collect"`, only when
+    it has no malformed records either: the caller reports those).
     """
     if spec == "embedded" or spec.startswith("embedded:"):
         categories = spec.partition(":")[2].split(",") if ":" in spec else None
@@ -181,6 +191,13 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             )
         elif path.is_file():
             records = _json_records(path) if path.suffix == ".json" else jsonl_records(path)
+        elif spec in EMBEDDED_CATEGORIES + EXTRA_CATEGORIES:
+            raise PromptSourceError(
+                f"prompt source '{spec}' not found; it is an embedded category: write it as "
+                f"embedded:{spec}, and several as one source in quotes, which a YAML list "
+                """would otherwise split at the commas: 'data.sources=["embedded:roleplay,"""
+                """reasoning"]'"""
+            )
         else:
             raise PromptSourceError(
                 f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
@@ -196,14 +213,15 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             message = f"{where}: {e}"
             if on_error == "stop":
                 raise PromptSourceError(message + " (set data.on_error=skip to skip it)") from e
-            logger.warning("skipping malformed record %s", message)
+            if on_error == "skip":
+                logger.warning("skipping malformed record %s", message)
             skipped.append(message)
             continue
         labels = {k: record[k] for k in LABEL_KEYS if k in record}
         prompts.append(Prompt(conversation_id(messages), messages, where, labels))
-    if not prompts:
+    if not prompts and not (on_error == "collect" and skipped):
         detail = f" ({len(skipped)} malformed records skipped)" if skipped else ""
-        raise PromptSourceError(f"prompt source '{spec}' is empty{detail}")
+        raise PromptSourceError(f"prompt source '{spec}' is empty{detail}; {RECORD_FORMS}")
     return prompts, skipped
 
 

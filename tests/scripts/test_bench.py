@@ -230,7 +230,7 @@ def test_summary_counts_steps_not_prompts():
         ("corpus-without-method", "--lookup-corpus given but none of"),
     ],
 )
-def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
+def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, message):
     prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
     one_answer = _jsonl(tmp_path / "answer.jsonl", SHAREGPT[:1])
     extra = {
@@ -254,8 +254,12 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, case, message):
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')
     argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--max-new-tokens", "4"]
     assert bench.main([*argv, "--out", str(tmp_path / "out"), *extra]) == 2
-    assert message in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert message in err
     assert not (tmp_path / "out" / "results.json").exists()
+    if case in ("malformed", "empty"):  # what a record looks like, and no "skipping" first
+        assert 'JSON object such as {"prompt": "..."}, {"turns": ["..."]}' in err
+        assert not [r for r in caplog.records if "skipping" in r.getMessage()]
 
 
 def test_draft_chain_and_tree_flags_exclude_each_other(folders, tmp_path, capsys):

@@ -143,6 +143,13 @@ def test_empty_and_missing_sources(tmp_path):
         read_source(str(bad_only))
     with pytest.raises(PromptSourceError, match="not found"):
         read_source(str(tmp_path / "absent.jsonl"))
+    # a category split off an embedded source by a YAML list's commas
+    with pytest.raises(
+        PromptSourceError, match="'reasoning' not found; it is an embedded category"
+    ):
+        load_prompts(["embedded:roleplay", "reasoning"])
+    # "collect": malformed records come back for the caller to report, with no warning
+    assert read_source(str(bad_only), on_error="collect")[0] == []
     (tmp_path / "nothing").mkdir()
     with pytest.raises(PromptSourceError, match="no .jsonl files"):
         read_source(str(tmp_path / "nothing"))
