@@ -339,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("recipe", help="YAML recipe (model and data sections)")
-    parser.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value or section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:

@@ -107,7 +107,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--data", help="a distill output to score instead of the held-out split")
     parser.add_argument("--categories", help="prompts with a 'category' per record, or embedded")
     parser.add_argument("--out", help="also write the scores to this JSON file")
-    parser.add_argument("overrides", nargs="*", help="section.key=value recipe overrides")
+    parser.add_argument(
+        "overrides", nargs="*", default=[], help="section.key=value recipe overrides"
+    )
     args = parser.parse_args(argv)
     if args.categories and not args.data:
         raise fail("--categories groups the answers of --data; give --data too")

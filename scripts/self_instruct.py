@@ -276,7 +276,7 @@ def main(argv: list[str] | None = None) -> int:
         help="recipe YAML (model, self_instruct, data.batch_size; magpie: data.chat_template, "
         "data.system_prompt)",
     )
-    parser.add_argument("overrides", nargs="*", help="key=value or section.key=value")
+    parser.add_argument("overrides", nargs="*", default=[], help="key=value or section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
     try:

@@ -341,3 +341,10 @@ def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(
     held_out = bench.read_prompts(str(clean), exclude=bench.read_distilled(str(some_out)))
     assert len(asked) == 3 and len(held_out) == 5
     assert {p.users[0] for p in held_out} == {p.users[0] for p in every} - asked
+
+
+def test_without_arguments_the_recipe_alone_is_asked_for(capsys):
+    with pytest.raises(SystemExit) as stop:
+        distill.main([])
+    assert stop.value.code == 2
+    assert capsys.readouterr().err.endswith("the following arguments are required: recipe\n")
