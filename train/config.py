@@ -43,7 +43,7 @@ class DataConfig:
     # the extra categories), a .jsonl / .json file, a folder of .jsonl shards, or
     # "hf:ORG/NAME[:CONFIG]:SPLIT" (Hugging Face datasets).
     sources: list[str] = field(default_factory=lambda: ["embedded"])
-    limit: int | None = None  # prompts kept after the seeded shuffle; None keeps all
+    limit: int | None = None  # prompts kept, in the order of a seeded hash; None keeps all
     max_new_tokens: int = 512  # per assistant turn
     temperature: float = 0.0  # 0 is greedy
     top_p: float = 1.0
