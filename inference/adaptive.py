@@ -57,9 +57,6 @@ class Arm:
     interval: int = 0  # steps from its last try to its next exploratory one
     # A static tree's nodes as paths of ranks (from its greedy steps), else None.
     nodes: frozenset[Choice] | None = None
-    # With a load factor: seconds per step over the machine's load (the first arm's steps = 1).
-    cost: float = 0.0
-    cost_samples: int = 0
 
 
 @dataclass
@@ -85,13 +82,6 @@ class AdaptivePolicy:
             could not tell the two apart (docs/bench.md), so it is not the default yet.
         pooled: estimate static trees' tokens per step from per-path acceptance rates on greedy
             steps (see the module's doc); False keeps every arm's own average.
-        load_smoothing: None, or model an arm's seconds per step as its cost times the
-            machine's load: the load is an EMA of this weight over every step (its seconds over
-            its arm's cost), and an arm's cost is learnt only from the first `explore_steps`
-            steps of each run of it, against the load measured before that run (by the arm run
-            then). Arms are compared by tokens per step over cost, so a stretch when another
-            process takes the cores slows every arm's estimate alike, instead of leaving the
-            arms measured then looking slow until they are re-tried.
     """
 
     arms: list[Arm]
@@ -103,7 +93,6 @@ class AdaptivePolicy:
     smoothing: float = 0.05
     time_smoothing: float | None = None
     pooled: bool = True
-    load_smoothing: float | None = None
     # Greedy decoding: the generator sets it per call; the pooled estimates serve only then.
     greedy: bool = field(default=False, init=False)
     step: int = field(default=0, init=False)
@@ -112,13 +101,6 @@ class AdaptivePolicy:
     # The arm of the re-try in progress and its steps left.
     _retry: int | None = field(default=None, init=False, repr=False)
     _retry_steps_left: int = field(default=0, init=False, repr=False)
-    # Load factor: its estimate and samples, the arm of the current run of steps, the run's
-    # length so far and the load measured before it.
-    _load: float = field(default=0.0, init=False, repr=False)
-    _load_samples: int = field(default=0, init=False, repr=False)
-    _run_arm: int | None = field(default=None, init=False, repr=False)
-    _run_length: int = field(default=0, init=False, repr=False)
-    _load_before_run: float = field(default=0.0, init=False, repr=False)
 
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.explore_steps < 1:
@@ -145,17 +127,9 @@ class AdaptivePolicy:
             total += p
         return total
 
-    def estimate_seconds(self, index: int) -> float:
-        """Estimated seconds per step of an arm: its cost times the current load with a load
-        factor, else its own average."""
-        arm = self.arms[index]
-        if self.load_smoothing is None:
-            return arm.seconds
-        return arm.cost * self._load
-
     def estimate_rate(self, index: int) -> float:
         """Estimated tokens per second of an arm."""
-        seconds = self.estimate_seconds(index)
+        seconds = self.arms[index].seconds
         return self.estimate_tokens(index) / seconds if seconds > 0 else 0.0
 
     def best(self) -> int:
@@ -198,8 +172,6 @@ class AdaptivePolicy:
         arm.tries += 1
         arm.tokens += self._weight(arm.tries) * (tokens - arm.tokens)
         arm.seconds += self._weight(arm.tries, self.time_smoothing) * (seconds - arm.seconds)
-        if self.load_smoothing is not None:
-            self._update_load(index, seconds)
         if drafted is not None:
             if static and arm.nodes is None:  # a static arm's tree is the same on every step
                 arm.nodes = frozenset(drafted)
@@ -223,25 +195,6 @@ class AdaptivePolicy:
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)
 
-    def _update_load(self, index: int, seconds: float) -> None:
-        """The load factor and arm `index`'s cost after one of its steps took `seconds`."""
-        arm = self.arms[index]
-        if self._load_samples == 0:  # the first step: its arm is the unit of cost
-            arm.cost, arm.cost_samples = 1.0, 1
-        if index != self._run_arm:
-            self._run_arm, self._run_length, self._load_before_run = index, 0, self._load
-        self._run_length += 1
-        if self._load_before_run > 0 and self._run_length <= self.explore_steps:
-            # Against the load measured before this run: a run's later steps would measure the
-            # arm against itself.
-            arm.cost_samples += 1
-            sample = seconds / self._load_before_run
-            arm.cost += self._weight(arm.cost_samples) * (sample - arm.cost)
-        if arm.cost > 0:
-            self._load_samples += 1
-            weight = self._weight(self._load_samples, self.load_smoothing)
-            self._load += weight * (seconds / arm.cost - self._load)
-
     def _weight(self, samples: int, smoothing: float | None = None) -> float:
         """Weight of the newest of `samples` measurements: their mean, then an EMA (of weight
         `smoothing`, by default the policy's)."""
@@ -254,7 +207,7 @@ class AdaptivePolicy:
             {
                 "options": a.options,
                 "tokens_per_step": self.estimate_tokens(i),
-                "seconds_per_step": self.estimate_seconds(i),
+                "seconds_per_step": a.seconds,
                 "tokens_per_s": self.estimate_rate(i),
                 "steps": a.tries,
             }

@@ -45,10 +45,6 @@ POLICIES: dict[str, tuple[Callable[[list], AdaptivePolicy], bool]] = {
         lambda options: AdaptivePolicy.from_options(options, time_smoothing=0.25),
         True,
     ),
-    "shared path rates, seconds a cost times a load factor (load_smoothing 0.25)": (
-        lambda options: AdaptivePolicy.from_options(options, load_smoothing=0.25),
-        True,
-    ),
 }
 
 
