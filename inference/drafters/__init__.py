@@ -81,6 +81,12 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                     "heads.to(base.device) (load_heads(..., base=base) places them)"
                 )
     if isinstance(heads_or_drafter, Drafter):
+        if options:
+            raise TypeError(
+                f"options {sorted(options)} given with a {type(heads_or_drafter).__name__} "
+                "object: build the drafter with them instead, e.g. MedusaDrafter(heads, "
+                "choices='cpu-8')"
+            )
         return heads_or_drafter
     if heads_or_drafter is None:
         check_options(NgramDrafter, options, 0)

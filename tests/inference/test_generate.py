@@ -294,6 +294,8 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, heads, acceptance="typical")
     with pytest.raises(TypeError, match=r"NgramDrafter takes no option 'depth', 'temperature'"):
         SpeculativeGenerator(base, None, temperature=0.7, depth=3)
+    with pytest.raises(TypeError, match=r"options \['choices'\] given with a MedusaDrafter object"):
+        SpeculativeGenerator(base, MedusaDrafter(heads), choices="cpu-8")
     eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3))
     SpeculativeGenerator(base, eagle3, top_k=2, depth=2, total_tokens=4)  # EAGLE's own top_k
     with pytest.raises(
