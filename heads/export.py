@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import warnings
 from pathlib import Path
 
 import torch
@@ -29,8 +30,12 @@ class ExportError(ValueError):
     """The heads cannot be represented in the requested engine's format."""
 
 
-def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
-    """Export the heads folder or Hub repo id `src` to `target` (one of TARGETS) into `out`."""
+def export_heads(
+    src: str | Path, target: str, out: str | Path, base_name: str | None = None
+) -> Path:
+    """Export the heads folder or Hub repo id `src` to `target` (one of TARGETS) into `out`.
+    `base_name`: the base's Hub id or path as the engine sees it, written for TGI (which loads
+    the base from the heads' config) instead of the name the heads recorded."""
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
     src = resolve_folder(src)
@@ -54,6 +59,14 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
                 "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
                 "trains one): serve it with SGLang (--to sglang) or headstart"
             )
+        if not is_medusa and heads.config.version == 3:
+            ids = list(heads.config.aux_layer_ids)
+            if ids != sorted(set(ids)):
+                raise ExportError(
+                    f"aux layer ids {ids}: vLLM and SGLang collect the base's states in layer "
+                    "order, each layer once, so their fc would read them in another order (or "
+                    "fewer of them): train the draft with ascending, distinct heads.aux_layer_ids"
+                )
         if target == "sglang" and heads.config.version == 3 and biased:
             raise ExportError(
                 f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "
@@ -75,7 +88,7 @@ def export_heads(src: str | Path, target: str, out: str | Path) -> Path:
             f"{target} export is for Medusa heads; for EAGLE draft layers use the native folder "
             "with vLLM or SGLang"
         )
-    _write_medusa_lm_head(heads, target, out)
+    _write_medusa_lm_head(heads, target, out, base_name)
     return out
 
 
@@ -118,8 +131,22 @@ def _sglang_eagle1(out: Path) -> None:
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
-def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:
+def _write_medusa_lm_head(
+    heads: MedusaHeads, target: str, out: Path, base_name: str | None = None
+) -> None:
     cfg = heads.config
+    base_name = base_name or cfg.base_model_name_or_path
+    if target == "tgi" and "/" not in base_name:
+        # TGI loads the base named in the heads' config: a GGUF's stem or nothing is not one it
+        # can load (a bare name may be an old Hub id, such as gpt2)
+        told = (
+            f"TGI loads the base from the heads' base_model_name_or_path, and these heads "
+            f"record {base_name!r}: pass the base's Hub id or path as TGI sees it (--base-name, "
+            "e.g. --base-name HuggingFaceTB/SmolLM2-135M-Instruct)"
+        )
+        if not base_name:
+            raise ExportError(told)
+        warnings.warn(told + ", unless TGI loads it by that name", stacklevel=3)
     if cfg.original_lm_head:
         raise ExportError(
             f"{target} needs one lm_head per Medusa head, but these heads share the base's "
@@ -147,6 +174,6 @@ def _write_medusa_lm_head(heads: MedusaHeads, target: str, out: Path) -> None:
         "medusa_num_layers": L,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
-        "base_model_name_or_path": cfg.base_model_name_or_path,
+        "base_model_name_or_path": base_name,
     }
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

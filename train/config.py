@@ -149,6 +149,13 @@ class HeadsSpec:
             )
         if self.version not in (1, 3):
             raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
+        ids = self.aux_layer_ids
+        if ids is not None and list(ids) != sorted(ids):
+            raise RecipeError(
+                f"'heads.aux_layer_ids' {list(ids)}: give them in ascending order, e.g. "
+                "[2, 15, 27]: vLLM and SGLang collect the base's states in layer order and "
+                "would feed the draft's fc in another order than training did"
+            )
 
 
 @dataclass

@@ -176,3 +176,11 @@ def test_counts_that_would_break_a_run_are_refused_up_front(override, message):
         load_recipe(None, [override])
     field = override.split("=")[0]
     assert load_recipe(None, [f"{field}=2"]) is not None  # a sane value loads
+
+
+def test_aux_layers_out_of_order_are_refused_up_front():
+    # vLLM and SGLang collect the base's states in layer order: a draft trained on another
+    # order would be fed its fc's inputs swapped there
+    with pytest.raises(RecipeError, match=r"\[15, 2, 27\]: give them in ascending order"):
+        load_recipe(None, ["heads.aux_layer_ids=[15, 2, 27]"])
+    assert load_recipe(None, ["heads.aux_layer_ids=[2, 15, 27]"]).heads.aux_layer_ids == [2, 15, 27]
