@@ -1,6 +1,9 @@
 """Export a heads folder to another engine's layout.
 
-python scripts/export.py DIR_OR_REPO_ID --to vllm|sglang|tgi|trtllm --out OUT_DIR
+python scripts/export.py DIR_OR_REPO_ID --to vllm|sglang|tgi|trtllm --out OUT_DIR [--base-name ID]
+
+TensorRT-LLM's Medusa converter takes the head count from its own flag: pass
+`--num_medusa_heads K` to it when the heads are not 4.
 """
 
 from __future__ import annotations
@@ -20,9 +23,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--to", required=True, choices=TARGETS, help="target engine")
     parser.add_argument("--out", required=True, help="output folder")
+    parser.add_argument(
+        "--base-name",
+        help="tgi: the base's Hub id or path as TGI sees it (default: the one the heads record)",
+    )
     args = parser.parse_args(argv)
     try:
-        out = export_heads(args.heads, args.to, args.out)
+        out = export_heads(args.heads, args.to, args.out, args.base_name)
     except (ExportError, FileNotFoundError, ValueError) as e:
         print(f"export failed: {e}", file=sys.stderr)
         return 2
