@@ -126,14 +126,14 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
 
 def _name_hint(name: str) -> str:
     """What a name that did not load may have meant: the embedded model, or a Hub id's form."""
-    if difflib.get_close_matches(name.lower(), [EMBEDDED_NAME], n=1, cutoff=0.6):
+    if "/" in name or Path(name).exists():  # a Hub id or a path: transformers said why
+        return ""
+    if difflib.get_close_matches(name.lower(), [EMBEDDED_NAME], n=1, cutoff=0.7):
         return f"\n(did you mean the embedded model '{EMBEDDED_NAME}'? it loads offline)"
-    if "/" not in name and not Path(name).exists():
-        return (
-            f"\n(a Hub id has the form 'owner/name'; a local folder needs its path; the embedded "
-            f"model is '{EMBEDDED_NAME}')"
-        )
-    return ""
+    return (
+        "\n(if it is a Hub id, check its spelling and the network: most are 'owner/name'; a "
+        f"local folder needs its path; the embedded model is '{EMBEDDED_NAME}')"
+    )
 
 
 def load_base(

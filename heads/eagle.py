@@ -82,13 +82,16 @@ class EagleConfig(HeadsConfig):
         min(32000, V) (EAGLE-3's choice for Llama-3's 128k vocabulary)."""
         if version not in (1, 3):
             raise ValueError(f"EAGLE version must be 1 or 3, got {version}")
-        if aux_layer_ids is not None and list(aux_layer_ids) != sorted(aux_layer_ids):
-            raise ValueError(
-                f"aux_layer_ids {list(aux_layer_ids)}: give them in ascending order, as vLLM "
-                "and SGLang collect the base's states (in layer order)"
-            )
         H = base_config.hidden_size
         L = base_config.num_hidden_layers
+        # vLLM and SGLang collect the base's states in layer order, each layer once (a base of
+        # under 3 layers has no 3 distinct ones: it repeats one, which headstart serves)
+        ids = list(aux_layer_ids or [])
+        if ids and (ids != sorted(ids) or (L >= 3 and len(set(ids)) < len(ids))):
+            raise ValueError(
+                f"aux_layer_ids {ids}: give them in ascending order, each once, as vLLM and "
+                "SGLang collect the base's states (in layer order, each layer once)"
+            )
         return cls(
             version=version,
             hidden_size=H,

@@ -38,6 +38,11 @@ def export_heads(
     the base from the heads' config) instead of the name the heads recorded."""
     if target not in TARGETS:
         raise ExportError(f"unknown target {target!r}; choose one of {', '.join(TARGETS)}")
+    if base_name is not None and target != "tgi":
+        raise ExportError(
+            f"--base-name is for tgi, which loads the base from the heads' config; {target} "
+            "is given the base by its own command line"
+        )
     src = resolve_folder(src)
     heads = load_heads(src)  # validates the folder before anything is written
     out = Path(out)
@@ -131,22 +136,33 @@ def _sglang_eagle1(out: Path) -> None:
     save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
+def _tgi_base_name(given: str | None, recorded: str) -> str:
+    """The base TGI is to load (it reads the heads' base_model_name_or_path): `given` (the
+    --base-name flag) or the recorded name; none is refused, a name without an owner or a
+    local path is warned about (TGI may not see it; an old Hub id such as gpt2 is one)."""
+    name = given or recorded
+    told = (
+        f"--base-name {name!r}" if given else f"these heads record {name!r} as their base"
+    ) + ", which TGI loads from the heads' base_model_name_or_path"
+    if not name:
+        raise ExportError(
+            f"{told}: pass the base's Hub id or path as TGI sees it (--base-name, e.g. "
+            "--base-name HuggingFaceTB/SmolLM2-135M-Instruct)"
+        )
+    local = name.startswith((".", "/", "~")) or Path(name).expanduser().exists()
+    if local or "/" not in name:
+        warnings.warn(
+            f"{told}: {'a local path' if local else 'a name without an owner'}; unless TGI "
+            "loads it as it is, pass the base's Hub id (--base-name)",
+            stacklevel=3,
+        )
+    return name
+
+
 def _write_medusa_lm_head(
     heads: MedusaHeads, target: str, out: Path, base_name: str | None = None
 ) -> None:
     cfg = heads.config
-    base_name = base_name or cfg.base_model_name_or_path
-    if target == "tgi" and "/" not in base_name:
-        # TGI loads the base named in the heads' config: a GGUF's stem or nothing is not one it
-        # can load (a bare name may be an old Hub id, such as gpt2)
-        told = (
-            f"TGI loads the base from the heads' base_model_name_or_path, and these heads "
-            f"record {base_name!r}: pass the base's Hub id or path as TGI sees it (--base-name, "
-            "e.g. --base-name HuggingFaceTB/SmolLM2-135M-Instruct)"
-        )
-        if not base_name:
-            raise ExportError(told)
-        warnings.warn(told + ", unless TGI loads it by that name", stacklevel=3)
     if cfg.original_lm_head:
         raise ExportError(
             f"{target} needs one lm_head per Medusa head, but these heads share the base's "
@@ -156,6 +172,8 @@ def _write_medusa_lm_head(
         raise ExportError(
             f"{target} has no reduced draft vocabulary (token_map); train with the full vocabulary"
         )
+    if target == "tgi":
+        base_name = _tgi_base_name(base_name, cfg.base_model_name_or_path)
     L = cfg.num_hidden_layers
     tensors = {}
     for h, block in enumerate(heads.blocks):
@@ -174,6 +192,6 @@ def _write_medusa_lm_head(
         "medusa_num_layers": L,
         "hidden_size": cfg.hidden_size,
         "vocab_size": cfg.vocab_size,
-        "base_model_name_or_path": base_name,
+        "base_model_name_or_path": base_name or cfg.base_model_name_or_path,
     }
     (out / CONFIG_NAME).write_text(json.dumps(config, indent=2) + "\n")

@@ -81,7 +81,8 @@ def check_arms(arms: list[dict | None]) -> None:
 
 def prompt_tensor(input_ids) -> torch.Tensor:
     """The prompt's token ids as a tensor, or a clear error for text or a tokenizer's dict."""
-    if isinstance(input_ids, str):
+    texts = isinstance(input_ids, (list, tuple)) and any(isinstance(t, str) for t in input_ids)
+    if isinstance(input_ids, str) or texts:
         raise TypeError(
             "input_ids is text: tokenize it first, e.g. tokenizer.apply_chat_template(messages, "
             "add_generation_prompt=True, return_tensors='pt', return_dict=True)['input_ids']"

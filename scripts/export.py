@@ -2,8 +2,8 @@
 
 python scripts/export.py DIR_OR_REPO_ID --to vllm|sglang|tgi|trtllm --out OUT_DIR [--base-name ID]
 
-TensorRT-LLM's Medusa converter takes the head count from its own flag: pass
-`--num_medusa_heads K` to it when the heads are not 4.
+TensorRT-LLM's Medusa converter takes the head and layer counts from its own flags: pass it
+`--num_medusa_heads K --num_medusa_layers L` when the heads are not 4 of 1 layer each.
 """
 
 from __future__ import annotations

@@ -203,12 +203,13 @@ class EagleTrainee(Trainee):
 
 def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
     spec = recipe.heads
-    cfg = EagleConfig.from_base(
-        base.config,
-        version=spec.version,
-        draft_vocab_size=spec.draft_vocab_size,
-        aux_layer_ids=spec.aux_layer_ids,
-    )
+    with stop_on_bad_input():  # aux layers out of order
+        cfg = EagleConfig.from_base(
+            base.config,
+            version=spec.version,
+            draft_vocab_size=spec.draft_vocab_size,
+            aux_layer_ids=spec.aux_layer_ids,
+        )
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
         tensors, where = read_init_heads(recipe, cfg, base)

@@ -194,9 +194,9 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
         elif spec in EMBEDDED_CATEGORIES + EXTRA_CATEGORIES:
             raise PromptSourceError(
                 f"prompt source '{spec}' not found; it is an embedded category: write it as "
-                f"embedded:{spec}, and several as one source in quotes, which a YAML list "
-                """would otherwise split at the commas: 'data.sources=["embedded:roleplay,"""
-                """reasoning"]'"""
+                f"embedded:{spec} (in a recipe's data.sources list, several categories are one "
+                "source in quotes, which the list would otherwise split at the commas: "
+                """'data.sources=["embedded:roleplay,reasoning"]')"""
             )
         else:
             raise PromptSourceError(

@@ -148,10 +148,13 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
         folder = resolve_folder(where)
         theirs, tensors = read_heads_folder(folder, base.config.num_hidden_layers)
         if type(theirs) is not type(config):
-            script = "train/eagle.py" if isinstance(theirs, EagleConfig) else "train/medusa.py"
+            if isinstance(theirs, EagleConfig):
+                how = f"train/eagle.py and a recipe of heads.type=eagle, heads.version={theirs.version}"
+            else:
+                how = "train/medusa.py and a recipe of heads.type=medusa"
             raise RecipeError(
                 f"training.init_heads={where} holds {_kind(theirs)}, and this recipe trains "
-                f"{_kind(config)}: go on training them with {script}, or leave init_heads out "
+                f"{_kind(config)}: go on training them with {how}, or leave init_heads out "
                 "to start fresh"
             )
         diffs = [

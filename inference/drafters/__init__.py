@@ -82,10 +82,11 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                 )
     if isinstance(heads_or_drafter, Drafter):
         if options:
+            name = type(heads_or_drafter).__name__
+            given = ", ".join(f"{k}={v!r}" for k, v in options.items())
             raise TypeError(
-                f"options {sorted(options)} given with a {type(heads_or_drafter).__name__} "
-                "object: build the drafter with them instead, e.g. MedusaDrafter(heads, "
-                "choices='cpu-8')"
+                f"options {sorted(options)} given with a drafter object ({name}): build the "
+                f"drafter with them instead, {name}(..., {given})"
             )
         return heads_or_drafter
     if heads_or_drafter is None:

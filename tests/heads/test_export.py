@@ -19,7 +19,7 @@ def medusa_dir(tiny_llama, tmp_path):
     return tmp_path / "medusa", heads
 
 
-@pytest.mark.filterwarnings("ignore:TGI loads the base")  # the tiny base's bare name
+@pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
 @pytest.mark.parametrize("target", ["tgi", "trtllm"])
 def test_medusa_lm_head_layout(medusa_dir, tmp_path, target):
     src, heads = medusa_dir
@@ -152,7 +152,7 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     assert json.loads((tmp_path / "hub-s/config.json").read_text())["eagle_config"] == sglang
 
 
-@pytest.mark.filterwarnings("ignore:TGI loads the base")  # the tiny base's bare name
+@pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
 def test_tgi_reads_a_bias_free_residual_block_as_zero_biases(tiny_llama, tmp_path):
     heads = MedusaHeads(
         MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1, medusa_fc_bias=False)
@@ -168,16 +168,22 @@ def test_tgi_reads_a_bias_free_residual_block_as_zero_biases(tiny_llama, tmp_pat
 def test_tgi_gets_a_base_it_can_load(tiny_llama, tmp_path):
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1))
     heads.save_pretrained(tmp_path / "medusa")  # records the base as "tiny-llama-0"
-    with pytest.warns(UserWarning, match="TGI loads the base .* record 'tiny-llama-0'"):
+    with pytest.warns(
+        UserWarning, match="record 'tiny-llama-0' as their base, .* without an owner"
+    ):
         export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
     export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi2", base_name="me/tiny-llama")
     config = json.loads((tmp_path / "tgi2" / "config.json").read_text())
     assert config["base_model_name_or_path"] == "me/tiny-llama"
+    with pytest.warns(UserWarning, match=r"--base-name '\./tiny', .*: a local path"):
+        export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi4", base_name="./tiny")
+    with pytest.raises(ExportError, match="--base-name is for tgi"):
+        export_heads(tmp_path / "medusa", "vllm", tmp_path / "v", base_name="me/tiny-llama")
     # heads that record no base (another trainer's): refused, naming the flag
     config = json.loads((tmp_path / "medusa" / "config.json").read_text())
     config["base_model_name_or_path"] = ""
     (tmp_path / "medusa" / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ExportError, match="record '': pass the base's Hub id .* --base-name"):
+    with pytest.raises(ExportError, match="record '' as their base.* --base-name"):
         export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi3")
 
 
@@ -205,11 +211,17 @@ def test_aux_layers_the_engines_would_collect_in_another_order_are_refused(tmp_p
         with pytest.raises(ExportError, match=r"aux layer ids \[1, 1, 0\]: vLLM and SGLang"):
             export_heads(tmp_path / "e3", target, tmp_path / target)
     deeper = make_tiny_llama(num_hidden_layers=8)
-    with pytest.raises(ValueError, match=r"aux_layer_ids \[5, 2, 7\]: give them in ascending"):
-        EagleConfig.from_base(deeper.config, version=3, aux_layer_ids=[5, 2, 7])
+    for ids in ([5, 2, 7], [2, 2, 7]):
+        with pytest.raises(
+            ValueError,
+            match=rf"aux_layer_ids {ids}: give them in ascending order, each once".replace(
+                "[", r"\["
+            ).replace("]", r"\]"),
+        ):
+            EagleConfig.from_base(deeper.config, version=3, aux_layer_ids=ids)
 
 
-@pytest.mark.filterwarnings("ignore:TGI loads the base")  # the tiny base's bare name
+@pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
 @pytest.mark.parametrize("bias", [True, False])
 def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
     """FasterDecoding's and TGI's `medusa_lm_head` layout (what the tgi export writes) loads
@@ -244,7 +256,7 @@ def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
         load_heads(tmp_path / "tgi", base=make_tiny_llama(hidden_size=bigger))
 
 
-@pytest.mark.filterwarnings("ignore:TGI loads the base")  # the tiny base's bare name
+@pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
 def test_vllm_and_sglang_exports_write_the_native_layout_of_any_loadable_folder(
     tiny_llama, tmp_path
 ):

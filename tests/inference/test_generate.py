@@ -280,8 +280,9 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, object())
     with pytest.raises(TypeError, match=r"path 'runs/x/heads': load the heads first"):
         SpeculativeGenerator(base, "runs/x/heads")
-    with pytest.raises(TypeError, match="input_ids is text: tokenize it first"):
-        gen.generate("Hello")
+    for text in ("Hello", ["Hello"]):
+        with pytest.raises(TypeError, match="input_ids is text: tokenize it first"):
+            gen.generate(text)
     with pytest.raises(TypeError, match=r"tokenizer's output dict: pass its \['input_ids'\]"):
         gen.generate({"input_ids": torch.ones(1, 3, dtype=torch.long)})
     heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2))
@@ -294,7 +295,11 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, heads, acceptance="typical")
     with pytest.raises(TypeError, match=r"NgramDrafter takes no option 'depth', 'temperature'"):
         SpeculativeGenerator(base, None, temperature=0.7, depth=3)
-    with pytest.raises(TypeError, match=r"options \['choices'\] given with a MedusaDrafter object"):
+    with pytest.raises(
+        TypeError,
+        match=r"options \['choices'\] given with a drafter object \(MedusaDrafter\): build the "
+        r"drafter with them instead, MedusaDrafter\(\.\.\., choices='cpu-8'\)",
+    ):
         SpeculativeGenerator(base, MedusaDrafter(heads), choices="cpu-8")
     eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3))
     SpeculativeGenerator(base, eagle3, top_k=2, depth=2, total_tokens=4)  # EAGLE's own top_k

@@ -343,8 +343,14 @@ def test_bench_exclude_leaves_the_prompts_distill_did_not_answer(
     assert {p.users[0] for p in held_out} == {p.users[0] for p in every} - asked
 
 
-def test_without_arguments_the_recipe_alone_is_asked_for(capsys):
+@pytest.mark.parametrize("script", ["distill", "self_instruct", "eval_heads"])
+def test_without_arguments_only_the_required_ones_are_asked_for(script, capsys):
+    import eval_heads
+    import self_instruct
+
+    main = {"distill": distill, "self_instruct": self_instruct, "eval_heads": eval_heads}[script]
     with pytest.raises(SystemExit) as stop:
-        distill.main([])
+        main.main([])
     assert stop.value.code == 2
-    assert capsys.readouterr().err.endswith("the following arguments are required: recipe\n")
+    required = "recipe, heads" if script == "eval_heads" else "recipe"  # not the overrides
+    assert capsys.readouterr().err.endswith(f"the following arguments are required: {required}\n")

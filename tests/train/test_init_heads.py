@@ -127,7 +127,10 @@ def test_medusa_heads_do_not_start_an_eagle_run(medusa_run, tiny_task, tmp_path,
         )
     err = capsys.readouterr().err
     assert f"training.init_heads={source}/heads holds Medusa heads" in err
-    assert "this recipe trains an EAGLE-3 draft: go on training them with train/medusa.py" in err
+    assert (
+        "this recipe trains an EAGLE-3 draft: go on training them with train/medusa.py and a "
+        "recipe of heads.type=medusa" in err
+    )
 
 
 def test_a_missing_folder_is_named(tiny_task, tmp_path, capsys):
