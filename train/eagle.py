@@ -30,6 +30,7 @@ from heads.eagle import check_vocab_map
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
+from train.init_heads import read_init_heads
 from train.losses import count, ratio_means, shift_left, sim_tau, walk_accept_length
 from train.run import (
     MetricsLog,
@@ -43,7 +44,6 @@ from train.run import (
     make_accelerator,
     make_optimizer,
     prepare_data,
-    read_init_heads,
     run_training,
     save_final,
     step_norms,
