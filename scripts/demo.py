@@ -69,7 +69,11 @@ def main(argv: list[str] | None = None) -> int:
         help="benchmark prompts (default: MT-bench if found, else humaneval)",
     )
     parser.add_argument(
-        "--per-category", type=int, default=2, help="benchmark prompts per category"
+        "--per-category",
+        type=int,
+        default=None,
+        help="benchmark prompts per category (default: 2, 16 MT-bench questions; HumanEval, one "
+        "category: 16)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="the report's folder (default: runs/demo)")
@@ -95,6 +99,8 @@ def main(argv: list[str] | None = None) -> int:
         run_stage(name, [script, str(recipe), *cache], timings)
 
     prompts = args.prompts or default_prompts()
+    # as many prompts from HumanEval (one category) as from MT-bench's eight
+    per_category = args.per_category or (16 if prompts == "humaneval" else 2)
     bench_out = out / "bench"
     run_stage(
         "benchmark",
@@ -112,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
             "--prompts",
             prompts,
             "--per-category",
-            str(args.per_category),
+            str(per_category),
             "--max-new-tokens",
             str(args.max_new_tokens),
             "--out",

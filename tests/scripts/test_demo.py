@@ -52,3 +52,24 @@ def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
         demo.run_stage("distill", ["scripts/distill.py"], {})
     message = str(stop.value.code)
     assert "stage 'distill' failed (exit 1" in message and "resumes" in message
+
+
+@pytest.mark.parametrize("prompts, per_category", [("humaneval", "16"), ("mt_bench.jsonl", "2")])
+def test_the_benchmark_takes_as_many_humaneval_problems_as_mt_bench_questions(
+    tmp_path, monkeypatch, prompts, per_category
+):
+    stages = []
+
+    def fake_stage(name, args, timings):
+        stages.append(args)
+        if name == "benchmark":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "results.md").write_text("")
+
+    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "mt_bench.jsonl").write_text(json.dumps({"turns": ["Hi?"], "category": "a"}) + "\n")
+    assert demo.main(["--prompts", prompts, "--out", "report"]) == 0
+    bench = stages[-1]
+    assert bench[bench.index("--per-category") + 1] == per_category
