@@ -121,14 +121,24 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         if not path.exists():
             raise BaseNotFoundError(f"base model folder not found: {name}")
         return str(path), name
+    if _close_to_embedded(name) and not Path(name).exists():
+        # no Hub id without an owner is new enough to look like it: skip the Hub's retries
+        raise BaseNotFoundError(f"base model '{name}' not found{_name_hint(name)}")
     return name, name
+
+
+def _close_to_embedded(name: str) -> bool:
+    """A bare name (no owner) like the embedded model's: a misspelling of it."""
+    return "/" not in name and bool(
+        difflib.get_close_matches(name.lower(), [EMBEDDED_NAME], n=1, cutoff=0.7)
+    )
 
 
 def _name_hint(name: str) -> str:
     """What a name that did not load may have meant: the embedded model, or a Hub id's form."""
     if "/" in name or Path(name).exists():  # a Hub id or a path: transformers said why
         return ""
-    if difflib.get_close_matches(name.lower(), [EMBEDDED_NAME], n=1, cutoff=0.7):
+    if _close_to_embedded(name):
         return f"\n(did you mean the embedded model '{EMBEDDED_NAME}'? it loads offline)"
     return (
         "\n(if it is a Hub id, check its spelling and the network: most are 'owner/name'; a "

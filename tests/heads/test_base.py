@@ -53,8 +53,13 @@ def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)  # no Hub retries
+    # a misspelt embedded name cannot be a Hub id (none without an owner is that new): said at
+    # once, without asking the Hub
+    monkeypatch.setattr(base_module.AutoTokenizer, "from_pretrained", pytest.fail, raising=True)
     with pytest.raises(OSError, match="did you mean the embedded model 'smollm2-135m-instruct'"):
         load_base("SmolLM2-135M", device="cpu")
+    monkeypatch.undo()
+    monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     with pytest.raises(OSError, match="if it is a Hub id, check its spelling and the network"):
         load_base("no-such-model-anywhere", device="cpu")
     # a Hub id that did not load (gated, offline) is not taken for a misspelt embedded name
