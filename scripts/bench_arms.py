@@ -254,7 +254,9 @@ def main(argv: list[str] | None = None) -> int:
     if record is not None:
         (out / "steps.json").write_text(json.dumps(record) + "\n", encoding="utf-8")
     print(render_markdown(rows))
-    print(f"wrote {out / 'arms.json'}")
+    print(
+        f"wrote {out / 'arms.json'}" + (f" and {out / 'steps.json'}" if record is not None else "")
+    )
     return 0
 
 

@@ -110,7 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "overrides", nargs="*", default=[], help="section.key=value recipe overrides"
     )
-    args = parser.parse_args(argv)
+    args = parser.parse_intermixed_args(argv)  # overrides before or after the options
     if args.categories and not args.data:
         raise fail("--categories groups the answers of --data; give --data too")
     try:

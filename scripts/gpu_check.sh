@@ -10,6 +10,10 @@
 # repository root after `pip install -e .[dev]` (or with PYTHONPATH=. where torch with CUDA,
 # transformers 5.x and pytest are already installed); nothing is downloaded (random weights).
 set -uo pipefail
+if [[ ${1:-} == -h || ${1:-} == --help ]]; then
+    sed -n '2,11p' "$0" | sed 's/^# \{0,1\}//'
+    exit 0
+fi
 out=${1:-${OUT:-runs/gpu-check}}
 python=${PYTHON:-python3}
 export PYTHONUNBUFFERED=1 TQDM_DISABLE=${TQDM_DISABLE:-1}  # no progress bars in the log

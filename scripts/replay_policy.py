@@ -118,13 +118,16 @@ def compare(record: dict, subset: list[int], orders: int, busy: float = 1.0) -> 
     return {"fixed": fixed, "best": best, "policies": policies}
 
 
+def _name(options) -> str:
+    """A setting as bench_arms names it: plain decoding, or its options."""
+    return "plain" if options is None else json.dumps(options)
+
+
 def render(record: dict, subset: list[int], result: dict) -> str:
     best = result["best"] or float("inf")  # no tokens recorded: every share 0
     lines = [f"settings {subset}:"]
     for i, rate in result["fixed"].items():
-        lines.append(
-            f"  fixed {json.dumps(record['arms'][i])}: {rate:.2f} tok/s ({rate / best:.3f})"
-        )
+        lines.append(f"  fixed {_name(record['arms'][i])}: {rate:.2f} tok/s ({rate / best:.3f})")
     for name, rate in result["policies"].items():
         lines.append(f"  adaptive, {name}: {rate:.2f} tok/s ({rate / best:.3f} of the best)")
     return "\n".join(lines)

@@ -308,6 +308,13 @@ def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tu
     total = per_epoch * recipe.training.epochs
     if recipe.training.max_steps is not None:
         total = min(total, recipe.training.max_steps)
+    if recipe.training.warmup_steps >= total:
+        accelerator.print(
+            f"warning: training.warmup_steps={recipe.training.warmup_steps} is not under the "
+            f"run's {total} optimizer steps: the learning rate never leaves its warm-up (give "
+            "more data or epochs, or fewer warm-up steps)",
+            file=sys.stderr,
+        )
     return per_epoch, total
 
 

@@ -54,6 +54,7 @@ def test_a_policy_over_both_ends_near_the_faster_setting(tmp_path, capsys):
     assert replay_policy.main([str(path), "--subset", "0,1", "--subset", "1"]) == 0
     out = capsys.readouterr().out
     assert "settings [0, 1]:" in out and "settings [1]:" in out
+    assert "fixed plain: 1.00 tok/s (0.600)" in out  # plain decoding named as bench_arms does
     assert "adaptive, per-arm averages: 1.67 tok/s (1.000 of the best)" in out  # [1] alone
 
 

@@ -184,3 +184,17 @@ def test_aux_layers_out_of_order_are_refused_up_front():
     with pytest.raises(RecipeError, match=r"\[15, 2, 27\]: give them in ascending order"):
         load_recipe(None, ["heads.aux_layer_ids=[15, 2, 27]"])
     assert load_recipe(None, ["heads.aux_layer_ids=[2, 15, 27]"]).heads.aux_layer_ids == [2, 15, 27]
+
+
+def test_a_warm_up_as_long_as_the_run_is_said(capsys):
+    from types import SimpleNamespace
+
+    from train.run import count_steps
+
+    one = SimpleNamespace(num_processes=1, process_index=0, print=print)
+    # 7 examples in micro-batches of 4: one optimizer step, all of it warm-up (lr 0)
+    recipe = load_recipe(None, ["training.micro_batch_size=4", "training.warmup_steps=1"])
+    assert count_steps(7, recipe, one) == (1, 1)
+    assert "warmup_steps=1 is not under the run's 1 optimizer steps" in capsys.readouterr().err
+    assert count_steps(29, recipe, one) == (7, 7)
+    assert capsys.readouterr().err == ""

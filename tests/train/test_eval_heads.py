@@ -125,6 +125,8 @@ def test_eval_heads_refuses_bad_arguments(medusa_run, eagle3_run, tiny_task, tmp
         ([recipe, heads, "--data", data, "--categories", no_category], "no record has a"),
         ([recipe, heads, "--data", data, "--categories", other], "answers a prompt of"),
         ([recipe, heads, "training.eval_fraction=0"], "holds no answer out"),
+        # an override after the options, as the usage line puts it
+        ([recipe, heads, "--out", tmp_path / "s.json", "training.eval_fraction=0"], "holds no"),
     ):
         with pytest.raises(SystemExit) as stop:
             eval_heads.main([str(a) for a in argv])
