@@ -36,6 +36,13 @@ from heads.checkpoint import PretrainedHeads
 from heads.config import HEADSTART_FORMAT, HeadsConfig, renamed_keys
 
 
+def in_engine_order(aux_layer_ids, distinct: bool = True) -> bool:
+    """Whether EAGLE-3 aux layer ids are as vLLM and SGLang collect the base's states: in layer
+    order, and (`distinct`) each layer once; headstart fuses them as listed."""
+    ids = list(aux_layer_ids)
+    return ids == sorted(ids) and (not distinct or len(set(ids)) == len(ids))
+
+
 @dataclass
 class EagleConfig(HeadsConfig):
     """EAGLE draft layer configuration (version 1 or 3).
@@ -84,10 +91,9 @@ class EagleConfig(HeadsConfig):
             raise ValueError(f"EAGLE version must be 1 or 3, got {version}")
         H = base_config.hidden_size
         L = base_config.num_hidden_layers
-        # vLLM and SGLang collect the base's states in layer order, each layer once (a base of
-        # under 3 layers has no 3 distinct ones: it repeats one, which headstart serves)
+        # a base of under 3 layers has no 3 distinct ones: it repeats one, which headstart serves
         ids = list(aux_layer_ids or [])
-        if ids and (ids != sorted(ids) or (L >= 3 and len(set(ids)) < len(ids))):
+        if not in_engine_order(ids, distinct=L >= 3):
             raise ValueError(
                 f"aux_layer_ids {ids}: give them in ascending order, each once, as vLLM and "
                 "SGLang collect the base's states (in layer order, each layer once)"

@@ -21,6 +21,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
+from heads.eagle import in_engine_order
 from heads.medusa import MedusaHeads
 
 TARGETS = ("vllm", "sglang", "tgi", "trtllm")
@@ -66,7 +67,7 @@ def export_heads(
             )
         if not is_medusa and heads.config.version == 3:
             ids = list(heads.config.aux_layer_ids)
-            if ids != sorted(set(ids)):
+            if not in_engine_order(ids):
                 raise ExportError(
                     f"aux layer ids {ids}: vLLM and SGLang collect the base's states in layer "
                     "order, each layer once, so their fc would read them in another order (or "

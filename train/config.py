@@ -19,6 +19,8 @@ from typing import Any, Literal
 
 import yaml
 
+from heads.eagle import in_engine_order
+
 
 class RecipeError(ValueError):
     """A recipe key or value that does not fit the schema."""
@@ -150,7 +152,7 @@ class HeadsSpec:
         if self.version not in (1, 3):
             raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
         ids = self.aux_layer_ids
-        if ids is not None and list(ids) != sorted(ids):
+        if ids is not None and not in_engine_order(ids, distinct=False):  # the base's size decides
             raise RecipeError(
                 f"'heads.aux_layer_ids' {list(ids)}: give them in ascending order, e.g. "
                 "[2, 15, 27]: vLLM and SGLang collect the base's states in layer order and "

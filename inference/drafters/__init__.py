@@ -27,13 +27,14 @@ GENERATE_ARGS = (
 )
 
 
-def check_options(drafter_class: type, options: dict, skip: int) -> None:
-    """A clear error for options the drafter does not take (its constructor's parameters after
-    the first `skip`), naming those it takes, and generate()'s arguments where one was meant."""
-    params = list(inspect.signature(drafter_class.__init__).parameters)[1 + skip :]
+def build(drafter_class: type, *args, **options) -> Drafter:
+    """`drafter_class(*args, **options)`, with a clear error for options it does not take (its
+    constructor's parameters after `args`), naming those it takes, and generate()'s arguments
+    where one was meant."""
+    params = list(inspect.signature(drafter_class.__init__).parameters)[1 + len(args) :]
     unknown = sorted(set(options) - set(params))
     if not unknown:
-        return
+        return drafter_class(*args, **options)
     meant = [k for k in unknown if k in GENERATE_ARGS]
     hint = (
         f"; {', '.join(meant)} {'is an argument' if len(meant) == 1 else 'are arguments'} of "
@@ -90,19 +91,15 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
             )
         return heads_or_drafter
     if heads_or_drafter is None:
-        check_options(NgramDrafter, options, 0)
-        return NgramDrafter(**options)
+        return build(NgramDrafter, **options)
     if isinstance(heads_or_drafter, MedusaHeads):
-        check_options(MedusaDrafter, options, 1)
-        return MedusaDrafter(heads_or_drafter, **options)
+        return build(MedusaDrafter, heads_or_drafter, **options)
     if isinstance(heads_or_drafter, EagleDraft):
-        check_options(EagleDrafter, options, 2)
-        return EagleDrafter(heads_or_drafter, base, **options)
+        return build(EagleDrafter, heads_or_drafter, base, **options)
     if isinstance(heads_or_drafter, PreTrainedModel):
         if heads_or_drafter.config.vocab_size != base.config.vocab_size:
             raise ValueError("a draft model must share the base's tokenizer (vocab sizes differ)")
-        check_options(ModelDrafter, options, 1)
-        return ModelDrafter(heads_or_drafter, **options)
+        return build(ModelDrafter, heads_or_drafter, **options)
     if isinstance(heads_or_drafter, (str, os.PathLike)):
         raise TypeError(
             f"got the path {str(heads_or_drafter)!r}: load the heads first, "
