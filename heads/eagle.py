@@ -324,6 +324,49 @@ class EagleDraft(PretrainedHeads):
                 if module.bias is not None:
                     nn.init.zeros_(module.bias)
 
+    @torch.no_grad()
+    def init_from_base(self, base: nn.Module, layer: int | None = None) -> list[str]:
+        """EAGLE-3: start from the base's top layers instead of at random. The fc passes the
+        highest fused state through; the midlayer is a copy of base decoder `layer` (default: the
+        last, whose output the norm and lm_head read) reading it, the half of q/k/v that reads the token embedding
+        (and its norm) staying as built; the final norm and lm_head are the base's (its rows of the draft
+        vocabulary: call `set_vocab_map` first). EAGLE-1 layers are left as built.
+
+        Tensors the base's layer lacks, or holds in another shape, stay random: their names are
+        returned (none for Llama-like bases)."""
+        if self.config.version != 3:
+            return []
+        decoder = base.get_decoder()
+        H = self.config.hidden_size
+        source = decoder.layers[-1 if layer is None else layer]
+        theirs = source.state_dict()
+        theirs["hidden_norm.weight"] = theirs.pop("input_layernorm.weight", None)
+        left = []
+        for name, ours in self.midlayer.state_dict(keep_vars=True).items():
+            if name.startswith("input_layernorm"):  # the token embedding's: stays as built
+                continue
+            tensor = theirs.get(name)
+            if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+                ours = ours[:, H:]  # the half that reads the fused state
+            if tensor is None or tensor.shape != ours.shape:
+                left.append(f"midlayer.{name}")
+            else:
+                ours.copy_(tensor)
+        if self.config.target_hidden_size == H:
+            self.fc.weight.zero_()
+            self.fc.weight[:, 2 * H :].copy_(torch.eye(H))
+        else:
+            left.append("fc.weight")
+        norm = decoder.norm.state_dict().get("weight")
+        if norm is not None and norm.shape == self.norm.weight.shape:
+            self.norm.weight.copy_(norm)
+        else:
+            left.append("norm.weight")
+        weight = base.get_output_embeddings().weight
+        ids = self.to_base_ids(torch.arange(len(self.d2t), device=self.d2t.device))
+        self.lm_head.weight.copy_(weight[ids.to(weight.device)])
+        return left
+
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for step-wise drafting."""
         return DynamicCache(config=self.llama_config)

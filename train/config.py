@@ -140,6 +140,7 @@ class HeadsSpec:
     draft_vocab_size: int | None = None  # EAGLE-3 reduced vocabulary; None: min(32000, V)
     aux_layer_ids: list[int] | None = None  # None: states entering layers 2, L//2, L-3
     ttt_steps: int = 7  # EAGLE-3 training-time test unroll
+    init_from_base: bool = True  # EAGLE-3: start from the base's top layer, norm, lm_head
     feature_loss_weight: float = 1.0  # EAGLE-1 SmoothL1 on the next feature
     token_loss_weight: float = 0.1  # EAGLE-1 soft CE on the next token
     feature_noise: float = 0.2  # EAGLE-1 uniform noise U(-a/2, a/2) on the input features

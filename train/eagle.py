@@ -40,6 +40,7 @@ from train.run import (
     epoch_batches,
     evaluate,
     find_resume,
+    gather_for_reading,
     load_frozen_base,
     make_accelerator,
     make_optimizer,
@@ -201,7 +202,7 @@ class EagleTrainee(Trainee):
         return loss, metrics
 
 
-def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
+def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
     spec = recipe.heads
     with stop_on_bad_input():  # aux layers out of order
         cfg = EagleConfig.from_base(
@@ -212,17 +213,30 @@ def build_draft(recipe: Recipe, base, train_ds) -> EagleDraft:
         )
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
-        tensors, where = read_init_heads(recipe, cfg, base)
+        with accelerator.main_process_first():  # the first process downloads
+            tensors, where = read_init_heads(recipe, cfg, base)
         with stop_on_bad_input():
             load_state_checked(draft, tensors, where)
             if spec.version == 3:
                 check_vocab_map(draft.d2t, draft.t2d)
-    elif spec.version == 3:  # built once from the data, saved before step 1, reused on resume
-        with stop_on_bad_input():
+        return draft.to(base.device)
+    if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
+        with accelerator.main_process_first(), stop_on_bad_input():
             vocab = draft_vocabulary(
                 recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size
             )
         draft.set_vocab_map(vocab)
+    if spec.version == 3 and spec.init_from_base:
+        decoder = base.get_decoder()
+        read = [decoder.layers[-1], decoder.norm, base.get_output_embeddings()]
+        # every process at once: under ZeRO-3 gathering the base's shards is a collective
+        with gather_for_reading(*(p for module in read for p in module.parameters())):
+            left = draft.init_from_base(base)
+        if left:
+            accelerator.print(
+                f"heads.init_from_base: the base's last layer has no "
+                f"{', '.join(left)} of the draft's shape; they start at random"
+            )
     return draft.to(base.device)
 
 
@@ -237,8 +251,7 @@ def training_function(recipe: Recipe) -> dict:
     if spec.version == 3:
         aux_ids = spec.aux_layer_ids or EagleConfig.from_base(base.config).aux_layer_ids
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator, aux_ids)
-    with accelerator.main_process_first():
-        draft = build_draft(recipe, base, train_ds)
+    draft = build_draft(recipe, base, train_ds, accelerator)
     model = EagleTrainee(base, draft, recipe)
     assert_trainable(model, draft.num_trainable_parameters(), accelerator)
     per_epoch, total = count_steps(len(train_ds), recipe, accelerator)

@@ -99,3 +99,46 @@ def test_vocab_map_roundtrip_and_errors(tiny_llama):
     t2d[50] = True
     with pytest.raises(ValueError, match="t2d"):
         check_vocab_map(draft.d2t, t2d)
+
+
+@pytest.mark.parametrize(("aux", "layer"), [([0, 1, 1], None), ([0, 0, 0], 0)])
+def test_init_from_base_starts_as_a_base_layer_reading_the_fused_state(aux, layer):
+    # The fc passes the highest fused state (entering layer k) through; the midlayer copies
+    # base layer `layer` (default the last): with the token embedding's half of q/k/v zeroed
+    # and layer k, it returns the state entering layer k+1, and after the last layer (through
+    # the copied norm and lm_head) the base's logits on the draft vocabulary.
+    base = make_tiny_llama(seed=3, attention_bias=True, mlp_bias=True)
+    draft = EagleDraft(
+        EagleConfig.from_base(base.config, version=3, draft_vocab_size=32, aux_layer_ids=aux)
+    ).eval()
+    ids = torch.tensor([[5, 9, 2, 77, 130, 31, 8]])
+    draft.set_vocab_map(torch.arange(0, 256, 8))
+    assert draft.init_from_base(base, layer) == []
+    for name in ("q_proj", "k_proj", "v_proj"):
+        getattr(draft.midlayer.self_attn, name).weight[:, :64].data.zero_()
+    with torch.no_grad():
+        out = base(ids, output_hidden_states=True)
+        states = out.hidden_states
+        fused = draft.fuse(torch.cat([states[i] for i in aux], dim=-1))
+        mid = draft(base.model.embed_tokens(ids), fused, torch.arange(7)[None])
+        logits = draft.compute_logits(mid)
+    torch.testing.assert_close(fused, states[aux[-1]])
+    if layer is None:  # the last layer: hidden_states' last entry is after the final norm
+        torch.testing.assert_close(logits, out.logits[..., ::8], atol=1e-5, rtol=1e-4)
+    else:
+        torch.testing.assert_close(mid, states[layer + 1], atol=1e-5, rtol=1e-4)
+
+
+def test_init_from_base_names_what_the_base_layer_lacks():
+    base = make_tiny_llama(seed=3)
+    config = EagleConfig.from_base(base.config, version=3, draft_vocab_size=32)
+    config.mlp_bias = True  # a draft with biases the base has not
+    draft = EagleDraft(config)
+    draft.set_vocab_map(torch.arange(32))
+    left = draft.init_from_base(base)
+    assert left == [f"midlayer.mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+    torch.testing.assert_close(draft.lm_head.weight, base.lm_head.weight[:32])
+    v1 = EagleDraft(EagleConfig.from_base(base.config, version=1))
+    before = {k: v.clone() for k, v in v1.state_dict().items()}
+    assert v1.init_from_base(base) == []  # EAGLE-1 stays as built
+    assert all(torch.equal(before[k], v) for k, v in v1.state_dict().items())

@@ -182,6 +182,28 @@ def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
     assert last["eval/walk_tau"] <= 4.0  # 3 TTT steps and the bonus token
 
 
+@pytest.mark.parametrize("from_base", [True, False])
+def test_eagle3_draft_starts_from_the_base_unless_the_recipe_says_not(
+    tiny_task, tmp_path, from_base
+):
+    from types import SimpleNamespace
+
+    from accelerate import Accelerator
+
+    base = load_tiny_base(tiny_task)
+    recipe = load_recipe(
+        TINY_EAGLE, [*tiny_task.overrides(tmp_path), f"heads.init_from_base={from_base}"]
+    )
+    answers = SimpleNamespace(examples=[{"input_ids": list(range(400)), "loss_mask": [1] * 400}])
+    draft = train.eagle.build_draft(recipe, base, answers, Accelerator(cpu=True))
+    kept = draft.to_base_ids(torch.arange(256))
+    starts_as_base = torch.equal(draft.lm_head.weight, base.lm_head.weight[kept])
+    mlp = draft.midlayer.mlp.down_proj.weight
+    assert (
+        starts_as_base == torch.equal(mlp, base.model.layers[-1].mlp.down_proj.weight) == from_base
+    )
+
+
 @pytest.mark.slow
 def test_eagle1_run(tiny_task, tmp_path, capsys):
     out = tmp_path / "out"
