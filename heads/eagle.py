@@ -327,13 +327,14 @@ class EagleDraft(PretrainedHeads):
     @torch.no_grad()
     def init_from_base(self, base: nn.Module, layer: int | None = None) -> list[str]:
         """EAGLE-3: start from the base's top layers instead of at random. The fc passes the
-        highest fused state through; the midlayer is a copy of base decoder `layer` (default: the
-        last, whose output the norm and lm_head read) reading it, the half of q/k/v that reads the token embedding
-        (and its norm) staying as built; the final norm and lm_head are the base's (its rows of the draft
-        vocabulary: call `set_vocab_map` first). EAGLE-1 layers are left as built.
+        highest fused state through; the midlayer is a copy of base decoder `layer` (default:
+        the last, whose output the norm and lm_head read) reading it, the half of q/k/v that
+        reads the token embedding (and its norm) staying as built; the final norm and lm_head
+        are the base's (its rows of the draft vocabulary: call `set_vocab_map` first). EAGLE-1
+        layers are left as built.
 
-        Tensors the base's layer lacks, or holds in another shape, stay random: their names are
-        returned (none for Llama-like bases)."""
+        Returns the names of the tensors left as built because the base has none of their
+        shape (none for Llama-like bases)."""
         if self.config.version != 3:
             return []
         decoder = base.get_decoder()

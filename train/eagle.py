@@ -234,8 +234,8 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
             left = draft.init_from_base(base)
         if left:
             accelerator.print(
-                f"heads.init_from_base: the base's last layer has no "
-                f"{', '.join(left)} of the draft's shape; they start at random"
+                f"heads.init_from_base: the base has no tensor of the shape of the draft's "
+                f"{', '.join(left)}; they start at random"
             )
     return draft.to(base.device)
 
