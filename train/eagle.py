@@ -226,17 +226,17 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
                 recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size
             )
         draft.set_vocab_map(vocab)
-    if spec.version == 3 and spec.init_from_base:
-        decoder = base.get_decoder()
-        read = [decoder.layers[-1], decoder.norm, base.get_output_embeddings()]
-        # every process at once: under ZeRO-3 gathering the base's shards is a collective
-        with gather_for_reading(*(p for module in read for p in module.parameters())):
-            left = draft.init_from_base(base)
-        if left:
-            accelerator.print(
-                f"heads.init_from_base: the base has no tensor of the shape of the draft's "
-                f"{', '.join(left)}; they start at random"
-            )
+        if spec.init_from_base:
+            decoder = base.get_decoder()
+            read = [decoder.layers[-1], decoder.norm, base.get_output_embeddings()]
+            # every process at once: under ZeRO-3 gathering the base's shards is a collective
+            with gather_for_reading(*(p for module in read for p in module.parameters())):
+                left = draft.init_from_base(base)
+            if left:
+                accelerator.print(
+                    f"heads.init_from_base: the base has no tensor of the shape of the draft's "
+                    f"{', '.join(left)}; they start at random"
+                )
     return draft.to(base.device)
 
 
