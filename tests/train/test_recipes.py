@@ -15,10 +15,12 @@ import math
 import re
 import socket
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 import yaml
+from accelerate import Accelerator
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
@@ -186,10 +188,6 @@ def test_eagle3_run_writes_the_draft_and_learns(eagle3_run, tiny_task):
 def test_eagle3_draft_starts_from_the_base_unless_the_recipe_says_not(
     tiny_task, tmp_path, from_base
 ):
-    from types import SimpleNamespace
-
-    from accelerate import Accelerator
-
     base = load_tiny_base(tiny_task)
     recipe = load_recipe(
         TINY_EAGLE, [*tiny_task.overrides(tmp_path), f"heads.init_from_base={from_base}"]
