@@ -13,7 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-HEADSTART_FORMAT = 1
+# 2 (2026-12-03): EAGLE-3's eagle_config.eagle_aux_hidden_state_layer_ids in SGLang's meaning (the
+# output of layer i), the top-level key in vLLM's (the state entering layer i); format 1 wrote
+# both in vLLM's. EAGLE-1 no longer writes "bias" (the engines read it as an attention bias).
+HEADSTART_FORMAT = 2
 
 
 _SIMPLE = {
@@ -93,7 +96,8 @@ class HeadsConfig:
                 )
 
     def to_dict(self) -> dict[str, Any]:
-        return dataclasses.asdict(self)
+        # the format written now, whatever the folder read was written in
+        return {**dataclasses.asdict(self), "headstart_format": HEADSTART_FORMAT}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):

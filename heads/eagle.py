@@ -36,6 +36,32 @@ from heads.checkpoint import PretrainedHeads
 from heads.config import HEADSTART_FORMAT, HeadsConfig, renamed_keys
 
 
+def engine_aux_ids(aux_layer_ids) -> dict[str, Any]:
+    """The config.json keys of EAGLE-3 aux layer ids (headstart's meaning: the state entering
+    layer i, transformers' hidden_states[i]) as each engine reads them: vLLM the top-level key in
+    that meaning; SGLang (which captures before layer i + 1) and SpecForge `eagle_config`'s, as
+    the output of layer i: i - 1 there (-1: the embeddings, which SGLang cannot capture)."""
+    ids = [int(i) for i in aux_layer_ids]
+    return {
+        "eagle_aux_hidden_state_layer_ids": ids,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in ids]},
+    }
+
+
+def read_aux_ids(data: dict[str, Any]) -> list[int] | None:
+    """EAGLE-3 aux layer ids of a config.json in headstart's meaning (`engine_aux_ids`): the
+    top-level key as it is; else `eagle_config`'s plus one (SGLang's and SpecForge's meaning),
+    except in headstart folders of format 1, which wrote it in headstart's. None: neither."""
+    top = data.get("eagle_aux_hidden_state_layer_ids")
+    if top:
+        return [int(i) for i in top]
+    nested = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if not nested:
+        return None
+    shift = 0 if data.get("headstart_format", HEADSTART_FORMAT) < 2 else 1
+    return [int(i) + shift for i in nested]
+
+
 def in_engine_order(aux_layer_ids, distinct: bool = True) -> bool:
     """Whether EAGLE-3 aux layer ids are as vLLM and SGLang collect the base's states: in layer
     order, and (`distinct`) each layer once; headstart fuses them as listed."""
@@ -190,23 +216,21 @@ class EagleConfig(HeadsConfig):
             "bos_token_id": self.bos_token_id,
             "eos_token_id": self.eos_token_id,
         }
-        if self.version == 1 and self.fc_bias:
-            d["bias"] = True
+        # An EAGLE-1 fc bias is not named: vLLM's and SGLang's Llama layers read a "bias" key
+        # as an attention bias (and would build q/k/v/o biases the file lacks); the loader
+        # takes it from the tensors.
         if self.version == 3:
             d["draft_vocab_size"] = self.draft_vocab_size
             d["target_hidden_size"] = self.target_hidden_size
-            d["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids)}
-            # also at the top level, where some vLLM versions read them (and the default
-            # layers would come, silently, if they were missing)
-            d["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+            d.update(engine_aux_ids(self.aux_layer_ids))
         for key in (
             "base_model_name_or_path",
             "base_hidden_size",
             "base_vocab_size",
             "base_hidden_layers",
-            "headstart_format",
         ):
             d[key] = getattr(self, key)
+        d["headstart_format"] = HEADSTART_FORMAT  # what is written now, whatever was read
         return d
 
     @classmethod
@@ -218,6 +242,13 @@ class EagleConfig(HeadsConfig):
         data = renamed_keys(data)
         is_v3 = any("Eagle3" in a for a in data.get("architectures") or [])
         data["version"] = 3 if is_v3 else 1
+        # variants some trainers write (and some engines build) that this layer does not compute
+        variants = [k for k in ("norm_before_residual", "norm_before_fc") if data.get(k)]
+        if variants:
+            raise ValueError(
+                f"this EAGLE draft sets {', '.join(variants)}: a variant headstart does not "
+                "build; loaded as the plain layer it would draft wrongly"
+            )
         if "rope_parameters" not in data:
             rope = dict(data.get("rope_scaling") or {"rope_type": "default"})
             rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
@@ -225,9 +256,7 @@ class EagleConfig(HeadsConfig):
         if "head_dim" not in data or data["head_dim"] is None:
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if is_v3:
-            data["aux_layer_ids"] = (data.get("eagle_config") or {}).get(
-                "eagle_aux_hidden_state_layer_ids", data.get("eagle_aux_hidden_state_layer_ids")
-            )
+            data["aux_layer_ids"] = read_aux_ids(data)
             data.setdefault("target_hidden_size", data["hidden_size"])
             # no reduced vocabulary named: the engines draft over the whole one
             if data.get("draft_vocab_size") is None:

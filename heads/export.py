@@ -1,11 +1,12 @@
 """Writing heads in other engines' layouts.
 
-vLLM reads headstart's native folders as they are (README, Export), so exporting to it writes the loaded
-heads in that layout (a checked copy of a native folder); SGLang too, except that it counts EAGLE-3 aux layer ids one lower (the output of layer i
-rather than the state entering it), and wants EAGLE-1 under its own architecture name with an fc
-bias, which the export rewrites. TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
-`{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head), plus
-a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
+vLLM and SGLang read headstart's native EAGLE-3 folders as they are (README, Export; the aux
+layer ids are written in each engine's meaning), and vLLM its Medusa and EAGLE-1 folders, so
+exporting to them writes the loaded heads in that layout (a checked copy of a native folder);
+SGLang wants EAGLE-1 under its own architecture name with an fc bias, which the export rewrites.
+TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
+`{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head),
+plus a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
 refused with the reason, never silently dropped.
 """
 
@@ -73,6 +74,11 @@ def export_heads(
                     "order, each layer once, so their fc would read them in another order (or "
                     "fewer of them): train the draft with ascending, distinct heads.aux_layer_ids"
                 )
+            if target == "sglang" and min(ids) < 1:
+                raise ExportError(
+                    f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0, the "
+                    "state entering layer 0): serve them with vLLM"
+                )
         if target == "sglang" and heads.config.version == 3 and biased:
             raise ExportError(
                 f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "
@@ -84,9 +90,8 @@ def export_heads(
         heads.save_pretrained(out, dtype=_stored_dtype(Path(src)))
         if (Path(src) / "README.md").is_file():  # the source's own model card
             shutil.copy2(Path(src) / "README.md", out / "README.md")
-        if target == "sglang" and heads.config.version == 3:
-            _sglang_aux_ids(out / CONFIG_NAME)
-        elif target == "sglang":
+        # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
+        if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)
         return out
     if not is_medusa:
@@ -96,18 +101,6 @@ def export_heads(
         )
     _write_medusa_lm_head(heads, target, out, base_name)
     return out
-
-
-def _sglang_aux_ids(config_path: Path) -> None:
-    """SGLang reads aux id i as the *output* of layer i (it captures before layer i + 1), where
-    headstart and vLLM mean the state *entering* layer i: write i - 1 for SGLang."""
-    config = json.loads(config_path.read_text())
-    ids = config["eagle_config"]["eagle_aux_hidden_state_layer_ids"]
-    if min(ids) < 1:
-        raise ExportError(f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0)")
-    config["eagle_config"]["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]
-    config["eagle_aux_hidden_state_layer_ids"] = [i - 1 for i in ids]  # the top-level copy
-    config_path.write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 def _stored_dtype(folder: Path) -> torch.dtype | None:

@@ -20,11 +20,8 @@ def _usage(config) -> tuple[str, str, str, str]:
             "EAGLE-3 draft layer",
             "eagle3",
             '"num_speculative_tokens": 5',
-            "# SGLang counts EAGLE-3's aux layer ids one lower than vLLM: rewrite them first\n"
-            'python -c "from heads.export import export_heads; '
-            "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
             f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE3 "
-            "--speculative-draft-model-path draft-sglang --speculative-num-steps 5 "
+            "--speculative-draft-model-path REPO --speculative-num-steps 5 "
             "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
         )
     return (

@@ -69,7 +69,7 @@ def test_medusa_layout_is_vllm(tiny_llama, tmp_path):
         "base_hidden_size": 64,
         "base_vocab_size": 256,
         "base_hidden_layers": 2,
-        "headstart_format": 1,
+        "headstart_format": 2,
         "base_model_name_or_path": "tiny-llama-0",
     }.items():
         assert cfg[key] == value, key
@@ -111,8 +111,11 @@ def test_eagle3_layout_is_engines(tiny_llama, tmp_path):
         and cfg["draft_vocab_size"] == 32
         and cfg["target_hidden_size"] == 64
     )
-    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
-    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]  # where some vLLM versions look
+    # vLLM reads the top-level ids as the state entering layer i (headstart's meaning); SGLang
+    # and SpecForge read eagle_config's as the output of layer i: one lower (-1: the embeddings)
+    assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, -1]
+    assert cfg["headstart_format"] == 2
     t = load_file(tmp_path / "model.safetensors")
     assert t["fc.weight"].shape == (64, 192)
     assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 128
@@ -298,10 +301,46 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
     card = uploads["files"]["README.md"].decode()
     assert "base_model: tiny-llama-0" in card and "EAGLE-3" in card
     assert '"model": "me/tiny-eagle3"' in card  # vLLM reads the repo as is
-    # SGLang counts aux layer ids one lower: the card exports first, then serves the export
-    assert "export_heads('me/tiny-eagle3', 'sglang', 'draft-sglang')" in card
-    assert "--speculative-draft-model-path draft-sglang" in card
+    # the config names the aux layers in SGLang's meaning too: it serves the repo as is
+    assert "--speculative-draft-model-path me/tiny-eagle3" in card and "export_heads" not in card
     assert 'return_dict=True)["input_ids"]' in card  # transformers 5's apply_chat_template
+
+
+def test_aux_layer_ids_are_read_in_the_meaning_of_whoever_wrote_them(tmp_path):
+    """headstart's and vLLM's id i (the state entering layer i) is SGLang's and SpecForge's
+    i - 1 (the output of layer i - 1). A config naming them only in eagle_config, as SpecForge
+    writes it, loads one higher; one of headstart format 1, which wrote vLLM's meaning there
+    too, as it is; the top-level key, vLLM's, always as it is."""
+    deeper = make_tiny_llama(num_hidden_layers=8)
+    _eagle(deeper, 3).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert load_heads(tmp_path).config.aux_layer_ids == [2, 4, 5]
+    top = cfg.pop("eagle_aux_hidden_state_layer_ids")
+    assert (top, cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"]) == ([2, 4, 5], [1, 3, 4])
+    specforge = {k: v for k, v in cfg.items() if k != "headstart_format"}
+    format1 = {
+        **cfg,
+        "headstart_format": 1,
+        "eagle_config": {"eagle_aux_hidden_state_layer_ids": top},
+    }
+    vllm_only = {**specforge, "eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
+    for written, expected in ((specforge, [2, 4, 5]), (format1, [2, 4, 5]), (vllm_only, [1, 3, 4])):
+        (tmp_path / "config.json").write_text(json.dumps(written))
+        assert load_heads(tmp_path, base=deeper).config.aux_layer_ids == expected, written
+        resaved = tmp_path / "resaved"
+        load_heads(tmp_path, base=deeper).save_pretrained(resaved)  # written in format 2
+        again = json.loads((resaved / "config.json").read_text())
+        assert again["headstart_format"] == 2
+        assert again["eagle_aux_hidden_state_layer_ids"] == expected
+        assert again["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
+            i - 1 for i in expected
+        ]
+    (tmp_path / "config.json").write_text(json.dumps({**specforge, "norm_before_residual": True}))
+    with pytest.raises(ValueError, match="norm_before_residual: a variant headstart does not"):
+        load_heads(tmp_path, base=deeper)  # as some converters write it: refused, not misread
+    (tmp_path / "config.json").write_text(json.dumps({**cfg, "headstart_format": 3}))
+    with pytest.raises(ValueError, match="newer headstart.*upgrade"):
+        load_heads(tmp_path)
 
 
 def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path):
@@ -373,7 +412,8 @@ def test_third_party_eagle3_over_the_whole_vocabulary_needs_no_vocab_map(tiny_ll
 def test_the_eagle_reference_eagle1_layout_with_an_fc_bias_loads(tiny_llama, tmp_path):
     """EAGLE's reference trains EAGLE-1 with an fc bias and may save the base's embeddings and
     the rope frequencies; its config need not say so. load_heads keeps the bias (the draft is
-    wrong without it), leaves the rest, and writes `"bias": true` when saving it again."""
+    wrong without it), leaves the rest, and saves it again with the bias in the tensors only
+    (the engines read a config's "bias" as an attention bias)."""
     draft = _eagle(tiny_llama, 1)
     draft.save_pretrained(tmp_path / "ours")
     tensors = load_file(tmp_path / "ours" / "model.safetensors")
@@ -401,6 +441,11 @@ def test_the_eagle_reference_eagle1_layout_with_an_fc_bias_loads(tiny_llama, tmp
         load_file(tmp_path / "s" / "model.safetensors")["fc.bias"], tensors["fc.bias"]
     )
     loaded.save_pretrained(tmp_path / "again")
-    assert json.loads((tmp_path / "again" / "config.json").read_text())["bias"] is True
+    assert "bias" not in json.loads((tmp_path / "again" / "config.json").read_text())
+    assert "fc.bias" in load_file(tmp_path / "again" / "model.safetensors")
+    # folders written before 2026-12-03 named it "bias": true; read as the tensors say
+    legacy = json.loads((tmp_path / "again" / "config.json").read_text())
+    (tmp_path / "again" / "config.json").write_text(json.dumps({**legacy, "bias": True}))
+    assert load_heads(tmp_path / "again", base=tiny_llama).config.fc_bias
     again = load_heads(tmp_path / "again", base=tiny_llama)
     torch.testing.assert_close(again(emb, hidden, pos), loaded(emb, hidden, pos), rtol=0, atol=0)

@@ -117,7 +117,7 @@ def test_cli(medusa_dir, tmp_path):
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
 
-def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
+def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
     from tests.conftest import make_tiny_llama
 
     base = make_tiny_llama(num_hidden_layers=8)
@@ -125,19 +125,24 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     draft.set_vocab_map(torch.arange(0, 256, 8))
     draft.save_pretrained(tmp_path / "e3")
     export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
-    native = json.loads((tmp_path / "e3/config.json").read_text())["eagle_config"]
-    sglang = json.loads((tmp_path / "s/config.json").read_text())["eagle_config"]
-    # headstart / vLLM: the state entering layers 2, 4, 5; SGLang adds 1 to what it reads.
+    native = json.loads((tmp_path / "e3/config.json").read_text())
+    sglang = json.loads((tmp_path / "s/config.json").read_text())
+    # headstart / vLLM: the state entering layers 2, 4, 5 (vLLM reads the top-level key); SGLang
+    # reads eagle_config's and captures before layer id + 1: 1, 3, 4 there
     assert native["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
-    assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    # the top-level copy (read by some vLLM versions) says the same in each
-    top = json.loads((tmp_path / "e3/config.json").read_text())["eagle_aux_hidden_state_layer_ids"]
-    assert top == [2, 4, 5]
-    assert json.loads((tmp_path / "s/config.json").read_text())[
-        "eagle_aux_hidden_state_layer_ids"
-    ] == [1, 3, 4]
+    assert native["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert sglang == native
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")
-    assert json.loads((tmp_path / "v/config.json").read_text())["eagle_config"] == native
+    assert json.loads((tmp_path / "v/config.json").read_text()) == native
+    # the embeddings (id 0) are refused before anything is written
+    low = EagleDraft(
+        EagleConfig.from_base(base.config, version=3, draft_vocab_size=32, aux_layer_ids=[0, 4, 5])
+    )
+    low.set_vocab_map(torch.arange(0, 256, 8))
+    low.save_pretrained(tmp_path / "low")
+    with pytest.raises(ExportError, match="cannot capture the embeddings"):
+        export_heads(tmp_path / "low", "sglang", tmp_path / "low-s")
+    assert not (tmp_path / "low-s").exists()
     # a Hub repo id (what the model card's SGLang lines export) is downloaded first
     import huggingface_hub
 
@@ -149,7 +154,7 @@ def test_sglang_eagle3_aux_ids_count_one_lower(tmp_path, monkeypatch):
     )
     export_heads("me/tiny-eagle3", "sglang", tmp_path / "hub-s")
     assert fetched == ["me/tiny-eagle3"]
-    assert json.loads((tmp_path / "hub-s/config.json").read_text())["eagle_config"] == sglang
+    assert json.loads((tmp_path / "hub-s/config.json").read_text()) == sglang
 
 
 @pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
@@ -302,4 +307,4 @@ def test_vllm_and_sglang_exports_write_the_native_layout_of_any_loadable_folder(
     export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
     sglang = json.loads((tmp_path / "s" / "config.json").read_text())
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
-    assert sglang["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
+    assert sglang["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
