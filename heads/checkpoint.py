@@ -215,6 +215,8 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
             f"{folder}/{CONFIG_NAME} is neither Medusa heads (model_type 'medusa') nor an EAGLE "
             f"draft layer (a 1-layer llama config); got model_type={raw.get('model_type')!r}"
         )
+    if config is not None:
+        config.validate()  # a newer format is refused before its keys are read another way
     tensors = read_tensors(folder)
     if reference:
         return read_medusa_lm_head(raw, tensors, str(folder))

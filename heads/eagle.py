@@ -58,8 +58,40 @@ def read_aux_ids(data: dict[str, Any]) -> list[int] | None:
     nested = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     if not nested:
         return None
-    shift = 0 if data.get("headstart_format", HEADSTART_FORMAT) < 2 else 1
+    written_in = data.get("headstart_format", HEADSTART_FORMAT)  # from_dict checks its type
+    shift = 0 if isinstance(written_in, int) and written_in < 2 else 1
     return [int(i) + shift for i in nested]
+
+
+def engine_refusal(config: EagleConfig, engine: str) -> str | None:
+    """Why `engine` ("vllm" or "sglang") would not compute this draft as headstart does, or None
+    when it would (the export refuses, the model card says so)."""
+    if config.version == 1:
+        if engine == "vllm" and config.fc_bias:
+            return (
+                "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
+                "trains one): serve it with SGLang (--to sglang) or headstart"
+            )
+        return None
+    ids = list(config.aux_layer_ids)
+    if not in_engine_order(ids):
+        return (
+            f"aux layer ids {ids}: vLLM and SGLang collect the base's states in layer order, "
+            "each layer once, so their fc would read them in another order (or fewer of them): "
+            "train the draft with ascending, distinct heads.aux_layer_ids"
+        )
+    biased = [name for name in ("attention_bias", "mlp_bias") if getattr(config, name)]
+    if engine == "sglang" and biased:
+        return (
+            f"SGLang's EAGLE-3 layer has no attention or MLP biases, and this draft has "
+            f"{' and '.join(biased)} (from its base): serve it with vLLM"
+        )
+    if engine == "sglang" and min(ids) < 1:
+        return (
+            f"aux layer ids {ids}: SGLang does not capture the embeddings (id 0, the state "
+            "entering layer 0): serve the draft with vLLM"
+        )
+    return None
 
 
 def in_engine_order(aux_layer_ids, distinct: bool = True) -> bool:

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
-from heads.eagle import in_engine_order
+from heads.eagle import engine_refusal
 from heads.medusa import MedusaHeads
 
 TARGETS = ("vllm", "sglang", "tgi", "trtllm")
@@ -56,34 +56,9 @@ def export_heads(
             raise ExportError(
                 "SGLang has no Medusa support; export Medusa heads to vllm, tgi or trtllm"
             )
-        biased = [
-            name
-            for name in ("attention_bias", "mlp_bias")
-            if not is_medusa and getattr(heads.config, name, False)
-        ]
-        if target == "vllm" and not is_medusa and heads.config.fc_bias:
-            raise ExportError(
-                "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
-                "trains one): serve it with SGLang (--to sglang) or headstart"
-            )
-        if not is_medusa and heads.config.version == 3:
-            ids = list(heads.config.aux_layer_ids)
-            if not in_engine_order(ids):
-                raise ExportError(
-                    f"aux layer ids {ids}: vLLM and SGLang collect the base's states in layer "
-                    "order, each layer once, so their fc would read them in another order (or "
-                    "fewer of them): train the draft with ascending, distinct heads.aux_layer_ids"
-                )
-            if target == "sglang" and min(ids) < 1:
-                raise ExportError(
-                    f"aux layer ids {ids}: SGLang cannot capture the embeddings (id 0, the "
-                    "state entering layer 0): serve them with vLLM"
-                )
-        if target == "sglang" and heads.config.version == 3 and biased:
-            raise ExportError(
-                f"SGLang's EAGLE-3 layer has no attention or MLP biases, and these heads have "
-                f"{' and '.join(biased)} (from their base): serve them with vLLM"
-            )
+        reason = None if is_medusa else engine_refusal(heads.config, target)
+        if reason:
+            raise ExportError(reason)
         # Written from the loaded heads, in the native layout and dtype of the source: a folder
         # of another layout (Medusa's reference, another trainer's EAGLE-3) or written by an
         # earlier headstart comes out as the engines read it.

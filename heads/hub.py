@@ -6,7 +6,10 @@ from pathlib import Path
 
 
 def _usage(config) -> tuple[str, str, str, str]:
-    """(head kind, vLLM method, vLLM extra, SGLang line) for a heads config."""
+    """(head kind, vLLM method, vLLM extra, SGLang line) for a heads config; an engine that would
+    not compute the heads as headstart does gets the reason instead (`engine_refusal`)."""
+    from heads.eagle import engine_refusal
+
     if getattr(config, "model_type", "") == "medusa":
         return (
             f"Medusa heads ({config.num_heads} heads x {config.num_hidden_layers} residual layers)",
@@ -15,32 +18,44 @@ def _usage(config) -> tuple[str, str, str, str]:
             "SGLang does not serve Medusa heads; use vLLM or headstart.",
         )
     base = config.base_model_name_or_path or "BASE"
-    if config.version == 3:
-        return (
-            "EAGLE-3 draft layer",
-            "eagle3",
-            '"num_speculative_tokens": 5',
-            f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE3 "
-            "--speculative-draft-model-path REPO --speculative-num-steps 5 "
-            "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
+    kind, method = ("EAGLE-3", "eagle3") if config.version == 3 else ("EAGLE-1", "eagle")
+    refusal = engine_refusal(config, "sglang")
+    if refusal:
+        sglang = f"# SGLang cannot serve this draft: {refusal}"
+    else:
+        path = "REPO"
+        sglang = ""
+        if config.version == 1:
+            sglang = (
+                "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: "
+                "export first\n"
+                'python -c "from heads.export import export_heads; '
+                "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
+            )
+            path = "draft-sglang"
+        sglang += (
+            f"python -m sglang.launch_server --model {base} --speculative-algorithm "
+            f"{'EAGLE3' if config.version == 3 else 'EAGLE'} --speculative-draft-model-path "
+            f"{path} --speculative-num-steps 5 --speculative-eagle-topk 8 "
+            "--speculative-num-draft-tokens 32"
         )
-    return (
-        "EAGLE-1 draft layer",
-        "eagle",
-        '"num_speculative_tokens": 5',
-        "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: export first\n"
-        'python -c "from heads.export import export_heads; '
-        "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
-        f"python -m sglang.launch_server --model {base} --speculative-algorithm EAGLE "
-        "--speculative-draft-model-path draft-sglang --speculative-num-steps 5 "
-        "--speculative-eagle-topk 8 --speculative-num-draft-tokens 32",
-    )
+    return f"{kind} draft layer", method, '"num_speculative_tokens": 5', sglang
 
 
 def model_card(config, repo_id: str = "REPO") -> str:
     """A README.md for a heads folder: base model, head type, and how to use it."""
+    from heads.eagle import engine_refusal
+
     kind, method, extra, sglang = _usage(config)
     base = config.base_model_name_or_path or "BASE"
+    refusal = None if method == "medusa" else engine_refusal(config, "vllm")
+    vllm = (
+        f"# vLLM cannot serve these heads: {refusal}"
+        if refusal
+        else "from vllm import LLM\n"
+        f'llm = LLM(model="{base}",\n'
+        f'          speculative_config={{"method": "{method}", "model": "{repo_id}", {extra}}})'
+    )
     tag = "medusa" if method == "medusa" else "eagle"
     return f"""---
 base_model: {base}
@@ -77,9 +92,7 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 ## vLLM
 
 ```python
-from vllm import LLM
-llm = LLM(model="{base}",
-          speculative_config={{"method": "{method}", "model": "{repo_id}", {extra}}})
+{vllm}
 ```
 
 ## SGLang

@@ -6,6 +6,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
+from heads.hub import model_card
 from tests.conftest import make_tiny_llama
 
 
@@ -294,7 +295,7 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
     import huggingface_hub
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
-    heads = _eagle(tiny_llama, 3)
+    heads = _eagle(make_tiny_llama(num_hidden_layers=8), 3)  # aux layers 2, 4, 5
     assert heads.push_to_hub("me/tiny-eagle3") == "https://hub/commit/1"
     assert uploads["created"] == "me/tiny-eagle3"
     assert set(uploads["files"]) == {"config.json", "model.safetensors", "README.md"}
@@ -304,6 +305,11 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
     # the config names the aux layers in SGLang's meaning too: it serves the repo as is
     assert "--speculative-draft-model-path me/tiny-eagle3" in card and "export_heads" not in card
     assert 'return_dict=True)["input_ids"]' in card  # transformers 5's apply_chat_template
+    # the 2-layer base's default aux layers repeat one (1, 1, 0): the engines would read fewer
+    repeated = model_card(_eagle(tiny_llama, 3).config, "me/x")
+    assert "# vLLM cannot serve these heads: aux layer ids [1, 1, 0]" in repeated
+    assert "# SGLang cannot serve this draft: aux layer ids [1, 1, 0]" in repeated
+    assert "speculative_config" not in repeated and "launch_server" not in repeated
 
 
 def test_aux_layer_ids_are_read_in_the_meaning_of_whoever_wrote_them(tmp_path):
@@ -324,7 +330,16 @@ def test_aux_layer_ids_are_read_in_the_meaning_of_whoever_wrote_them(tmp_path):
         "eagle_config": {"eagle_aux_hidden_state_layer_ids": top},
     }
     vllm_only = {**specforge, "eagle_config": {}, "eagle_aux_hidden_state_layer_ids": [1, 3, 4]}
-    for written, expected in ((specforge, [2, 4, 5]), (format1, [2, 4, 5]), (vllm_only, [1, 3, 4])):
+    # keys that disagree: the top-level one is what vLLM reads, and wins
+    both = {**specforge, "eagle_aux_hidden_state_layer_ids": [2, 4, 5]}
+    both["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": [0, 1, 2]}
+    cases = [
+        (specforge, [2, 4, 5]),
+        (format1, [2, 4, 5]),
+        (vllm_only, [1, 3, 4]),
+        (both, [2, 4, 5]),
+    ]
+    for written, expected in cases:
         (tmp_path / "config.json").write_text(json.dumps(written))
         assert load_heads(tmp_path, base=deeper).config.aux_layer_ids == expected, written
         resaved = tmp_path / "resaved"
@@ -335,12 +350,17 @@ def test_aux_layer_ids_are_read_in_the_meaning_of_whoever_wrote_them(tmp_path):
         assert again["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
             i - 1 for i in expected
         ]
-    (tmp_path / "config.json").write_text(json.dumps({**specforge, "norm_before_residual": True}))
-    with pytest.raises(ValueError, match="norm_before_residual: a variant headstart does not"):
-        load_heads(tmp_path, base=deeper)  # as some converters write it: refused, not misread
+    for variant in ("norm_before_residual", "norm_before_fc"):  # as some converters write
+        (tmp_path / "config.json").write_text(json.dumps({**specforge, variant: True}))
+        with pytest.raises(ValueError, match=f"{variant}: a variant headstart does not"):
+            load_heads(tmp_path, base=deeper)  # refused, not misread
     (tmp_path / "config.json").write_text(json.dumps({**cfg, "headstart_format": 3}))
     with pytest.raises(ValueError, match="newer headstart.*upgrade"):
         load_heads(tmp_path)
+    from heads.checkpoint import read_heads_folder  # what training.init_heads reads
+
+    with pytest.raises(ValueError, match="newer headstart.*upgrade"):
+        read_heads_folder(tmp_path)
 
 
 def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path):

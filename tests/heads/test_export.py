@@ -140,10 +140,10 @@ def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
     )
     low.set_vocab_map(torch.arange(0, 256, 8))
     low.save_pretrained(tmp_path / "low")
-    with pytest.raises(ExportError, match="cannot capture the embeddings"):
+    with pytest.raises(ExportError, match="SGLang does not capture the embeddings"):
         export_heads(tmp_path / "low", "sglang", tmp_path / "low-s")
     assert not (tmp_path / "low-s").exists()
-    # a Hub repo id (what the model card's SGLang lines export) is downloaded first
+    # a Hub repo id (what the model card's EAGLE-1 SGLang lines export) is downloaded first
     import huggingface_hub
 
     fetched = []
