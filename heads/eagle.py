@@ -17,6 +17,7 @@ so the base's head_dim, GQA, rope_theta / rope_scaling and max positions carry o
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -301,6 +302,15 @@ class EagleConfig(HeadsConfig):
                         "nor its base's layer count: load it with base=... to use the default layers"
                     )
                 data["aux_layer_ids"] = list(default_aux_layer_ids(layers))
+            elif data.get("headstart_format") == 1 and layers:
+                lowered = [i - 1 for i in default_aux_layer_ids(layers)]
+                if data["aux_layer_ids"] == lowered:
+                    warnings.warn(
+                        f"aux layer ids {lowered}: the default layers minus one, as a `--to "
+                        "sglang` export of headstart format 1 wrote them; if this folder is one, "
+                        "load the folder it was exported from (it drafts one layer off)",
+                        stacklevel=2,
+                    )
         else:
             data["draft_vocab_size"] = data["vocab_size"]
             data.pop("aux_layer_ids", None)

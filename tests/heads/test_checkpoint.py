@@ -350,6 +350,11 @@ def test_aux_layer_ids_are_read_in_the_meaning_of_whoever_wrote_them(tmp_path):
         assert again["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [
             i - 1 for i in expected
         ]
+    old_export = {**format1, "eagle_config": {"eagle_aux_hidden_state_layer_ids": [1, 3, 4]}}
+    old_export["eagle_aux_hidden_state_layer_ids"] = [1, 3, 4]  # format 1's sglang export
+    (tmp_path / "config.json").write_text(json.dumps(old_export))
+    with pytest.warns(UserWarning, match="default layers minus one.*format 1"):
+        assert load_heads(tmp_path, base=deeper).config.aux_layer_ids == [1, 3, 4]
     for variant in ("norm_before_residual", "norm_before_fc"):  # as some converters write
         (tmp_path / "config.json").write_text(json.dumps({**specforge, variant: True}))
         with pytest.raises(ValueError, match=f"{variant}: a variant headstart does not"):
