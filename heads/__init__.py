@@ -2,7 +2,8 @@
 
 from heads.base import default_aux_layer_ids, load_base, load_base_config, read_hidden_states
 from heads.checkpoint import load_heads
-from heads.eagle import EagleConfig, EagleDraft
+from heads.eagle import EagleDraft
+from heads.eagle_config import EagleConfig
 from heads.medusa import MedusaConfig, MedusaHeads
 
 __all__ = [

@@ -200,7 +200,7 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
     EAGLE-1 and other trainers' EAGLE-3. What a folder leaves out is completed as the engines
     do (the base's sizes from the heads' own, `base_layers` for EAGLE-3's default aux layers, an
     EAGLE-1 fc bias from the tensors), and tensors the heads do not hold are dropped."""
-    from heads.eagle import EagleConfig
+    from heads.eagle_config import EagleConfig
     from heads.medusa import MedusaConfig, read_medusa_lm_head
 
     raw = read_config(folder)  # the config is checked before the weights are read

@@ -22,7 +22,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
-from heads.eagle import engine_refusal
+from heads.eagle_config import engine_refusal
 from heads.medusa import MedusaHeads
 
 TARGETS = ("vllm", "sglang", "tgi", "trtllm")

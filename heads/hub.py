@@ -8,7 +8,7 @@ from pathlib import Path
 def _usage(config) -> tuple[str, str, str, str]:
     """(head kind, vLLM method, vLLM extra, SGLang line) for a heads config; an engine that would
     not compute the heads as headstart does gets the reason instead (`engine_refusal`)."""
-    from heads.eagle import engine_refusal
+    from heads.eagle_config import engine_refusal
 
     if getattr(config, "model_type", "") == "medusa":
         return (
@@ -44,7 +44,7 @@ def _usage(config) -> tuple[str, str, str, str]:
 
 def model_card(config, repo_id: str = "REPO") -> str:
     """A README.md for a heads folder: base model, head type, and how to use it."""
-    from heads.eagle import engine_refusal
+    from heads.eagle_config import engine_refusal
 
     kind, method, extra, sglang = _usage(config)
     base = config.base_model_name_or_path or "BASE"

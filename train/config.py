@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import yaml
 
-from heads.eagle import in_engine_order
+from heads.eagle_config import in_engine_order
 
 
 class RecipeError(ValueError):
