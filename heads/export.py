@@ -63,8 +63,11 @@ def export_heads(
         # of another layout (Medusa's reference, another trainer's EAGLE-3) or written by an
         # earlier headstart comes out as the engines read it.
         heads.save_pretrained(out, dtype=_stored_dtype(Path(src)))
-        if (Path(src) / "README.md").is_file():  # the source's own model card
-            shutil.copy2(Path(src) / "README.md", out / "README.md")
+        card = Path(src) / "README.md"
+        # a card written by hand is kept; headstart's own is the one just written, which says
+        # how the engines serve these heads now (an older one may not)
+        if card.is_file() and "library_name: headstart" not in card.read_text():
+            shutil.copy2(card, out / "README.md")
         # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
         if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)

@@ -134,6 +134,16 @@ def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
     assert sglang == native
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")
     assert json.loads((tmp_path / "v/config.json").read_text()) == native
+    # headstart's own card is written anew (an older one told SGLang users to export first);
+    # a card written by hand is kept
+    old = "---\nlibrary_name: headstart\n---\n# SGLang counts aux ids one lower: rewrite first\n"
+    (tmp_path / "e3/README.md").write_text(old)
+    export_heads(tmp_path / "e3", "sglang", tmp_path / "s2")
+    card = (tmp_path / "s2/README.md").read_text()
+    assert "rewrite first" not in card and "--speculative-draft-model-path REPO" in card
+    (tmp_path / "e3/README.md").write_text("# My draft\n")
+    export_heads(tmp_path / "e3", "vllm", tmp_path / "v2")
+    assert (tmp_path / "v2/README.md").read_text() == "# My draft\n"
     # the embeddings (id 0) are refused before anything is written
     low = EagleDraft(
         EagleConfig.from_base(base.config, version=3, draft_vocab_size=32, aux_layer_ids=[0, 4, 5])
