@@ -18,7 +18,7 @@ def engine_aux_ids(aux_layer_ids) -> dict[str, Any]:
     """The config.json keys of EAGLE-3 aux layer ids (headstart's meaning: the state entering
     layer i, transformers' hidden_states[i]) as each engine reads them: vLLM the top-level key in
     that meaning; SGLang (which captures before layer i + 1) and SpecForge `eagle_config`'s, as
-    the output of layer i: i - 1 there (-1: the embeddings, which SGLang cannot capture)."""
+    the output of layer i: i - 1 there (-1: the embeddings, which SGLang does not capture)."""
     ids = [int(i) for i in aux_layer_ids]
     return {
         "eagle_aux_hidden_state_layer_ids": ids,
@@ -108,7 +108,8 @@ class EagleConfig(HeadsConfig):
     mlp_bias: bool = False
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
-    # EAGLE-1's fc with a bias, as the EAGLE reference trains it (its config key "bias");
+    # EAGLE-1's fc with a bias, as the EAGLE reference trains it (known from the tensors;
+    # format 1 also wrote "bias": true, which the engines read as an attention bias);
     # headstart's and vLLM's have none
     fc_bias: bool = False
 

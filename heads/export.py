@@ -6,8 +6,8 @@ exporting to them writes the loaded heads in that layout (a checked copy of a na
 SGLang wants EAGLE-1 under its own architecture name with an fc bias, which the export rewrites.
 TGI and TensorRT-LLM read Medusa heads as `medusa_lm_head.safetensors` with keys
 `{h}.{l}.linear.weight/bias` (residual layer l of head h) and `{h}.{L}.weight` (its lm_head),
-plus a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent is
-refused with the reason, never silently dropped.
+plus a config.json with `medusa_num_heads` / `medusa_num_layers`. What a target cannot represent
+is refused with the reason, never silently dropped.
 """
 
 from __future__ import annotations
