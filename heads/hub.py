@@ -5,57 +5,58 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _usage(config) -> tuple[str, str, str, str]:
-    """(head kind, vLLM method, vLLM extra, SGLang line) for a heads config; an engine that would
-    not compute the heads as headstart does gets the reason instead (`engine_refusal`)."""
+def _usage(config, repo_id: str) -> tuple[str, str, str, str]:
+    """(head kind, vLLM method, vLLM lines, SGLang lines) for a heads config; an engine that would not
+    compute the heads as headstart does gets the reason instead of its lines (`engine_refusal`)."""
     from heads.eagle_config import engine_refusal
 
-    if getattr(config, "model_type", "") == "medusa":
-        return (
-            f"Medusa heads ({config.num_heads} heads x {config.num_hidden_layers} residual layers)",
-            "medusa",
-            f'"num_speculative_tokens": {config.num_heads}',
-            "SGLang does not serve Medusa heads; use vLLM or headstart.",
-        )
     base = config.base_model_name_or_path or "BASE"
-    kind, method = ("EAGLE-3", "eagle3") if config.version == 3 else ("EAGLE-1", "eagle")
-    refusal = engine_refusal(config, "sglang")
-    if refusal:
-        sglang = f"# SGLang cannot serve this draft: {refusal}"
-    else:
-        path = "REPO"
-        sglang = ""
-        if config.version == 1:
-            sglang = (
-                "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: "
-                "export first\n"
-                'python -c "from heads.export import export_heads; '
-                "export_heads('REPO', 'sglang', 'draft-sglang')\"   # headstart\n"
-            )
-            path = "draft-sglang"
-        sglang += (
-            f"python -m sglang.launch_server --model {base} --speculative-algorithm "
-            f"{'EAGLE3' if config.version == 3 else 'EAGLE'} --speculative-draft-model-path "
-            f"{path} --speculative-num-steps 5 --speculative-eagle-topk 8 "
-            "--speculative-num-draft-tokens 32"
+    medusa = getattr(config, "model_type", "") == "medusa"
+    if medusa:
+        kind = (
+            f"Medusa heads ({config.num_heads} heads x {config.num_hidden_layers} residual layers)"
         )
-    return f"{kind} draft layer", method, '"num_speculative_tokens": 5', sglang
+        method, tokens = "medusa", config.num_heads
+        refusals = {
+            "vllm": None,
+            "sglang": "SGLang does not serve Medusa heads; use vLLM or headstart.",
+        }
+    else:
+        kind = f"EAGLE-{config.version} draft layer"
+        method, tokens = ("eagle3" if config.version == 3 else "eagle"), 5
+        lead = {"vllm": "vLLM cannot serve these heads", "sglang": "SGLang cannot serve this draft"}
+        refusals = {e: engine_refusal(config, e) for e in lead}
+        refusals = {e: r and f"# {lead[e]}: {r}" for e, r in refusals.items()}
+    vllm = refusals["vllm"] or (
+        "from vllm import LLM\n"
+        f'llm = LLM(model="{base}",\n'
+        f'          speculative_config={{"method": "{method}", "model": "{repo_id}", '
+        f'"num_speculative_tokens": {tokens}}})'
+    )
+    if refusals["sglang"]:
+        return kind, method, vllm, refusals["sglang"]
+    path, sglang = repo_id, ""
+    if config.version == 1:
+        path = "draft-sglang"
+        sglang = (
+            "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: "
+            "export first\n"
+            'python -c "from heads.export import export_heads; '
+            f"export_heads('{repo_id}', 'sglang', 'draft-sglang')\"   # headstart\n"
+        )
+    sglang += (
+        f"python -m sglang.launch_server --model {base} --speculative-algorithm "
+        f"{'EAGLE3' if config.version == 3 else 'EAGLE'} --speculative-draft-model-path "
+        f"{path} --speculative-num-steps 5 --speculative-eagle-topk 8 "
+        "--speculative-num-draft-tokens 32"
+    )
+    return kind, method, vllm, sglang
 
 
 def model_card(config, repo_id: str = "REPO") -> str:
     """A README.md for a heads folder: base model, head type, and how to use it."""
-    from heads.eagle_config import engine_refusal
-
-    kind, method, extra, sglang = _usage(config)
+    kind, method, vllm, sglang = _usage(config, repo_id)
     base = config.base_model_name_or_path or "BASE"
-    refusal = None if method == "medusa" else engine_refusal(config, "vllm")
-    vllm = (
-        f"# vLLM cannot serve these heads: {refusal}"
-        if refusal
-        else "from vllm import LLM\n"
-        f'llm = LLM(model="{base}",\n'
-        f'          speculative_config={{"method": "{method}", "model": "{repo_id}", {extra}}})'
-    )
     tag = "medusa" if method == "medusa" else "eagle"
     return f"""---
 base_model: {base}
@@ -98,7 +99,7 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 ## SGLang
 
 ```
-{sglang.replace("REPO", repo_id)}
+{sglang}
 ```
 """
 
