@@ -212,7 +212,8 @@ class EagleDraft(PretrainedHeads):
 
     @torch.no_grad()
     def set_vocab_map(self, draft_to_base: torch.Tensor) -> None:
-        """EAGLE-3: set d2t / t2d from the sorted base ids kept in the draft vocabulary."""
+        """EAGLE-3: set d2t / t2d from the base ids kept in the draft vocabulary (draft index i is
+        base id draft_to_base[i]; headstart passes them sorted)."""
         ids = torch.as_tensor(draft_to_base, dtype=torch.long)
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(f"need {self.config.draft_vocab_size} base ids, got {ids.numel()}")
@@ -226,20 +227,23 @@ class EagleDraft(PretrainedHeads):
 
 
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
-    """Raise unless d2t / t2d describe one strictly increasing set of base ids."""
+    """Raise unless d2t maps the draft vocabulary one-to-one onto the base ids t2d marks (in any
+    order: headstart writes them increasing, vLLM and SGLang read any one-to-one map)."""
     target = d2t + torch.arange(d2t.numel(), device=d2t.device)
-    if d2t.numel() > 1 and not bool((target[1:] > target[:-1]).all()):
-        raise ValueError(
-            "inconsistent d2t: draft->target ids (draft + d2t[draft]) must be strictly increasing"
-        )
     if int(t2d.sum()) != d2t.numel():
         raise ValueError(
             f"inconsistent t2d: marks {int(t2d.sum())} tokens but the draft vocabulary has {d2t.numel()}"
         )
-    if target.numel() and (
-        int(target.min()) < 0 or int(target.max()) >= t2d.numel() or not bool(t2d[target].all())
-    ):
-        raise ValueError("inconsistent d2t / t2d: d2t maps to base ids that t2d does not mark")
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= t2d.numel()):
+        raise ValueError(
+            f"inconsistent d2t: draft->target ids (draft + d2t[draft]) run from {int(target.min())} "
+            f"to {int(target.max())}, outside the base vocabulary of {t2d.numel()}"
+        )
+    if target.unique().numel() != target.numel() or not bool(t2d[target].all()):
+        raise ValueError(
+            "inconsistent d2t / t2d: d2t must map the draft tokens to distinct base ids, the ones "
+            "t2d marks"
+        )
 
 
 def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:

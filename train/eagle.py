@@ -99,10 +99,14 @@ class EagleTrainee(Trainee):
         # The base's logits at the target rows, once per batch: EAGLE-1 reads the whole
         # vocabulary (it shares the base's lm_head), EAGLE-3 its draft vocabulary.
         v3 = self.heads.config.version == 3
+        # the base ids of the draft's logits, in the draft's order (d2t may map in any order)
+        draft_ids = None
+        if v3:
+            draft_ids = self.heads.to_base_ids(torch.arange(len(self.heads.d2t), device=ids.device))
         base_logits, base_top, _ = base_targets(
             self.base,
             feats["hidden"][next_is_target],
-            torch.nonzero(self.heads.t2d).flatten() if v3 else None,
+            draft_ids,
             batch["top"][next_is_target] if "top" in batch else None,
         )  # (p, V or V_draft), (p,)
         # The draft trains in fp32 whatever the base's dtype.

@@ -92,9 +92,16 @@ def test_vocab_map_roundtrip_and_errors(tiny_llama):
     draft.set_vocab_map(torch.tensor([3, 10, 11, 200]))
     assert draft.to_base_ids(torch.tensor([0, 1, 2, 3])).tolist() == [3, 10, 11, 200]
     assert draft.t2d.sum() == 4 and draft.t2d[200]
-    bad_d2t = torch.tensor([5, 5, 0, 0])  # targets 5, 6, 2, 3: not increasing
-    with pytest.raises(ValueError, match="increasing"):
-        check_vocab_map(bad_d2t, draft.t2d)
+    draft.set_vocab_map(torch.tensor([200, 3, 11, 10]))  # any order, as the engines read it
+    assert draft.to_base_ids(torch.tensor([0, 1, 2, 3])).tolist() == [200, 3, 11, 10]
+    assert draft.t2d.nonzero().flatten().tolist() == [3, 10, 11, 200]
+    twice = torch.tensor([3, 9, 9, 197])  # targets 3, 10, 11, 200 less d2t's own index
+    check_vocab_map(twice, draft.t2d)
+    twice[2] = 8  # targets 3, 10, 10, 200: two draft tokens on one base id
+    with pytest.raises(ValueError, match="distinct"):
+        check_vocab_map(twice, draft.t2d)
+    with pytest.raises(ValueError, match="outside the base vocabulary"):
+        check_vocab_map(torch.tensor([3, 9, 9, 300]), draft.t2d)
     t2d = draft.t2d.clone()
     t2d[50] = True
     with pytest.raises(ValueError, match="t2d"):

@@ -168,6 +168,27 @@ def test_heads_loaded_in_bf16_on_an_fp32_base(name, tmp_path):
     check_greedy_equals_base(base, loaded, options, name, lazy_logits=True)
 
 
+def test_an_eagle3_vocabulary_map_in_any_order_loads_and_drafts_the_same(tmp_path):
+    """A d2t in any one-to-one order (vLLM and SGLang read one; other trainers write them by
+    frequency) loads, and drafts as the same draft in sorted order: the same tokens accepted."""
+    base = make_tiny_llama()
+    eagle3, options = _drafters(base)["eagle3"]
+    perm = torch.randperm(64, generator=torch.Generator().manual_seed(5))
+    permuted = EagleDraft(eagle3.config)
+    permuted.load_state_dict(eagle3.state_dict())
+    permuted.set_vocab_map(torch.arange(0, 256, 4)[perm])
+    with torch.no_grad():
+        permuted.lm_head.weight.copy_(eagle3.lm_head.weight[perm])
+    permuted.save_pretrained(tmp_path)
+    loaded = load_heads(tmp_path, base)
+    assert torch.equal(loaded.d2t, permuted.d2t) and not torch.equal(loaded.d2t, eagle3.d2t)
+    prompt = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(6)).repeat(1, 3)
+    ref = SpeculativeGenerator(base, eagle3, **options).generate(prompt, max_new_tokens=32)
+    out = SpeculativeGenerator(base, loaded, **options).generate(prompt, max_new_tokens=32)
+    assert torch.equal(out.sequences, ref.sequences)
+    assert out.accepted_lengths == ref.accepted_lengths
+
+
 def check_greedy_equals_base(
     base, heads, options: dict, name: str, lazy_logits: bool | None
 ) -> None:

@@ -277,6 +277,41 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
     assert metrics_offline == metrics  # the same hits and rows
 
 
+def test_eagle3_loss_reads_a_draft_vocabulary_in_any_order(tiny_llama):
+    """vLLM and SGLang read any one-to-one d2t; other trainers may write one in frequency order.
+    The same draft with its vocabulary rows permuted (lm_head rows and d2t together) is the same
+    draft, and the recipe's loss and top-1 hits must not change (`training.init_heads` from such
+    a folder trains it)."""
+    from heads import EagleConfig, EagleDraft
+    from train.config import load_recipe
+    from train.eagle import EagleTrainee
+
+    torch.manual_seed(4)
+    config = EagleConfig.from_base(
+        tiny_llama.config, version=3, draft_vocab_size=48, aux_layer_ids=[0, 1, 1]
+    )
+    sorted_draft = EagleDraft(config)
+    vocab = torch.randperm(256)[:48].sort().values
+    sorted_draft.set_vocab_map(vocab)
+    perm = torch.randperm(48)
+    permuted = EagleDraft(config)
+    permuted.load_state_dict(sorted_draft.state_dict())
+    permuted.set_vocab_map(vocab[perm])
+    with torch.no_grad():
+        permuted.lm_head.weight.copy_(sorted_draft.lm_head.weight[perm])
+    assert not torch.equal(permuted.d2t, sorted_draft.d2t)
+    recipe = load_recipe(None, ["heads.type=eagle", "heads.ttt_steps=2"])
+    ids = torch.randint(3, 256, (2, 10))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 1, 1, 1, 1]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        loss, metrics = EagleTrainee(tiny_llama, sorted_draft, recipe)(batch)
+        loss_permuted, metrics_permuted = EagleTrainee(tiny_llama, permuted, recipe)(batch)
+    assert float(loss_permuted) == pytest.approx(float(loss), rel=1e-5)
+    assert metrics_permuted == metrics
+    assert metrics["step0/top1"][1] > 0  # rows were compared
+
+
 def test_ttt_mask_step_2_with_padding():
     # B=2, T=3; the second example's last position is padding.
     key_pad = torch.tensor([[False, False, False], [False, False, True]])
