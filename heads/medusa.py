@@ -178,6 +178,26 @@ class MedusaHeads(PretrainedHeads):
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 
 
+def engine_medusa_keys(raw: dict) -> dict:
+    """A Medusa config.json with the reference repos' `medusa_num_heads` / `medusa_num_layers`
+    under the names vLLM reads them as (`num_heads` / `num_hidden_layers`)."""
+    data = dict(raw)
+    for ours, theirs in (
+        ("num_heads", "medusa_num_heads"),
+        ("num_hidden_layers", "medusa_num_layers"),
+    ):
+        if theirs not in data:
+            continue
+        value = data.pop(theirs)
+        if ours in data and data[ours] != value:
+            raise ValueError(
+                f"config.json: {ours}={data[ours]!r} but {theirs}={value!r}; keep the one the "
+                "tensors hold"
+            )
+        data[ours] = value
+    return data
+
+
 def read_medusa_lm_head(raw: dict, tensors: dict[str, torch.Tensor], where: str):
     """(MedusaConfig, tensors in headstart's names) from the reference Medusa / TGI layout
     (config `medusa_num_heads`, `medusa_num_layers`; tensors `{h}.{l}.linear.weight/bias`,

@@ -89,6 +89,49 @@ def test_medusa_layout_is_vllm(tiny_llama, tmp_path):
     assert {k for k in cfg if "num" in k} == {"num_heads", "num_hidden_layers"}
 
 
+def test_medusa_in_vllm_names_under_the_reference_keys_loads_as_vllm_reads_it(tiny_llama, tmp_path):
+    """vLLM reads `medusa_num_heads` / `medusa_num_layers` as num_heads / num_hidden_layers,
+    drops a `medusa_heads.` prefix from tensor names and builds no bias unless the config says:
+    such folders load here, sized by their config or (naming only the reference keys) by their
+    tensors; the reference's own tensor layout still goes to its reader."""
+    heads = _medusa(tiny_llama)
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    heads.save_pretrained(tmp_path / "own")
+    hidden = torch.randn(1, 4, 64)
+    expected = heads.eval()(hidden)
+    tensors = load_file(tmp_path / "own/model.safetensors")
+    cfg = json.loads((tmp_path / "own/config.json").read_text())
+    cfg["medusa_num_heads"], cfg["medusa_num_layers"] = (
+        cfg.pop("num_heads"),
+        cfg.pop("num_hidden_layers"),
+    )
+    del cfg["medusa_fc_bias"]
+    for name, config in {
+        "typed": cfg,
+        "listed": {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "x"},
+    }.items():
+        folder = tmp_path / name
+        folder.mkdir()
+        (folder / "config.json").write_text(json.dumps(config))
+        save_file({f"medusa_heads.{k}": v for k, v in tensors.items()}, folder / "w.safetensors")
+        loaded = load_heads(folder, base=tiny_llama)
+        assert (loaded.config.num_heads, loaded.config.num_hidden_layers) == (3, 2), name
+        assert loaded.config.medusa_fc_bias, name  # the file's biases
+        torch.testing.assert_close(loaded(hidden), expected, rtol=0, atol=0)
+    no_bias = {k: v for k, v in tensors.items() if not k.endswith(".bias")}
+    save_file(no_bias, tmp_path / "typed/w.safetensors")
+    assert not load_heads(tmp_path / "typed").config.medusa_fc_bias  # vLLM's default: none
+    cfg["num_heads"] = 2  # and medusa_num_heads 3
+    (tmp_path / "typed/config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="num_heads=2 but medusa_num_heads=3"):
+        load_heads(tmp_path / "typed")
+    save_file({"weird.weight": torch.zeros(2, 2)}, tmp_path / "listed/w.safetensors")
+    with pytest.raises(ValueError, match="neither Medusa layout"):
+        load_heads(tmp_path / "listed")
+
+
 def test_folders_of_the_old_base_layer_key_still_load_and_check(tiny_llama, tmp_path):
     for kind, heads in _all_heads(tiny_llama).items():
         folder = tmp_path / kind
@@ -248,7 +291,7 @@ def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
 def test_inconsistent_vocab_map_is_refused(tiny_llama, tmp_path):
     _eagle(tiny_llama, 3).save_pretrained(tmp_path)
     t = load_file(tmp_path / "model.safetensors")
-    t["d2t"] = t["d2t"].flip(0)  # offsets no longer give increasing ids
+    t["d2t"] = t["d2t"].flip(0)  # offsets no longer map one-to-one onto t2d's ids
     save_file(t, tmp_path / "model.safetensors")
     with pytest.raises(ValueError, match="d2t"):
         load_heads(tmp_path)
