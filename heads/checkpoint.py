@@ -240,8 +240,9 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
 def vllm_medusa(raw: dict, config, tensors: dict[str, torch.Tensor], folder: Path):
     """(config, tensors) of Medusa heads in vLLM's tensor names, read as vLLM reads them: a
     `medusa_heads.` prefix dropped; a config that names only the reference's keys sized by the
-    tensors. Where the config leaves `medusa_fc_bias` out, the tensors say (vLLM would build no
-    bias and drop the file's; headstart's exports always name it)."""
+    tensors; lm_heads over the whole vocabulary cut to a `token_map`'s rows. Where the config
+    leaves `medusa_fc_bias` out, the tensors say (vLLM would build no bias and drop the file's;
+    headstart's exports always name it)."""
     from heads.medusa import MedusaConfig, engine_medusa_keys
 
     tensors = {name.removeprefix("medusa_heads."): t for name, t in tensors.items()}
@@ -259,6 +260,11 @@ def vllm_medusa(raw: dict, config, tensors: dict[str, torch.Tensor], folder: Pat
         config.validate()
     if "medusa_fc_bias" not in raw and config.num_hidden_layers > 0:
         config.medusa_fc_bias = "blocks.0.layers.0.bias" in tensors
+    token_map = tensors.get("token_map")
+    if config.truncated_vocab_size and token_map is not None:  # lm_heads over the whole vocabulary
+        for name in [n for n in tensors if n.startswith("lm_head")]:
+            if tensors[name].shape[0] > token_map.numel():
+                tensors[name] = tensors[name][token_map.long()]  # vLLM keeps the mapped rows
     return config, tensors
 
 

@@ -1,5 +1,6 @@
 import pytest
 import torch
+from safetensors.torch import load_file, save_file
 
 from heads import MedusaConfig, MedusaHeads, load_heads
 
@@ -45,6 +46,14 @@ def test_reduced_vocab_maps_back_to_base_ids(tiny_llama, tmp_path):
     heads.save_pretrained(tmp_path)
     again = load_heads(tmp_path, base=tiny_llama)
     torch.testing.assert_close(again.token_map, keep)
+    # lm_heads saved over the whole vocabulary: vLLM keeps the token_map's rows, and so do we
+    tensors = load_file(tmp_path / "model.safetensors")
+    for h in range(2):
+        whole = torch.randn(256, 64)
+        whole[keep] = tensors[f"lm_heads.{h}.weight"]
+        tensors[f"lm_heads.{h}.weight"] = whole
+    save_file(tensors, tmp_path / "model.safetensors")
+    torch.testing.assert_close(load_heads(tmp_path, base=tiny_llama)(hidden), heads(hidden))
 
 
 def test_config_validation():
