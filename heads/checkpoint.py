@@ -201,7 +201,7 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
     do (the base's sizes from the heads' own, `base_layers` for EAGLE-3's default aux layers, an
     EAGLE-1 fc bias from the tensors), and tensors the heads do not hold are dropped."""
     from heads.eagle_config import EagleConfig
-    from heads.medusa import MedusaConfig, engine_medusa_keys, read_medusa_lm_head
+    from heads.medusa import MedusaConfig, engine_medusa_keys, read_medusa_lm_head, read_vllm_medusa
 
     raw = read_config(folder)  # the config is checked before the weights are read
     listed = "medusa_num_heads" in raw  # the reference / TGI key (vLLM reads it as num_heads)
@@ -221,7 +221,7 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
     if listed and any(name.split(".", 1)[0].isdigit() for name in tensors):
         return read_medusa_lm_head(raw, tensors, str(folder))  # `{h}.{l}.linear.weight`
     if config is None or isinstance(config, MedusaConfig):  # vLLM's tensor names
-        config, tensors = vllm_medusa(raw, config, tensors, folder)
+        config, tensors = read_vllm_medusa(raw, config, tensors, f"{folder}/{CONFIG_NAME}")
     if isinstance(config, EagleConfig):
         if config.version == 1:  # EAGLE's reference trains an fc bias its config need not name
             config.fc_bias = "fc.bias" in tensors
@@ -234,37 +234,6 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
         config.base_hidden_size = int(raw.get("target_hidden_size") or raw.get("hidden_size") or 0)
     if not config.base_vocab_size:
         config.base_vocab_size = int(raw.get("vocab_size") or 0)
-    return config, tensors
-
-
-def vllm_medusa(raw: dict, config, tensors: dict[str, torch.Tensor], folder: Path):
-    """(config, tensors) of Medusa heads in vLLM's tensor names, read as vLLM reads them: a
-    `medusa_heads.` prefix dropped; a config that names only the reference's keys sized by the
-    tensors; lm_heads over the whole vocabulary cut to a `token_map`'s rows. Where the config
-    leaves `medusa_fc_bias` out, the tensors say (vLLM would build no bias and drop the file's;
-    headstart's exports always name it)."""
-    from heads.medusa import MedusaConfig, engine_medusa_keys
-
-    tensors = {name.removeprefix("medusa_heads."): t for name, t in tensors.items()}
-    if config is None:
-        head = tensors.get("lm_heads.0.weight", tensors.get("lm_head.weight"))
-        if head is None or head.dim() != 2:
-            raise ValueError(
-                f"{folder}/{CONFIG_NAME} names medusa_num_heads, but the weights are in neither "
-                "Medusa layout: the reference's `{h}.{l}.linear.weight` / `{h}.{L}.weight` or "
-                "vLLM's `blocks.{h}.layers.{l}.weight` / `lm_heads.{h}.weight`"
-            )
-        V, H = int(head.shape[0]), int(head.shape[1])
-        sizes = {"vocab_size": V, "hidden_size": H, "base_vocab_size": V, "base_hidden_size": H}
-        config = MedusaConfig.from_dict({**sizes, **engine_medusa_keys(raw)})
-        config.validate()
-    if "medusa_fc_bias" not in raw and config.num_hidden_layers > 0:
-        config.medusa_fc_bias = "blocks.0.layers.0.bias" in tensors
-    token_map = tensors.get("token_map")
-    if config.truncated_vocab_size and token_map is not None:  # lm_heads over the whole vocabulary
-        for name in [n for n in tensors if n.startswith("lm_head")]:
-            if tensors[name].shape[0] > token_map.numel():
-                tensors[name] = tensors[name][token_map.long()]  # vLLM keeps the mapped rows
     return config, tensors
 
 

@@ -198,6 +198,37 @@ def engine_medusa_keys(raw: dict) -> dict:
     return data
 
 
+def read_vllm_medusa(
+    raw: dict, config: MedusaConfig | None, tensors: dict[str, torch.Tensor], where: str
+):
+    """(config, tensors) of Medusa heads in vLLM's tensor names, read as vLLM reads them: a
+    `medusa_heads.` prefix dropped; a config that names only the reference's keys sized by the
+    tensors; lm_heads over the whole vocabulary cut to a `token_map`'s rows. Where the config
+    leaves `medusa_fc_bias` out, the tensors say (vLLM would build no bias and drop the file's;
+    headstart's exports always name it)."""
+    tensors = {name.removeprefix("medusa_heads."): t for name, t in tensors.items()}
+    if config is None:
+        head = tensors.get("lm_heads.0.weight", tensors.get("lm_head.weight"))
+        if head is None or head.dim() != 2:
+            raise ValueError(
+                f"{where} names medusa_num_heads, but the weights are in neither "
+                "Medusa layout: the reference's `{h}.{l}.linear.weight` / `{h}.{L}.weight` or "
+                "vLLM's `blocks.{h}.layers.{l}.weight` / `lm_heads.{h}.weight`"
+            )
+        V, H = int(head.shape[0]), int(head.shape[1])
+        sizes = {"vocab_size": V, "hidden_size": H, "base_vocab_size": V, "base_hidden_size": H}
+        config = MedusaConfig.from_dict({**sizes, **engine_medusa_keys(raw)})
+        config.validate()
+    if "medusa_fc_bias" not in raw and config.num_hidden_layers > 0:
+        config.medusa_fc_bias = "blocks.0.layers.0.bias" in tensors
+    token_map = tensors.get("token_map")
+    if config.truncated_vocab_size and token_map is not None:  # lm_heads over the whole vocabulary
+        for name in [n for n in tensors if n.startswith("lm_head")]:
+            if tensors[name].shape[0] > token_map.numel():
+                tensors[name] = tensors[name][token_map.long()]  # vLLM keeps the mapped rows
+    return config, tensors
+
+
 def read_medusa_lm_head(raw: dict, tensors: dict[str, torch.Tensor], where: str):
     """(MedusaConfig, tensors in headstart's names) from the reference Medusa / TGI layout
     (config `medusa_num_heads`, `medusa_num_layers`; tensors `{h}.{l}.linear.weight/bias`,
