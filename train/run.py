@@ -24,6 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
+from heads.hub import push_folder
 from train.checkpoint import (
     TrainingDiverged,
     check_same_run,
@@ -373,8 +374,8 @@ def save_final(
     if base is not None and hasattr(base, "peft_config"):
         base.save_pretrained(Path(recipe.output.dir) / "lora")
         accelerator.print(f"Medusa-2 LoRA adapters saved to {Path(recipe.output.dir) / 'lora'}")
-    if recipe.hub.repo_id:
-        url = heads.push_to_hub(recipe.hub.repo_id, private=recipe.hub.private)
+    if recipe.hub.repo_id:  # the folder as written: its dtype, card and training metrics
+        url = push_folder(folder, recipe.hub.repo_id, private=recipe.hub.private)
         accelerator.print(f"pushed to {url}")
     return folder
 

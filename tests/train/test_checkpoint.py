@@ -2,6 +2,7 @@
 
 import json
 import shutil
+from pathlib import Path
 
 import pytest
 import yaml
@@ -93,3 +94,44 @@ def test_resume_names_a_checkpoint_or_says_it_is_not_one(tmp_path):
         FileNotFoundError, match=rf"training.resume='{out}' is not a checkpoint folder"
     ):
         resolve_resume(str(out), out)  # the run's folder, not one of its checkpoints
+
+
+def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypatch):
+    """hub.repo_id pushes OUTPUT/heads as saved: in output.heads_dtype, with its model card and
+    training_metrics.json (not a fresh fp32 save without them)."""
+    import huggingface_hub
+    import torch
+    from accelerate import Accelerator
+    from safetensors import safe_open
+
+    from heads import MedusaConfig, MedusaHeads
+    from train.run import save_final
+
+    uploaded = {}
+
+    class FakeApi:
+        def __init__(self, token=None):
+            pass
+
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            uploaded["repo"] = (repo_id, private)
+
+        def upload_folder(self, folder_path, repo_id, commit_message):
+            uploaded["folder"] = folder_path
+            uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            return "https://hub/commit/2"
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    recipe = load_recipe(
+        None, [f"output.dir={tmp_path}", "hub.repo_id=me/tiny-medusa", "hub.private=true"]
+    )
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
+    folder = save_final(recipe, heads, Accelerator(cpu=True), {"eval/step0/top1": 0.5})
+    assert uploaded["repo"] == ("me/tiny-medusa", True)
+    assert Path(uploaded["folder"]) == folder == tmp_path / "heads"
+    assert {"config.json", "model.safetensors", "README.md", "training_metrics.json"} <= set(
+        uploaded["files"]
+    )
+    with safe_open(folder / "model.safetensors", "pt") as f:
+        assert f.get_tensor("lm_heads.0.weight").dtype == torch.bfloat16  # the recipe's default
+    assert '"model": "me/tiny-medusa"' in (folder / "README.md").read_text()
