@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,6 +55,12 @@ def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+def same_base(a: str, b: str) -> bool:
+    """Whether two spellings name the same base: an alias, a Hub id or a folder of one name
+    (`smollm2-135m-instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`, `/models/SmolLM2-135M-Instruct`)."""
+    return Path(str(a)).name.lower() == Path(str(b)).name.lower()
+
+
 @dataclass
 class HeadsConfig:
     """Base-model facts recorded with every heads checkpoint (a mismatch is an error)."""
@@ -94,6 +101,16 @@ class HeadsConfig:
                     f"{key}={expected}, but the given base '{getattr(base_config, 'name_or_path', '?')}' "
                     f"has {key}={got}; load the heads with the base they were trained for"
                 )
+        recorded = self.base_model_name_or_path
+        given = str(getattr(base_config, "name_or_path", "") or "")
+        if recorded and given and not same_base(recorded, given):
+            warnings.warn(
+                f"these heads were trained on '{recorded}' and the given base is '{given}', of the "
+                "same sizes: heads seldom draft well for another model (the output stays the "
+                "given base's own, only slower); load them with the base they were trained for, "
+                "unless it is that model under another name",
+                stacklevel=3,
+            )
 
     def to_dict(self) -> dict[str, Any]:
         # the format written now, whatever the folder read was written in

@@ -19,7 +19,8 @@ import yaml
 from accelerate import PartialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from train.config import RecipeError, recipe_to_dict, same_base, save_recipe
+from heads.config import same_base
+from train.config import RecipeError, recipe_to_dict, save_recipe
 from train.feature_cache import weights_fingerprint
 
 STATE_NAME = "trainer_state.json"

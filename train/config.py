@@ -265,12 +265,6 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
-def same_base(a: str, b: str) -> bool:
-    """Whether two spellings name the same base: an alias, a Hub id or a folder of one name
-    (`smollm2-135m-instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`, `/models/SmolLM2-135M-Instruct`)."""
-    return Path(str(a)).name.lower() == Path(str(b)).name.lower()
-
-
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `key=value` overrides and validate it against `Recipe`.
 

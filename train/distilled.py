@@ -9,7 +9,7 @@ import os
 from pathlib import Path
 from typing import Any
 
-from train.config import same_base
+from heads.config import same_base
 from train.data import resolve_chat_template, with_system_prompt
 from train.prompts import Message, conversation_id
 

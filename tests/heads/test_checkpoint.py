@@ -1,5 +1,6 @@
 import json
 import re
+import warnings
 
 import pytest
 import torch
@@ -110,7 +111,11 @@ def test_medusa_in_vllm_names_under_the_reference_keys_loads_as_vllm_reads_it(ti
     del cfg["medusa_fc_bias"]
     for name, config in {
         "typed": cfg,
-        "listed": {"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "x"},
+        "listed": {
+            "medusa_num_heads": 3,
+            "medusa_num_layers": 2,
+            "base_model_name_or_path": "tiny-llama-0",
+        },
     }.items():
         folder = tmp_path / name
         folder.mkdir()
@@ -517,3 +522,19 @@ def test_the_eagle_reference_eagle1_layout_with_an_fc_bias_loads(tiny_llama, tmp
     assert load_heads(tmp_path / "again", base=tiny_llama).config.fc_bias
     again = load_heads(tmp_path / "again", base=tiny_llama)
     torch.testing.assert_close(again(emb, hidden, pos), loaded(emb, hidden, pos), rtol=0, atol=0)
+
+
+def test_heads_for_another_base_of_the_same_sizes_are_warned_about(
+    tiny_llama, tmp_path, monkeypatch
+):
+    """Sizes that match but a recorded base of another name (SmolLM2-135M vs -Instruct, Llama 3
+    vs 3.1): a warning, since a copy under another path or name is the same model."""
+    _medusa(tiny_llama).save_pretrained(tmp_path)  # records tiny-llama-0
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for same in ("tiny-llama-0", "/models/Tiny-Llama-0", "someone/tiny-llama-0"):
+            monkeypatch.setattr(tiny_llama.config, "name_or_path", same)
+            load_heads(tmp_path, base=tiny_llama)
+    monkeypatch.setattr(tiny_llama.config, "name_or_path", "tiny-llama-0-base")
+    with pytest.warns(UserWarning, match="trained on 'tiny-llama-0' and the given base is 'tiny"):
+        load_heads(tmp_path, base=tiny_llama)
