@@ -358,7 +358,9 @@ def embedded_prompts(categories: list[str] | None = None) -> list[Prompt]:
     coding, math, translation, QA, extraction and summarization, plus prompts built from the
     Python standard library that ships with the interpreter (module docstrings to summarise,
     small public functions to explain). About 15% carry a follow-up user turn. Deterministic for
-    a given Python version; disjoint from MT-bench, Spec-Bench and HumanEval (tested).
+    a given Python version; no 8-word run shared with MT-bench's questions (Spec-Bench's first
+    80) or HumanEval's (tested where their files are: MT-bench is not shipped; Spec-Bench's other
+    questions were not checked).
     `EXTRA_CATEGORIES` (roleplay, reasoning, knowledge, compositions: 1,796 more prompts) are
     only given by name (or as the source `embedded:all`: the default set, then them).
     """
