@@ -21,6 +21,7 @@ all of them alike. Writes OUT/results.json, OUT/results.md and PNG plots (docs/b
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import logging
@@ -42,7 +43,11 @@ import bench_methods  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
-from train.data import ChatTemplateError, render_conversation  # noqa: E402
+from train.data import (  # noqa: E402
+    ChatTemplateError,
+    render_conversation,
+    resolve_chat_template,
+)
 from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
 from train.prompts import RECORD_FORMS, Message, PromptSourceError, read_source  # noqa: E402
 
@@ -317,6 +322,20 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=None,
         help="draft-model static tree instead: preset or JSON choices, e.g. '[[0],[1],[0,0]]'",
     )
+    add(
+        "--chat-template",
+        default=None,
+        metavar="TEMPLATE",
+        help="Jinja string or .jinja file: the one the heads were trained with (the recipe's "
+        "data.chat_template; default the tokenizer's)",
+    )
+    add(
+        "--system-prompt",
+        default=None,
+        metavar="TEXT",
+        help="every prompt's system turn, as the recipe's data.system_prompt (default: the "
+        "prompt's own, else the template's default)",
+    )
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
     add("--out", default="runs/bench")
@@ -350,7 +369,12 @@ def main(argv: list[str] | None = None) -> int:
         )
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude, args.per_category)
+        if args.system_prompt is not None:
+            system = [{"role": "system", "content": args.system_prompt}]
+            prompts = [dataclasses.replace(p, system=system) for p in prompts]
         base, tokenizer, methods = bench_methods.build_methods(names, args)
+        if args.chat_template:  # every prompt below is rendered with it
+            tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         _warm_up(prompts[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:
         print(f"bench failed: {e}", file=sys.stderr)

@@ -50,8 +50,9 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, override: str | No
     if not template:
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ChatTemplateError(
-            f"tokenizer '{name}' has no chat template; give one in the recipe as "
-            "data.chat_template (a Jinja string or the path of a .jinja file)"
+            f"tokenizer '{name}' has no chat template; give one (a Jinja string or the path "
+            "of a .jinja file) in the recipe as data.chat_template, to scripts/bench.py as "
+            "--chat-template"
         )
     return template
 

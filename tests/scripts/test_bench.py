@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -63,6 +64,7 @@ def folders(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
     paths = {name: root / name for name in ("base", "medusa", "eagle3", "other-medusa", "small")}
     base.save_pretrained(paths["base"])
     tok.save_pretrained(paths["base"])
+    base.config.name_or_path = str(paths["base"])  # the heads record the base bench loads
     cfg = MedusaConfig.from_base(base.config, num_heads=2)
     MedusaHeads(cfg).init_from_base(base).save_pretrained(paths["medusa"])
     eagle = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=1024))
@@ -465,3 +467,40 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
         with pytest.raises(SystemExit) as stop:
             bench.main([*argv, *bad])
         assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_the_chat_template_and_system_prompt_of_training_are_given_as_flags(
+    folders, tmp_path, capsys
+):
+    """Heads trained with a recipe's data.chat_template / data.system_prompt are benchmarked
+    with them: a base whose tokenizer has no template runs with --chat-template, and
+    --system-prompt replaces every prompt's system turn (its tokens are in each prompt)."""
+    base = tmp_path / "no-template"
+    shutil.copytree(folders["base"], base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
+    argv = ["--base", str(base), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    argv += ["--methods", "baseline,ngram", "--threads", "1"]
+    assert bench.main([*argv, "--out", str(tmp_path / "none")]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:{% endif %}"
+    )
+    runs = {}
+    for name, extra in {
+        "own": [],
+        "system": ["--system-prompt", "Answer in one short line."],
+    }.items():
+        out = tmp_path / name
+        assert bench.main([*argv, "--chat-template", str(template), *extra, "--out", str(out)]) == 0
+        runs[name] = json.loads((out / "results.json").read_text())
+    assert runs["system"]["settings"]["system_prompt"] == "Answer in one short line."
+    assert runs["own"]["settings"]["chat_template"] == str(template)
+    for own, system in zip(runs["own"]["records"], runs["system"]["records"]):
+        assert system["identical"] and own["identical"]
+        assert system["prompt_tokens"] > own["prompt_tokens"] + 4  # the system turn's tokens
