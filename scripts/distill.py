@@ -58,8 +58,10 @@ from train.distilled import (
     ShardWriter,
     asked_turns,
     check_manifest,
+    check_template,
     read_done_ids,
     record_id,
+    recorded_manifest,
     recorded_settings,
     summarize_shards,
     write_atomic,
@@ -263,18 +265,26 @@ def distill(recipe: Recipe) -> dict[str, Any]:
             f"data.max_length - data.max_new_tokens = {data.max_length - data.max_new_tokens} "
             "tokens; raise data.max_length or lower data.max_new_tokens"
         )
+    template_sha1 = hashlib.sha1(template.encode()).hexdigest()
+    check_template(out_dir, template_sha1)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_done_ids(out_dir)
+    backend = "vllm" if vllm else "transformers"
+    was = recorded_manifest(out_dir).get("backend") if done else None
+    if was and backend not in was.split("+"):  # both backends' answers: the record says so
+        if state.is_main_process:
+            print(f"note: {out_dir}'s answers so far were written by {was}, these by {backend}")
+        backend = "+".join(sorted({*was.split("+"), backend}))
     manifest = {
         "format": FORMAT,
         "base_model": recorded_name,
         "settings": settings,
-        "backend": "vllm" if vllm else "transformers",
+        "backend": backend,
         "dtype": str(model.dtype).removeprefix("torch.")
         if model is not None
         else recipe.model.dtype,
         "chat_template": template,
-        "chat_template_sha1": hashlib.sha1(template.encode()).hexdigest(),
+        "chat_template_sha1": template_sha1,
         "eos_token_ids": eos_ids,
         "recipe": recipe_to_dict(recipe),
         "counts": {**counts, "records_expected": len(items)},

@@ -60,18 +60,39 @@ def read_done_ids(out_dir: Path) -> set[str]:
     return done
 
 
-def recorded_settings(out_dir: Path) -> dict[str, Any]:
-    """The settings in `out_dir`'s manifest ({} when there is none)."""
+def recorded_manifest(out_dir: Path) -> dict[str, Any]:
+    """`out_dir`'s manifest ({} when there is none)."""
     path = out_dir / MANIFEST
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text(encoding="utf-8")).get("settings") or {}
-    except (ValueError, AttributeError) as e:  # not JSON, or not an object
+        manifest = json.loads(path.read_text(encoding="utf-8"))
+        if not isinstance(manifest, dict):
+            raise ValueError("not a JSON object")
+        return manifest
+    except ValueError as e:
         raise DistillError(
             f"{path} is damaged ({e}): restore it (it records the settings of the answers "
             "written there), or use another data.output_dir"
         ) from e
+
+
+def recorded_settings(out_dir: Path) -> dict[str, Any]:
+    """The settings in `out_dir`'s manifest ({} when there is none)."""
+    return recorded_manifest(out_dir).get("settings") or {}
+
+
+def check_template(out_dir: Path, template_sha1: str) -> None:
+    """Refuse to add answers under another chat template than the ones there were written in
+    (the tokenizer's template changed, or data.chat_template's file): the training examples
+    would be rendered in one template and half their answers written in another."""
+    was = recorded_manifest(out_dir).get("chat_template_sha1")
+    if was and was != template_sha1 and read_done_ids(out_dir):
+        raise DistillError(
+            f"{out_dir} holds answers written under another chat template (sha1 {was[:12]} "
+            f"there, {template_sha1[:12]} now: the tokenizer's template or data.chat_template's "
+            "file changed). Use another data.output_dir, or restore that template to resume."
+        )
 
 
 def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:

@@ -2,6 +2,7 @@
 
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,6 +128,34 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert json.loads((out / "manifest.json").read_text())["settings"]["limit"] == 6
     assert distill.main([recipe, "data.limit=4"]) == 2  # a smaller limit is a different set
     assert "limit: 6 in the manifest, 4 now" in capsys.readouterr().err
+
+
+def test_answers_are_added_under_their_own_template_and_the_backends_are_recorded(
+    tmp_path, tiny_base, capsys
+):
+    """A changed chat template (a tokenizer update, an edited data.chat_template file) would
+    mix two renderings in one folder: refused. A run continued on the other backend says so
+    and the manifest names both."""
+    base = tmp_path / "base"
+    shutil.copytree(tiny_base, base)
+    out = tmp_path / "out"
+    recipe = str(recipe_file(tmp_path, base, prompts_file(tmp_path), out))
+    assert distill.main([recipe, "data.limit=3"]) == 0
+    manifest = json.loads((out / "manifest.json").read_text())
+    manifest["backend"] = "vllm"  # as if the first answers came from vLLM
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    template = base / "chat_template.jinja"
+    own = template.read_text()
+    template.write_text(own.replace("<|im_start|>", "<|im_start|> "))
+    capsys.readouterr()
+    assert distill.main([recipe, "data.limit=6"]) == 2
+    assert "answers written under another chat template" in capsys.readouterr().err
+    assert len(read_records(out)) == 3  # nothing added
+    template.write_text(own)
+    assert distill.main([recipe, "data.limit=6"]) == 0
+    assert "written by vllm, these by transformers" in capsys.readouterr().out
+    assert json.loads((out / "manifest.json").read_text())["backend"] == "transformers+vllm"
+    assert len(read_records(out)) == 6
 
 
 def test_a_run_begun_with_shuffled_prompts_extends_in_its_order(tmp_path, tiny_base):
