@@ -254,6 +254,7 @@ def load_heads(
     a shared Medusa lm_head is tied to the base's.
     """
     from heads.eagle import EagleDraft, check_vocab_map
+    from heads.lora import warn_unless_merged
     from heads.medusa import MedusaConfig, MedusaHeads
 
     if base is not None:
@@ -265,6 +266,7 @@ def load_heads(
     module = MedusaHeads(config) if isinstance(config, MedusaConfig) else EagleDraft(config)
     if base is not None:
         config.check_base(base.config)
+        warn_unless_merged(config, base, str(path_or_repo_id))
     optional: tuple[str, ...] = ()
     if isinstance(module, MedusaHeads) and config.original_lm_head:
         # vLLM also accepts the shared head under `lm_heads.0.weight`.

@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
 from heads.eagle_config import engine_refusal
+from heads.lora import LORA_FOLDER
 from heads.medusa import MedusaHeads
 
 TARGETS = ("vllm", "sglang", "tgi", "trtllm")
@@ -50,6 +51,14 @@ def export_heads(
     out = Path(out)
     if out.resolve() == Path(src).resolve():
         raise ExportError("--out must differ from the source folder")
+    _export_to(heads, Path(src), target, out, base_name)
+    lora = Path(src) / LORA_FOLDER
+    if lora.is_dir():  # Medusa-2's adapter: the engine serves the base with it merged
+        shutil.copytree(lora, out / LORA_FOLDER, dirs_exist_ok=True)
+    return out
+
+
+def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) -> None:
     is_medusa = isinstance(heads, MedusaHeads)
     if target in ("vllm", "sglang"):
         if target == "sglang" and is_medusa:
@@ -62,8 +71,8 @@ def export_heads(
         # Written from the loaded heads, in the native layout and dtype of the source: a folder
         # of another layout (Medusa's reference, another trainer's EAGLE-3) or written by an
         # earlier headstart comes out as the engines read it.
-        heads.save_pretrained(out, dtype=_stored_dtype(Path(src)))
-        card = Path(src) / "README.md"
+        heads.save_pretrained(out, dtype=_stored_dtype(src))
+        card = src / "README.md"
         # a card written by hand is kept; headstart's own is the one just written, which says
         # how the engines serve these heads now (an older one may not)
         if card.is_file() and "library_name: headstart" not in card.read_text():
@@ -71,14 +80,13 @@ def export_heads(
         # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
         if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)
-        return out
+        return
     if not is_medusa:
         raise ExportError(
             f"{target} export is for Medusa heads; for EAGLE draft layers use the native folder "
             "with vLLM or SGLang"
         )
     _write_medusa_lm_head(heads, target, out, base_name)
-    return out
 
 
 def _stored_dtype(folder: Path) -> torch.dtype | None:

@@ -58,6 +58,19 @@ def model_card(config, repo_id: str = "REPO") -> str:
     kind, method, vllm, sglang = _usage(config, repo_id)
     base = config.base_model_name_or_path or "BASE"
     tag = "medusa" if method == "medusa" else "eagle"
+    lora = getattr(config, "base_lora", "")
+    merge, adapted = "", ""
+    if lora:  # Medusa-2: the heads read the base with its LoRA adapter merged
+        merge = (
+            "from peft import PeftModel\n"
+            f'base = PeftModel.from_pretrained(base, "{repo_id}", subfolder="{lora}")'
+            ".merge_and_unload()\n"
+        )
+        adapted = (
+            f"\nMedusa-2: the base was fine-tuned with the LoRA adapter in `{lora}/` beside the "
+            "heads,\nwhich read its hidden states: serve them on the base with that adapter "
+            "merged (below;\nfor vLLM, save the merged base and serve that).\n"
+        )
     return f"""---
 base_model: {base}
 library_name: headstart
@@ -73,7 +86,7 @@ Draft heads for lossless speculative decoding of `{base}` (hidden size {config.b
 vocabulary {config.base_vocab_size}, {config.base_hidden_layers} layers), trained with
 [headstart](https://pypi.org/project/headstart/). The base model's outputs are unchanged: greedy
 decoding is token-for-token identical and sampling keeps the base's distribution.
-
+{adapted}
 ## headstart
 
 ```python
@@ -81,7 +94,7 @@ from heads import load_base, load_heads
 from inference import SpeculativeGenerator
 
 base, tokenizer = load_base("{base}")
-heads = load_heads("{repo_id}", base=base)
+{merge}heads = load_heads("{repo_id}", base=base)
 gen = SpeculativeGenerator(base, heads)
 ids = tokenizer.apply_chat_template([{{"role": "user", "content": "Hello!"}}],
                                     add_generation_prompt=True, return_tensors="pt",
@@ -123,6 +136,7 @@ def push_folder(
             .replace('"REPO"', f'"{repo_id}"')
             .replace("path REPO", f"path {repo_id}")
             .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
+            .replace('from_pretrained(base, "REPO"', f'from_pretrained(base, "{repo_id}"')
         )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)

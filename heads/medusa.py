@@ -37,6 +37,9 @@ class MedusaConfig(HeadsConfig):
             per head (fewer parameters, ~K*V*H; vLLM `original_lm_head`).
         truncated_vocab_size: a reduced draft vocabulary (the most frequent tokens, `token_map`)
             or None for the full vocabulary.
+        base_lora: Medusa-2: the subfolder holding the LoRA adapter trained into the base (the
+            heads read the adapted base), "" for Medusa-1; `base_lora_probe` tells a base with
+            it merged from one without (heads/lora.py).
     """
 
     hidden_size: int = 4096
@@ -46,6 +49,8 @@ class MedusaConfig(HeadsConfig):
     medusa_fc_bias: bool = True
     original_lm_head: bool = False
     truncated_vocab_size: int | None = None
+    base_lora: str = ""
+    base_lora_probe: dict | None = None
     model_type: str = "medusa"
     architectures: list[str] = field(default_factory=lambda: ["MedusaModel"])
 

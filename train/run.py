@@ -25,6 +25,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
 from heads.hub import push_folder
+from heads.lora import LORA_FOLDER, lora_probe
 from train.checkpoint import (
     TrainingDiverged,
     check_same_run,
@@ -359,21 +360,26 @@ def save_final(
 ) -> Path | None:
     """Write the heads in the native format to OUTPUT/heads and push them when hub.repo_id is set.
 
-    Medusa-2 (`base` a peft model): the heads read the LoRA-adapted base, so its adapters go to
-    OUTPUT/lora; serve with `PeftModel.from_pretrained(base, OUTPUT/lora).merge_and_unload()`.
+    Medusa-2 (`base` a peft model): the heads read the LoRA-adapted base, so its adapter goes
+    with them, to OUTPUT/heads/lora, and their config records it (`base_lora`, with a probe that
+    tells `load_heads` whether the base it is given has it merged); serve with
+    `PeftModel.from_pretrained(base, "OUTPUT/heads", subfolder="lora").merge_and_unload()`.
     """
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
     heads = accelerator.unwrap_model(heads)
     folder = Path(recipe.output.dir) / "heads"
+    lora = base is not None and hasattr(base, "peft_config")
+    if lora:
+        heads.config.base_lora, heads.config.base_lora_probe = LORA_FOLDER, lora_probe(base)
     heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
     accelerator.print(f"heads saved to {folder}")
-    if base is not None and hasattr(base, "peft_config"):
-        base.save_pretrained(Path(recipe.output.dir) / "lora")
-        accelerator.print(f"Medusa-2 LoRA adapters saved to {Path(recipe.output.dir) / 'lora'}")
+    if lora:
+        base.save_pretrained(folder / LORA_FOLDER)
+        accelerator.print(f"Medusa-2 LoRA adapter saved to {folder / LORA_FOLDER}")
     if recipe.hub.repo_id:  # the folder as written: its dtype, card and training metrics
         url = push_folder(folder, recipe.hub.repo_id, private=recipe.hub.private)
         accelerator.print(f"pushed to {url}")

@@ -14,6 +14,7 @@ import json
 import math
 import re
 import socket
+import warnings
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -230,7 +231,23 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     base = run(
         train.medusa, TINY_MEDUSA, tiny_task, out, "heads.lora_r=4", "training.max_steps=2", warmup
     )
-    heads = load_heads(out / "heads", base=load_tiny_base(tiny_task))
+    # the heads read the adapted base: given the plain one they say so, given it merged not
+    with pytest.warns(UserWarning, match="Medusa-2 heads were trained on the base with the LoRA"):
+        heads = load_heads(out / "heads", base=load_tiny_base(tiny_task))
+    assert heads.config.base_lora == "lora" and len(heads.config.base_lora_probe["index"]) == 8
+    from peft import PeftModel
+
+    merged = PeftModel.from_pretrained(
+        load_tiny_base(tiny_task), str(out / "heads"), subfolder="lora"
+    ).merge_and_unload()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_heads(out / "heads", base=merged)
+    assert "PeftModel.from_pretrained" in (out / "heads" / "README.md").read_text()
+    from heads.export import export_heads
+
+    export_heads(out / "heads", "vllm", tmp_path / "vllm")  # the adapter goes along
+    assert (tmp_path / "vllm" / "lora" / "adapter_model.safetensors").is_file()
     # LoRA A (r x in) and B (out x r) on q, k, v, o of both layers: q, o are 64 -> 64, k, v
     # 64 -> 32 (2 kv heads of 16).
     lora = 2 * 4 * ((64 + 64) + (64 + 32) + (64 + 32) + (64 + 64))
@@ -240,7 +257,7 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     assert sum(t.numel() for k, t in ckpt.items() if "lora_" in k) == lora
     train_lines, _ = read_metrics(out)
     assert sorted(train_lines) == [1, 2] and "kl" in train_lines[1]
-    adapter = load_file(out / "lora" / "adapter_model.safetensors")  # served with the heads
+    adapter = load_file(out / "heads" / "lora" / "adapter_model.safetensors")  # with the heads
     assert sum(t.numel() for t in adapter.values()) == lora
     # The heads' weight ramps up over training steps; a held-out loss weighs them fully
     # whatever the step (it read step 0's 1/10 all through a run).

@@ -1,0 +1,75 @@
+"""Medusa-2 heads and the LoRA-adapted base they were trained on.
+
+Medusa-2 fine-tunes the base with LoRA adapters beside the heads, so the heads read the adapted
+base's hidden states: served on the plain base they draft worse (the output stays the base's own,
+only slower). Training saves the adapter in the heads folder (`lora/`) and records a probe of it
+in the heads' config: the entries of one adapted weight that the adapter changes most, before
+and after merging. `load_heads` reads those entries of the base it is given to tell which it is.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+import torch
+from torch import nn
+
+LORA_FOLDER = "lora"  # the adapter's subfolder of a heads folder (peft's save_pretrained)
+
+
+def lora_probe(peft_model: nn.Module, k: int = 8) -> dict[str, Any]:
+    """The first adapted linear's weight name (as the plain base names it), the flat indices of
+    the `k` entries its adapter changes most, and their values in the plain and in the merged
+    base; {} when no adapter is active."""
+    for name, module in peft_model.named_modules():
+        active = getattr(module, "active_adapters", None)
+        if (
+            not active
+            or not hasattr(module, "get_delta_weight")
+            or not hasattr(module, "base_layer")
+        ):
+            continue
+        with torch.no_grad():
+            delta = module.get_delta_weight(active[0]).float().reshape(-1).cpu()
+            plain = module.base_layer.weight.float().reshape(-1).cpu()
+        top = delta.abs().topk(min(k, delta.numel())).indices
+        return {
+            "weight": name.removeprefix("base_model.model.") + ".weight",
+            "index": top.tolist(),
+            "plain": plain[top].tolist(),
+            "merged": (plain + delta)[top].tolist(),
+        }
+    return {}
+
+
+def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
+    """Whether `base` computes with the probed adapter: a peft model, or its weight's entries
+    nearer the merged values than the plain ones. None where the probe cannot tell (none
+    recorded, the weight not in this base, an adapter that changes nothing)."""
+    if hasattr(base, "peft_config"):
+        return True
+    if not probe or probe["plain"] == probe["merged"]:
+        return None
+    weight = dict(base.named_parameters()).get(probe["weight"])
+    if weight is None or weight.numel() <= max(probe["index"]):
+        return None
+    with torch.no_grad():
+        values = weight.reshape(-1)[torch.tensor(probe["index"], device=weight.device)]
+        values = values.float().cpu()
+    merged = (values - torch.tensor(probe["merged"])).abs().sum()
+    plain = (values - torch.tensor(probe["plain"])).abs().sum()
+    return bool(merged < plain)
+
+
+def warn_unless_merged(config, base: nn.Module, where: str) -> None:
+    """Warn when Medusa-2 heads (`config.base_lora`) are given the base without their adapter."""
+    if getattr(config, "base_lora", "") and lora_merged(base, config.base_lora_probe) is False:
+        warnings.warn(
+            f"these Medusa-2 heads were trained on the base with the LoRA adapter in their "
+            f"'{config.base_lora}' folder, and the base given has it not merged: they will draft "
+            "worse (the output stays the base's own). Load the base with it: "
+            f"PeftModel.from_pretrained(base, '{where}', subfolder='{config.base_lora}')"
+            ".merge_and_unload()",
+            stacklevel=3,
+        )

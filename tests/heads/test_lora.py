@@ -1,0 +1,29 @@
+import copy
+
+import torch
+from peft import LoraConfig, get_peft_model
+
+from heads.lora import lora_merged, lora_probe
+from tests.conftest import make_tiny_llama
+
+
+def test_the_probe_tells_a_base_with_the_adapter_merged_from_the_plain_one():
+    plain = make_tiny_llama(seed=2)
+    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
+    assert lora_probe(adapted)["plain"] == lora_probe(adapted)["merged"]  # B starts at zero
+    assert lora_merged(plain, lora_probe(adapted)) is None  # a fresh adapter: nothing to tell
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    probe = lora_probe(adapted, k=4)
+    assert probe["weight"] == "model.layers.0.self_attn.q_proj.weight" and len(probe["index"]) == 4
+    assert lora_merged(adapted, probe) is True  # a peft model computes with its adapter
+    assert lora_merged(plain, probe) is False
+    merged = adapted.merge_and_unload()
+    assert lora_merged(merged, probe) is True
+    assert lora_merged(merged.to(torch.bfloat16), probe) is True  # served in another dtype
+    assert (
+        lora_merged(make_tiny_llama(seed=2, num_hidden_layers=1), {**probe, "weight": "x"}) is None
+    )
+    assert lora_probe(plain) == {}
