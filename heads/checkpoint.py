@@ -177,7 +177,8 @@ def resolve_folder(
                 repo_id,
                 revision=revision,
                 token=token,
-                allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md"],
+                # lora/: Medusa-2 adapter (heads/lora.py), its config a JSON file
+                allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md", "lora/*"],
             )
         )
     except (OSError, ValueError) as e:  # no such repo, no network, a gated repo without token

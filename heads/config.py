@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,10 +56,20 @@ def renamed_keys(data: dict[str, Any]) -> dict[str, Any]:
     return data
 
 
+# a GGUF file's quantisation suffix: "SmolLM2-135M-Instruct.Q4_1", "llama-3-8b-instruct-q4_k_m"
+_QUANT_SUFFIX = re.compile(r"[.-](i?q\d\w*|f16|f32|bf16)$", re.IGNORECASE)
+
+
 def same_base(a: str, b: str) -> bool:
-    """Whether two spellings name the same base: an alias, a Hub id or a folder of one name
-    (`smollm2-135m-instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`, `/models/SmolLM2-135M-Instruct`)."""
-    return Path(str(a)).name.lower() == Path(str(b)).name.lower()
+    """Whether two spellings name the same base: an alias, a Hub id, a folder or a GGUF file of
+    one name (`smollm2-135m-instruct`, `HuggingFaceTB/SmolLM2-135M-Instruct`,
+    `/models/SmolLM2-135M-Instruct`, `SmolLM2-135M-Instruct.Q4_1.gguf`)."""
+
+    def name(spelling: str) -> str:
+        last = Path(str(spelling)).name.lower().removesuffix(".gguf")
+        return _QUANT_SUFFIX.sub("", last)
+
+    return name(a) == name(b)
 
 
 @dataclass
@@ -103,7 +114,10 @@ class HeadsConfig:
                 )
         recorded = self.base_model_name_or_path
         given = str(getattr(base_config, "name_or_path", "") or "")
-        if recorded and given and not same_base(recorded, given):
+        # Medusa-2 heads are served on their base with an adapter merged, saved under any name:
+        # their probe of the adapted weights tells (heads/lora.py)
+        merged_elsewhere = bool(getattr(self, "base_lora", ""))
+        if recorded and given and not merged_elsewhere and not same_base(recorded, given):
             warnings.warn(
                 f"these heads were trained on '{recorded}' and the given base is '{given}', of the "
                 "same sizes: heads seldom draft well for another model (the output stays the "

@@ -52,9 +52,14 @@ def export_heads(
     if out.resolve() == Path(src).resolve():
         raise ExportError("--out must differ from the source folder")
     _export_to(heads, Path(src), target, out, base_name)
-    lora = Path(src) / LORA_FOLDER
-    if lora.is_dir():  # Medusa-2's adapter: the engine serves the base with it merged
-        shutil.copytree(lora, out / LORA_FOLDER, dirs_exist_ok=True)
+    lora = getattr(heads.config, "base_lora", "")
+    if lora:  # Medusa-2's adapter: the engine serves the base with it merged
+        shutil.copytree(Path(src) / lora, out / LORA_FOLDER, dirs_exist_ok=True)
+        if target in ("tgi", "trtllm"):
+            print(
+                f"note: {target} loads the base these heads name, without their LoRA adapter: "
+                f"merge {out / LORA_FOLDER} into the base, save it, and give that to {target}"
+            )
     return out
 
 

@@ -27,9 +27,12 @@ def _usage(config, repo_id: str) -> tuple[str, str, str, str]:
         lead = {"vllm": "vLLM cannot serve these heads", "sglang": "SGLang cannot serve this draft"}
         refusals = {e: engine_refusal(config, e) for e in lead}
         refusals = {e: r and f"# {lead[e]}: {r}" for e, r in refusals.items()}
+    served = base
+    if getattr(config, "base_lora", ""):  # Medusa-2: the base with the heads' adapter merged
+        served = "BASE_WITH_LORA_MERGED"
     vllm = refusals["vllm"] or (
         "from vllm import LLM\n"
-        f'llm = LLM(model="{base}",\n'
+        f'llm = LLM(model="{served}",\n'
         f'          speculative_config={{"method": "{method}", "model": "{repo_id}", '
         f'"num_speculative_tokens": {tokens}}})'
     )
@@ -69,7 +72,8 @@ def model_card(config, repo_id: str = "REPO") -> str:
         adapted = (
             f"\nMedusa-2: the base was fine-tuned with the LoRA adapter in `{lora}/` beside the "
             "heads,\nwhich read its hidden states: serve them on the base with that adapter "
-            "merged (below;\nfor vLLM, save the merged base and serve that).\n"
+            "merged (below;\nfor vLLM, `save_pretrained` the merged base and give its folder as "
+            "`BASE_WITH_LORA_MERGED`).\n"
         )
     return f"""---
 base_model: {base}
@@ -136,7 +140,6 @@ def push_folder(
             .replace('"REPO"', f'"{repo_id}"')
             .replace("path REPO", f"path {repo_id}")
             .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
-            .replace('from_pretrained(base, "REPO"', f'from_pretrained(base, "{repo_id}"')
         )
     api = HfApi(token=token)
     api.create_repo(repo_id, private=private, exist_ok=True)

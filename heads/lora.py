@@ -10,6 +10,7 @@ and after merging. `load_heads` reads those entries of the base it is given to t
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from typing import Any
 
 import torch
@@ -18,10 +19,11 @@ from torch import nn
 LORA_FOLDER = "lora"  # the adapter's subfolder of a heads folder (peft's save_pretrained)
 
 
-def lora_probe(peft_model: nn.Module, k: int = 8) -> dict[str, Any]:
+def lora_probe(peft_model: nn.Module, k: int = 8, gather=None) -> dict[str, Any]:
     """The first adapted linear's weight name (as the plain base names it), the flat indices of
     the `k` entries its adapter changes most, and their values in the plain and in the merged
-    base; {} when no adapter is active."""
+    base (fp32); {} when no adapter is active. `gather(*params)` makes the module's parameters
+    whole to read (DeepSpeed ZeRO-3 shards them; every process must call it then)."""
     for name, module in peft_model.named_modules():
         active = getattr(module, "active_adapters", None)
         if (
@@ -30,7 +32,8 @@ def lora_probe(peft_model: nn.Module, k: int = 8) -> dict[str, Any]:
             or not hasattr(module, "base_layer")
         ):
             continue
-        with torch.no_grad():
+        whole = gather(*module.parameters()) if gather else nullcontext()
+        with whole, torch.no_grad():
             delta = module.get_delta_weight(active[0]).float().reshape(-1).cpu()
             plain = module.base_layer.weight.float().reshape(-1).cpu()
         top = delta.abs().topk(min(k, delta.numel())).indices
@@ -46,13 +49,18 @@ def lora_probe(peft_model: nn.Module, k: int = 8) -> dict[str, Any]:
 def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
     """Whether `base` computes with the probed adapter: a peft model, or its weight's entries
     nearer the merged values than the plain ones. None where the probe cannot tell (none
-    recorded, the weight not in this base, an adapter that changes nothing)."""
+    recorded, the weight not in this base, an adapter that changes nothing). An adapter whose
+    largest changes are below a low-precision base's rounding (bf16: ~0.4% of the weight) reads
+    as not merged."""
     if hasattr(base, "peft_config"):
         return True
     if not probe or probe["plain"] == probe["merged"]:
         return None
-    weight = dict(base.named_parameters()).get(probe["weight"])
-    if weight is None or weight.numel() <= max(probe["index"]):
+    try:
+        weight = base.get_parameter(probe["weight"])  # a tied weight too
+    except AttributeError:
+        return None
+    if weight.numel() <= max(probe["index"]):
         return None
     with torch.no_grad():
         values = weight.reshape(-1)[torch.tensor(probe["index"], device=weight.device)]

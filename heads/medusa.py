@@ -220,7 +220,9 @@ def read_vllm_medusa(
                 "Medusa layout: the reference's `{h}.{l}.linear.weight` / `{h}.{L}.weight` or "
                 "vLLM's `blocks.{h}.layers.{l}.weight` / `lm_heads.{h}.weight`"
             )
-        V, H = int(head.shape[0]), int(head.shape[1])
+        V, H = int(head.shape[0]), int(head.shape[1])  # V: the draft vocabulary's rows
+        if raw.get("truncated_vocab_size"):
+            V = int(raw.get("vocab_size") or 0)  # the base's, when the config names it
         sizes = {"vocab_size": V, "hidden_size": H, "base_vocab_size": V, "base_hidden_size": H}
         config = MedusaConfig.from_dict({**sizes, **engine_medusa_keys(raw)})
         config.validate()

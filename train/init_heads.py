@@ -3,6 +3,8 @@ heads it builds (type, shape, vocabularies, aux layers) for its base."""
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 
 from heads import EagleConfig
@@ -66,6 +68,15 @@ def read_init_heads(recipe: Recipe, config, base) -> tuple[dict[str, torch.Tenso
                 "were trained, or leave init_heads out to start fresh"
             )
         theirs.check_base(base.config)
+    lora = getattr(theirs, "base_lora", "")
+    if lora:  # Medusa-2 heads: they read the base with their adapter, which is not loaded
+        now = "a fresh LoRA adapter" if recipe.heads.lora_r > 0 else "no adapter (Medusa-1)"
+        warnings.warn(
+            f"training.init_heads={where}: these Medusa-2 heads read the base with the LoRA "
+            f"adapter in their '{lora}' folder; this run starts them on the base with {now}, "
+            "so they relearn that base",
+            stacklevel=2,
+        )
     return tensors, str(folder)
 
 

@@ -365,15 +365,18 @@ def save_final(
     tells `load_heads` whether the base it is given has it merged); serve with
     `PeftModel.from_pretrained(base, "OUTPUT/heads", subfolder="lora").merge_and_unload()`.
     """
+    lora = base is not None and hasattr(base, "peft_config")
+    probe = lora_probe(base, gather=gather_for_reading) if lora else None  # on every process
     accelerator.wait_for_everyone()
     if not accelerator.is_main_process:
         return None
     heads = accelerator.unwrap_model(heads)
     folder = Path(recipe.output.dir) / "heads"
-    lora = base is not None and hasattr(base, "peft_config")
     if lora:
-        heads.config.base_lora, heads.config.base_lora_probe = LORA_FOLDER, lora_probe(base)
+        heads.config.base_lora, heads.config.base_lora_probe = LORA_FOLDER, probe
     heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
+    if not lora and (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
+        shutil.rmtree(folder / LORA_FOLDER)
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
     accelerator.print(f"heads saved to {folder}")

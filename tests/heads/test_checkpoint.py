@@ -532,9 +532,38 @@ def test_heads_for_another_base_of_the_same_sizes_are_warned_about(
     _medusa(tiny_llama).save_pretrained(tmp_path)  # records tiny-llama-0
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        for same in ("tiny-llama-0", "/models/Tiny-Llama-0", "someone/tiny-llama-0"):
+        for same in (
+            "tiny-llama-0",
+            "/models/Tiny-Llama-0",
+            "someone/tiny-llama-0",
+            "tiny-llama-0.Q4_1",
+        ):
             monkeypatch.setattr(tiny_llama.config, "name_or_path", same)
             load_heads(tmp_path, base=tiny_llama)
     monkeypatch.setattr(tiny_llama.config, "name_or_path", "tiny-llama-0-base")
     with pytest.warns(UserWarning, match="trained on 'tiny-llama-0' and the given base is 'tiny"):
         load_heads(tmp_path, base=tiny_llama)
+
+
+def test_reference_keys_over_vllm_names_with_a_reduced_vocabulary(tiny_llama, tmp_path):
+    """Sized by their tensors, the lm_heads give the draft vocabulary; the base's is the
+    config's `vocab_size` (vLLM reads it so), and the heads load for that base."""
+    keep = torch.arange(0, 256, 2)
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=128)
+    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map=keep)
+    heads.save_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(
+        json.dumps(
+            {
+                "medusa_num_heads": 2,
+                "medusa_num_layers": 1,
+                "vocab_size": 256,
+                "truncated_vocab_size": 128,
+                "base_model_name_or_path": "tiny-llama-0",
+            }
+        )
+    )
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert (loaded.config.vocab_size, loaded.config.draft_vocab_size) == (256, 128)
+    hidden = torch.randn(1, 3, 64)
+    torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)

@@ -27,3 +27,39 @@ def test_the_probe_tells_a_base_with_the_adapter_merged_from_the_plain_one():
         lora_merged(make_tiny_llama(seed=2, num_hidden_layers=1), {**probe, "weight": "x"}) is None
     )
     assert lora_probe(plain) == {}
+
+
+def test_a_tied_adapted_weight_is_found():
+    plain = make_tiny_llama(seed=2, tie_word_embeddings=True)
+    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["lm_head"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    probe = lora_probe(adapted)
+    assert probe["weight"] == "lm_head.weight"  # tied: named_parameters lists it only once
+    assert lora_merged(plain, probe) is False
+    assert lora_merged(adapted.merge_and_unload(), probe) is True
+
+
+def test_a_hub_download_brings_the_adapter_along(tmp_path, monkeypatch):
+    """`resolve_folder` downloads only what heads need; Medusa-2's lora/ is part of that."""
+    import huggingface_hub
+    from huggingface_hub.utils import filter_repo_objects
+
+    from heads.checkpoint import resolve_folder
+
+    files = ["config.json", "model.safetensors", "README.md", "training_metrics.json"]
+    files += ["lora/adapter_config.json", "lora/adapter_model.safetensors", "lora/README.md"]
+    files += ["optimizer.pt"]
+    fetched = []
+
+    def snapshot(repo_id, allow_patterns=None, **kw):
+        fetched.extend(filter_repo_objects(files, allow_patterns=allow_patterns))
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot)
+    (tmp_path / "model.safetensors").write_bytes(b"")
+    assert resolve_folder("me/medusa2") == tmp_path
+    assert {"lora/adapter_config.json", "lora/adapter_model.safetensors"} <= set(fetched)
+    assert "optimizer.pt" not in fetched and "training_metrics.json" not in fetched

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import shutil
 import socket
 import warnings
 from pathlib import Path
@@ -243,7 +244,9 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         load_heads(out / "heads", base=merged)
-    assert "PeftModel.from_pretrained" in (out / "heads" / "README.md").read_text()
+    card = (out / "heads" / "README.md").read_text()
+    assert 'PeftModel.from_pretrained(base, "REPO", subfolder="lora")' in card
+    assert 'LLM(model="BASE_WITH_LORA_MERGED"' in card  # vLLM: the merged base, saved
     from heads.export import export_heads
 
     export_heads(out / "heads", "vllm", tmp_path / "vllm")  # the adapter goes along
@@ -278,6 +281,21 @@ def test_medusa2_trains_heads_and_lora_only(tiny_task, tmp_path, capsys):
         trainee.training = True  # the trainee's own flag only: what a training step reads
         ramped = [float(trainee(batch, step)[0]) for step in (0, 9)]
     assert ramped[0] < ramped[1] == pytest.approx(held_out[0]) and held_out[0] == held_out[1]
+    # Medusa-1 started from these heads, afresh in the same output: said, and the old adapter
+    # leaves the heads folder (it would be pushed and exported with heads that never read it)
+    shutil.copytree(out / "heads", tmp_path / "m2-heads")
+    with pytest.warns(UserWarning, match="these Medusa-2 heads read the base with the LoRA"):
+        run(
+            train.medusa,
+            TINY_MEDUSA,
+            tiny_task,
+            out,
+            f"training.init_heads={tmp_path / 'm2-heads'}",
+            "training.resume=never",
+            "training.max_steps=1",
+        )
+    assert not (out / "heads" / "lora").exists()
+    assert not load_heads(out / "heads").config.base_lora
 
 
 @pytest.mark.slow
