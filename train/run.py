@@ -122,6 +122,12 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         os.environ.setdefault(
             "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"
         )
+    if parse_flag_from_env("ACCELERATE_USE_FSDP"):
+        # Untested here, and on CPUs accelerate would fall back to plain DDP without a word.
+        raise SystemExit(
+            "error: the recipes do not run under FSDP; shard a large base with DeepSpeed ZeRO-3 "
+            "instead (accelerate launch --config_file recipes/accelerate/zero3-8gpu.yaml ...)"
+        )
     # Several processes (torchrun, `accelerate launch --multi_gpu`) on a machine without a GPU:
     # accelerate joins them with gloo only when told cpu=True; otherwise each trains alone.
     world = int(os.environ.get("WORLD_SIZE", "1"))

@@ -131,3 +131,13 @@ def test_launch_configs_parse(path):
     text = path.read_text()
     config = json.loads(text) if path.suffix == ".json" else yaml.safe_load(text)
     assert isinstance(config, dict) and config
+
+
+def test_an_fsdp_launch_is_refused_not_run_as_something_else(monkeypatch):
+    """On CPUs accelerate would quietly run an FSDP config as DDP; the recipes say to use ZeRO-3."""
+    from train.config import load_recipe
+    from train.run import make_accelerator
+
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")
+    with pytest.raises(SystemExit, match="do not run under FSDP.*zero3-8gpu.yaml"):
+        make_accelerator(load_recipe(None))
