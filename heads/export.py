@@ -56,9 +56,10 @@ def export_heads(
     if lora:  # Medusa-2's adapter: the engine serves the base with it merged
         shutil.copytree(Path(src) / lora, out / LORA_FOLDER, dirs_exist_ok=True)
         if target in ("tgi", "trtllm"):
-            print(
-                f"note: {target} loads the base these heads name, without their LoRA adapter: "
-                f"merge {out / LORA_FOLDER} into the base, save it, and give that to {target}"
+            warnings.warn(
+                f"{target} loads the base these heads name, without their LoRA adapter: merge "
+                f"{out / LORA_FOLDER} into the base, save it, and give that to {target}",
+                stacklevel=2,
             )
     return out
 
