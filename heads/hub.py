@@ -121,6 +121,10 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 """
 
 
+class HubPushError(OSError):
+    """The Hub would not take the heads (no network, no token, no write access)."""
+
+
 def push_folder(
     folder: str | Path,
     repo_id: str,
@@ -142,8 +146,14 @@ def push_folder(
             .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
         )
     api = HfApi(token=token)
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    info = api.upload_folder(
-        folder_path=str(folder), repo_id=repo_id, commit_message=commit_message
-    )
+    try:
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        info = api.upload_folder(
+            folder_path=str(folder), repo_id=repo_id, commit_message=commit_message
+        )
+    except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's errors
+        raise HubPushError(
+            f"could not push {folder} to the Hub repo {repo_id}: {type(e).__name__}: {e}. Check "
+            "the network and your token (`hf auth login`, HF_TOKEN or token=)"
+        ) from e
     return str(getattr(info, "commit_url", info))

@@ -223,6 +223,7 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
             load_state_checked(draft, tensors, where)
             if spec.version == 3:
                 check_vocab_map(draft.d2t, draft.t2d)
+        accelerator.print(f"the draft starts from {where} (training.init_heads)")
         return draft.to(base.device)
     if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
         with accelerator.main_process_first(), stop_on_bad_input():

@@ -181,6 +181,7 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
             if shared:  # frozen: the base's rows (under the token_map), never the folder's
                 tensors.pop("lm_head.weight", None)
             load_state_checked(heads, tensors, where, optional=shared)
+            accelerator.print(f"the heads start from {where} (training.init_heads)")
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
     return heads.to(device=base.device)
 

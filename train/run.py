@@ -24,7 +24,7 @@ from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
-from heads.hub import push_folder
+from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
 from train.checkpoint import (
     TrainingDiverged,
@@ -390,7 +390,14 @@ def save_final(
         base.save_pretrained(folder / LORA_FOLDER)
         accelerator.print(f"Medusa-2 LoRA adapter saved to {folder / LORA_FOLDER}")
     if recipe.hub.repo_id:  # the folder as written: its dtype, card and training metrics
-        url = push_folder(folder, recipe.hub.repo_id, private=recipe.hub.private)
+        try:
+            url = push_folder(folder, recipe.hub.repo_id, private=recipe.hub.private)
+        except HubPushError as e:
+            raise SystemExit(
+                f"error: {e}\nThe heads are saved in {folder}; push them again with: python -c "
+                f"\"from heads.hub import push_folder; push_folder('{folder}', "
+                f"'{recipe.hub.repo_id}')\""
+            ) from e
         accelerator.print(f"pushed to {url}")
     return folder
 

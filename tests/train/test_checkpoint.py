@@ -135,3 +135,16 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypa
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert f.get_tensor("lm_heads.0.weight").dtype == torch.bfloat16  # the recipe's default
     assert '"model": "me/tiny-medusa"' in (folder / "README.md").read_text()
+
+    # no network: said, with where the heads are and how to push them again
+    class Offline(FakeApi):
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    with pytest.raises(
+        SystemExit, match="could not push .*me/tiny-medusa: ConnectionError"
+    ) as stop:
+        save_final(recipe, heads, Accelerator(cpu=True), {})
+    assert f"The heads are saved in {folder}; push them again" in str(stop.value)
+    assert (folder / "model.safetensors").is_file()

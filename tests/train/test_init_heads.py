@@ -24,7 +24,7 @@ def assert_same_tensors(out, source) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
-def test_a_run_starts_from_the_given_heads(kind, request, tiny_task, tmp_path):
+def test_a_run_starts_from_the_given_heads(kind, request, tiny_task, tmp_path, capsys):
     """The trained heads load whole (weights and draft vocabulary): a run that barely moves them
     saves them again and evaluates as they did at the end of their own run."""
     module, recipe, extra, first, second = {
@@ -40,6 +40,7 @@ def test_a_run_starts_from_the_given_heads(kind, request, tiny_task, tmp_path):
     source, _, _ = request.getfixturevalue(f"{kind}_run")
     out = tmp_path / "out"
     run(module, recipe, tiny_task, out, *extra, *STILL, f"training.init_heads={source / 'heads'}")
+    assert f"from {source / 'heads'} (training.init_heads)" in capsys.readouterr().out
     assert_same_tensors(out, source)
     # The vocabulary came with the heads, none was chosen from the data.
     assert not (out / "draft_vocab.safetensors").exists()
