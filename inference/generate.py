@@ -257,8 +257,12 @@ class SpeculativeGenerator:
                 "acceptance='typical' accepts from the temperature-scaled distribution, without "
                 "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
             )
+        if isinstance(stop_strings, str):  # one string, as HF takes it
+            stop_strings = [stop_strings]
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer= to decode the generated text")
+        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
@@ -295,7 +299,13 @@ class SpeculativeGenerator:
         timings["draft"] += time.perf_counter() - t0
         sequence = torch.cat([ids, ids.new_tensor([root])])
         generated: list[int] = []
-        text_len = 0
+        # A stop string may begin in the prompt (a chat prompt ends in "assistant\n": "\n\n"
+        # ends one token in); HF reads the whole sequence's tail too. Its last tokens are decoded
+        # before the answer's, and only a match that ends in a new token's text stops.
+        context: list[int] = []
+        if stop_strings:
+            context = ids[-2 * max(map(len, stop_strings)) :].tolist()
+        text_len = len(tokenizer.decode(context)) if stop_strings else 0
 
         def finish(new: list[int]) -> tuple[list[int], bool]:
             """Cut `new` at EOS / a stop string / max_new_tokens; say whether to stop."""
@@ -310,15 +320,13 @@ class SpeculativeGenerator:
                     stats["finished"] = True
                     break
             if stop_strings:  # stop at the token that completes a stop string, as HF does
-                longest = max(map(len, stop_strings))
                 for i in range(len(new)):
-                    text = tokenizer.decode(generated + new[: i + 1])
-                    tail = text[max(text_len - longest, 0) :]
-                    if any(s in tail for s in stop_strings):
+                    text = tokenizer.decode(context + generated + new[: i + 1])
+                    if any(text.find(s, max(text_len - len(s) + 1, 0)) >= 0 for s in stop_strings):
                         new, done = new[: i + 1], True
                         stats["finished"] = True
                         break
-                text_len = len(tokenizer.decode(generated + new))
+                    text_len = len(text)
             return new, done
 
         first, done = finish([root])
@@ -461,11 +469,10 @@ class SpeculativeGenerator:
         )
 
     def _eos_ids(self, eos_token_id) -> set[int]:
-        if eos_token_id is None:
+        if eos_token_id is None:  # HF's: the generation config's, else the model config's
             gen_cfg = getattr(self.base, "generation_config", None)
-            eos_token_id = getattr(gen_cfg, "eos_token_id", None)
-            if eos_token_id is None:
-                eos_token_id = self.base.config.eos_token_id
+            holder = gen_cfg if gen_cfg is not None else self.base.config
+            eos_token_id = getattr(holder, "eos_token_id", None)
         if eos_token_id is None:
             return set()
         # an int, a list or set of them, or a tensor / numpy value of either

@@ -153,6 +153,17 @@ def tree_levels(tree: Tree) -> list[tuple[torch.Tensor, torch.Tensor]]:
     ]
 
 
+def check_ranks(tree: Tree, vocab: int, who: str) -> None:
+    """Refuse a tree whose nodes take ranks the drafter's vocabulary does not have (the k-th
+    best of `vocab` tokens exists only for k < vocab): said when the tree is set, not mid-run."""
+    ranks = tree.ranks[1:]
+    if ranks.numel() and int(ranks.max()) >= vocab:
+        raise ValueError(
+            f"the tree takes the rank-{int(ranks.max())} token, but the vocabulary of {who} has "
+            f"{vocab} tokens: use ranks below {vocab}"
+        )
+
+
 @dataclass(frozen=True, eq=False)
 class StaticTree:
     """A static tree as the drafters that fill it level by level use it (EAGLE, draft model):

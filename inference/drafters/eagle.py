@@ -26,7 +26,7 @@ from torch import nn
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
 from inference.mask import frontier_attention_mask
-from inference.tree import StaticTree, tree_from_parents
+from inference.tree import StaticTree, check_ranks, tree_from_parents
 
 
 class EagleDrafter(Drafter):
@@ -56,8 +56,9 @@ class EagleDrafter(Drafter):
         self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
         if choices is None:  # the dynamic tree's defaults
-            top_k, depth = top_k or 4, 4 if depth is None else depth
-            total_tokens = total_tokens or 12
+            top_k = 4 if top_k is None else top_k
+            depth = 4 if depth is None else depth
+            total_tokens = 12 if total_tokens is None else total_tokens
         self.configure(top_k, depth, total_tokens, choices)
         self.reset()
 
@@ -79,15 +80,28 @@ class EagleDrafter(Drafter):
         self.static = None
         if choices is not None:  # a static tree
             self.static = StaticTree.build(choices, device=self.draft.fc.weight.device)
+            check_ranks(self.static.tree, self._vocab(), "this EAGLE draft")
             self.top_k, self.depth = None, self.static.tree.depth
             self.max_nodes = self.total_tokens = self.static.tree.num_nodes
             return
         if top_k < 1 or depth < 0 or total_tokens < 1:
-            raise ValueError("need top_k >= 1, depth >= 0, total_tokens >= 1")
+            raise ValueError(
+                f"need top_k >= 1, depth >= 0, total_tokens >= 1; got top_k={top_k}, "
+                f"depth={depth}, total_tokens={total_tokens}"
+            )
+        if top_k > self._vocab():
+            raise ValueError(
+                f"top_k={top_k}, but the vocabulary of this EAGLE draft has {self._vocab()} tokens"
+            )
         self.top_k, self.depth = top_k, depth
         most = 1 + (top_k + top_k * top_k * (depth - 1) if depth else 0)  # root + every candidate
         self.total_tokens = min(total_tokens, most)
         self.max_nodes = self.total_tokens
+
+    def _vocab(self) -> int:
+        """The tokens the draft ranks: EAGLE-3's draft vocabulary, EAGLE-1's the base's."""
+        config = self.draft.config
+        return config.draft_vocab_size if config.version == 3 else config.vocab_size
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         if device.type == "cpu":

@@ -17,6 +17,7 @@ from inference.tree import (
     DEFAULT_ACCURACIES,
     build_static_tree,
     chain_choices,
+    check_ranks,
     get_preset,
     static_tree_capacity,
     tree_from_choices,
@@ -48,6 +49,7 @@ class MedusaDrafter(Drafter):
             raise ValueError(f"tree depth {too_deep} needs {too_deep} heads, these have {K}")
         device = next(self.heads.parameters()).device
         self.tree = tree_from_choices(choices, device=device)
+        check_ranks(self.tree, self.heads.config.draft_vocab_size, "these Medusa heads")
         self.max_nodes = self.tree.num_nodes
         depths, ranks = self.tree.depths[1:], self.tree.ranks[1:]
         self._heads_used = int(depths.max()) if depths.numel() else 0

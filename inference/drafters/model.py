@@ -22,7 +22,13 @@ from transformers import DynamicCache, PreTrainedModel
 from inference.acceptance import warp_probs
 from inference.draft import Draft, Drafter, Sampling
 from inference.mask import frontier_attention_mask
-from inference.tree import DEFAULT_ACCURACIES, StaticTree, build_static_tree, tree_from_parents
+from inference.tree import (
+    DEFAULT_ACCURACIES,
+    StaticTree,
+    build_static_tree,
+    check_ranks,
+    tree_from_parents,
+)
 
 
 class ModelDrafter(Drafter):
@@ -66,6 +72,7 @@ class ModelDrafter(Drafter):
                 )
             device = self.model.get_input_embeddings().weight.device
             self.static = StaticTree.build(choices, device=device)
+            check_ranks(self.static.tree, self.model.config.vocab_size, "the draft model")
             self.num_tokens, self.max_nodes = None, self.static.tree.num_nodes
             return
         if num_tokens < 1:

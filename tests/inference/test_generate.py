@@ -281,6 +281,53 @@ def test_eos_stop_strings_streaming_and_stats():
     assert out.sequences.shape[1] - 6 < 20
 
 
+def test_stop_strings_as_hf_reads_them(smollm2_tokenizer):
+    """A stop string may begin in the prompt and end in the answer (a chat prompt ends in
+    "assistant\n": "\n\n" ends one token in); one wholly in the prompt stops nothing; a single
+    string is one stop string, not its characters. HF `generate` is the reference."""
+    tok = smollm2_tokenizer
+    base = make_tiny_llama(vocab_size=len(tok), max_position_embeddings=512)
+    base.generation_config.eos_token_id = None
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about rain."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    n = prompt.shape[1]
+    plain = base.generate(prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist()
+    prompt_text, answer = tok.decode(prompt[0]), tok.decode(plain)
+    gen = SpeculativeGenerator(base, base, num_tokens=3)  # runs of several accepted tokens
+    stops = {
+        "spans the prompt's end": prompt_text[-3:] + answer[:2],
+        "in the prompt only": prompt_text[-12:-4],
+        "a single string": answer[5:8],
+        "absent, its characters not": "\x00" + answer[:3],
+    }
+    for what, stop in stops.items():
+        for given in (stop, [stop]):
+            kw = {"max_new_tokens": 12, "stop_strings": given, "tokenizer": tok}
+            ref = base.generate(prompt, do_sample=False, **kw)[0, n:].tolist()
+            out = gen.generate(prompt, **kw).sequences[0, n:].tolist()
+            assert out == ref, (what, given, out, ref)
+    assert len(gen.generate(prompt, **kw).sequences[0, n:]) == 12  # the absent one
+
+
+def test_eos_comes_from_the_generation_config_as_in_hf():
+    """A generation config without eos does not stop at the model config's eos (HF's rule)."""
+    base = make_tiny_llama()
+    prompt = torch.tensor([[5, 6, 7]])
+    ref = base.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, 3:]
+    base.config.eos_token_id = int(ref[1])
+    base.generation_config.eos_token_id = None
+    hf = base.generate(prompt, max_new_tokens=10, do_sample=False)
+    out = SpeculativeGenerator(base, None, num_tokens=3).generate(prompt, max_new_tokens=10)
+    assert torch.equal(out.sequences, hf) and out.sequences.shape[1] == 13
+    base.generation_config.eos_token_id = int(ref[1])
+    out = SpeculativeGenerator(base, None, num_tokens=3).generate(prompt, max_new_tokens=10)
+    assert out.sequences[0, 3:].tolist() == ref[:2].tolist() and out.finished
+
+
 def test_bad_input_is_clear():
     base = make_tiny_llama()
     gen = SpeculativeGenerator(base)
@@ -292,6 +339,26 @@ def test_bad_input_is_clear():
         gen.generate(torch.ones(1, 3, dtype=torch.long), stop_strings=["x"])
     with pytest.raises(ValueError, match="max_new_tokens must be >= 1, got 0"):
         gen.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=0)
+    for bad in (2.0, None):
+        with pytest.raises(TypeError, match="max_new_tokens must be an int"):
+            gen.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=bad)
+    # a tree of ranks the drafter's vocabulary lacks: said when it is set, not at a step
+    small = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
+    for options in ({"top_k": 80, "depth": 2, "total_tokens": 8}, {"choices": [(70,)]}):
+        with pytest.raises(ValueError, match="vocabulary of this EAGLE draft has 64 tokens"):
+            SpeculativeGenerator(base, small, **options)
+    with pytest.raises(ValueError, match="need top_k >= 1, .* got top_k=0"):
+        SpeculativeGenerator(base, small, top_k=0)
+    with pytest.raises(
+        ValueError, match="rank-300 token, but the vocabulary of these Medusa heads has 256"
+    ):
+        SpeculativeGenerator(
+            base, MedusaHeads(MedusaConfig.from_base(base.config)), choices=[(300,)]
+        )
+    with pytest.raises(
+        ValueError, match="rank-300 token, but the vocabulary of the draft model has 256"
+    ):
+        SpeculativeGenerator(base, make_tiny_llama(seed=1), choices=[(300,)])
     for bad in ({"temperature": -0.5}, {"top_k": -1}, {"top_p": 0.0}, {"top_p": 1.5}):
         with pytest.raises(ValueError, match="need temperature >= 0 .* 0 < top_p <= 1"):
             gen.generate(torch.ones(1, 3, dtype=torch.long), **bad)
