@@ -2,16 +2,13 @@
 
 import itertools
 import json
-import shutil
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from inference.tree import rank_paths
-from tests.conftest import make_tiny_llama
 
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
@@ -37,46 +34,6 @@ SHAREGPT = [
     {"conversations": [{"from": "human", "value": "Count to five: 1 2 3 4 5, again: 1 2 3"}]},
     {"conversations": [{"from": "human", "value": "Say hello."}]},
 ]
-
-
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """bench.main sets torch's thread count (--threads); give other tests theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
-def _tiny(tok, **overrides):
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    ids["pad_token_id"] = tok.pad_token_id
-    return make_tiny_llama(
-        0, "sdpa", vocab_size=len(tok), max_position_embeddings=2048, **ids, **overrides
-    )
-
-
-@pytest.fixture(scope="module")
-def folders(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
-    """A tiny base saved with the SmolLM2 tokenizer, fresh heads for it, and mismatched ones."""
-    root = tmp_path_factory.mktemp("bench")
-    tok = smollm2_tokenizer
-    base = _tiny(tok)
-    paths = {name: root / name for name in ("base", "medusa", "eagle3", "other-medusa", "small")}
-    base.save_pretrained(paths["base"])
-    tok.save_pretrained(paths["base"])
-    base.config.name_or_path = str(paths["base"])  # the heads record the base bench loads
-    cfg = MedusaConfig.from_base(base.config, num_heads=2)
-    MedusaHeads(cfg).init_from_base(base).save_pretrained(paths["medusa"])
-    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=1024))
-    eagle.set_vocab_map(torch.arange(1024))
-    eagle.save_pretrained(paths["eagle3"])
-    other = _tiny(tok, num_hidden_layers=3)
-    cfg = MedusaConfig.from_base(other.config, num_heads=2)
-    MedusaHeads(cfg).init_from_base(other).save_pretrained(paths["other-medusa"])
-    small = make_tiny_llama(1)  # vocab 256: not the base's tokenizer
-    small.save_pretrained(paths["small"])
-    tok.save_pretrained(paths["small"])
-    return paths
 
 
 def _jsonl(path: Path, records) -> Path:
@@ -467,40 +424,3 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
         with pytest.raises(SystemExit) as stop:
             bench.main([*argv, *bad])
         assert stop.value.code == 2 and message in capsys.readouterr().err
-
-
-def test_the_chat_template_and_system_prompt_of_training_are_given_as_flags(
-    folders, tmp_path, capsys
-):
-    """Heads trained with a recipe's data.chat_template / data.system_prompt are benchmarked
-    with them: a base whose tokenizer has no template runs with --chat-template, and
-    --system-prompt replaces every prompt's system turn (its tokens are in each prompt)."""
-    base = tmp_path / "no-template"
-    shutil.copytree(folders["base"], base)
-    (base / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (base / "tokenizer_config.json").write_text(json.dumps(config))
-    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
-    argv = ["--base", str(base), "--prompts", str(prompts), "--max-new-tokens", "4"]
-    argv += ["--methods", "baseline,ngram", "--threads", "1"]
-    assert bench.main([*argv, "--out", str(tmp_path / "none")]) == 2
-    assert "has no chat template" in capsys.readouterr().err
-    template = tmp_path / "plain.jinja"
-    template.write_text(
-        "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
-        "{% if add_generation_prompt %}### assistant:{% endif %}"
-    )
-    runs = {}
-    for name, extra in {
-        "own": [],
-        "system": ["--system-prompt", "Answer in one short line."],
-    }.items():
-        out = tmp_path / name
-        assert bench.main([*argv, "--chat-template", str(template), *extra, "--out", str(out)]) == 0
-        runs[name] = json.loads((out / "results.json").read_text())
-    assert runs["system"]["settings"]["system_prompt"] == "Answer in one short line."
-    assert runs["own"]["settings"]["chat_template"] == str(template)
-    for own, system in zip(runs["own"]["records"], runs["system"]["records"]):
-        assert system["identical"] and own["identical"]
-        assert system["prompt_tokens"] > own["prompt_tokens"] + 4  # the system turn's tokens

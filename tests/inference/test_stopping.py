@@ -1,0 +1,85 @@
+"""When generation stops: eos (the generation config's, as HF), stop strings (as HF reads them,
+one beginning in the prompt too), max_new_tokens, streaming."""
+
+import torch
+
+from inference import SpeculativeGenerator
+from tests.conftest import make_tiny_llama
+
+
+def test_eos_stop_strings_streaming_and_stats():
+    base = make_tiny_llama()
+    prompt = torch.randint(3, 256, (1, 6))
+    ref = base.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None)[
+        0, 6:
+    ].tolist()
+    gen = SpeculativeGenerator(base, base, num_tokens=3)
+    eos = ref[5]
+    out = gen.generate(prompt, max_new_tokens=20, eos_token_id=eos)
+    assert out.sequences[0, 6:].tolist() == ref[: ref.index(eos) + 1] and out.finished
+    steps = list(gen.stream(prompt, max_new_tokens=20, eos_token_id=[]))
+    assert sum(steps, []) == ref and steps[0] == ref[:1]
+    full = gen.generate(prompt, max_new_tokens=20, eos_token_id=[])
+    assert not full.finished and full.sequences.shape[1] == 26
+    assert set(full.timings) == {"base", "draft", "other", "total"} and full.timings["total"] > 0
+
+    class Tok:  # a tokenizer whose text is the token ids
+        def decode(self, ids):
+            return " ".join(map(str, ids))
+
+    stop = f"{ref[3]} {ref[4]}"
+    out = gen.generate(
+        prompt, max_new_tokens=20, eos_token_id=[], stop_strings=[stop], tokenizer=Tok()
+    )
+    new = out.sequences[0, 6:].tolist()
+    assert stop in Tok().decode(new) and out.finished
+    assert stop not in Tok().decode(new[:-1])  # cut at the token that completes it, as HF does
+    assert new == ref[: len(new)]
+    assert out.sequences.shape[1] - 6 < 20
+
+
+def test_stop_strings_as_hf_reads_them(smollm2_tokenizer):
+    """A stop string may begin in the prompt and end in the answer (a chat prompt ends in
+    "assistant\n": "\n\n" ends one token in); one wholly in the prompt stops nothing; a single
+    string is one stop string, not its characters. HF `generate` is the reference."""
+    tok = smollm2_tokenizer
+    base = make_tiny_llama(vocab_size=len(tok), max_position_embeddings=512)
+    base.generation_config.eos_token_id = None
+    prompt = tok.apply_chat_template(
+        [{"role": "user", "content": "Write a haiku about rain."}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    n = prompt.shape[1]
+    plain = base.generate(prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist()
+    prompt_text, answer = tok.decode(prompt[0]), tok.decode(plain)
+    gen = SpeculativeGenerator(base, base, num_tokens=3)  # runs of several accepted tokens
+    stops = {
+        "spans the prompt's end": prompt_text[-3:] + answer[:2],
+        "in the prompt only": prompt_text[-12:-4],
+        "a single string": answer[5:8],
+        "absent, its characters not": "\x00" + answer[:3],
+    }
+    for what, stop in stops.items():
+        for given in (stop, [stop]):
+            kw = {"max_new_tokens": 12, "stop_strings": given, "tokenizer": tok}
+            ref = base.generate(prompt, do_sample=False, **kw)[0, n:].tolist()
+            out = gen.generate(prompt, **kw).sequences[0, n:].tolist()
+            assert out == ref, (what, given, out, ref)
+    assert len(gen.generate(prompt, **kw).sequences[0, n:]) == 12  # the absent one
+
+
+def test_eos_comes_from_the_generation_config_as_in_hf():
+    """A generation config without eos does not stop at the model config's eos (HF's rule)."""
+    base = make_tiny_llama()
+    prompt = torch.tensor([[5, 6, 7]])
+    ref = base.generate(prompt, max_new_tokens=10, do_sample=False, eos_token_id=None)[0, 3:]
+    base.config.eos_token_id = int(ref[1])
+    base.generation_config.eos_token_id = None
+    hf = base.generate(prompt, max_new_tokens=10, do_sample=False)
+    out = SpeculativeGenerator(base, None, num_tokens=3).generate(prompt, max_new_tokens=10)
+    assert torch.equal(out.sequences, hf) and out.sequences.shape[1] == 13
+    base.generation_config.eos_token_id = int(ref[1])
+    out = SpeculativeGenerator(base, None, num_tokens=3).generate(prompt, max_new_tokens=10)
+    assert out.sequences[0, 3:].tolist() == ref[:2].tolist() and out.finished

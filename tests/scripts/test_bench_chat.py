@@ -1,0 +1,43 @@
+"""scripts/bench.py with the chat template and system prompt the heads were trained with."""
+
+import json
+import shutil
+
+from tests.scripts.test_bench import MT_BENCH, _jsonl, bench
+
+
+def test_the_chat_template_and_system_prompt_of_training_are_given_as_flags(
+    folders, tmp_path, capsys
+):
+    """Heads trained with a recipe's data.chat_template / data.system_prompt are benchmarked
+    with them: a base whose tokenizer has no template runs with --chat-template, and
+    --system-prompt replaces every prompt's system turn (its tokens are in each prompt)."""
+    base = tmp_path / "no-template"
+    shutil.copytree(folders["base"], base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
+    argv = ["--base", str(base), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    argv += ["--methods", "baseline,ngram", "--threads", "1"]
+    assert bench.main([*argv, "--out", str(tmp_path / "none")]) == 2
+    assert "has no chat template" in capsys.readouterr().err
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+        "{% if add_generation_prompt %}### assistant:{% endif %}"
+    )
+    runs = {}
+    for name, extra in {
+        "own": [],
+        "system": ["--system-prompt", "Answer in one short line."],
+    }.items():
+        out = tmp_path / name
+        assert bench.main([*argv, "--chat-template", str(template), *extra, "--out", str(out)]) == 0
+        runs[name] = json.loads((out / "results.json").read_text())
+    assert runs["system"]["settings"]["system_prompt"] == "Answer in one short line."
+    assert runs["own"]["settings"]["chat_template"] == str(template)
+    for own, system in zip(runs["own"]["records"], runs["system"]["records"]):
+        assert system["identical"] and own["identical"]
+        assert system["prompt_tokens"] > own["prompt_tokens"] + 4  # the system turn's tokens
