@@ -22,7 +22,6 @@ Backends (`data.backend`): batched HF `generate` (one strided share per process)
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import logging
 import os
@@ -64,6 +63,7 @@ from train.distilled import (
     recorded_manifest,
     recorded_settings,
     summarize_shards,
+    template_sha1,
     write_atomic,
 )
 from train.prompts import (
@@ -265,8 +265,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
             f"data.max_length - data.max_new_tokens = {data.max_length - data.max_new_tokens} "
             "tokens; raise data.max_length or lower data.max_new_tokens"
         )
-    template_sha1 = hashlib.sha1(template.encode()).hexdigest()
-    check_template(out_dir, template_sha1)
+    sha1 = template_sha1(template)
+    check_template(out_dir, sha1)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_done_ids(out_dir)
     backend = "vllm" if vllm else "transformers"
@@ -284,7 +284,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         if model is not None
         else recipe.model.dtype,
         "chat_template": template,
-        "chat_template_sha1": template_sha1,
+        "chat_template_sha1": sha1,
         "eos_token_ids": eos_ids,
         "recipe": recipe_to_dict(recipe),
         "counts": {**counts, "records_expected": len(items)},

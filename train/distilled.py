@@ -82,15 +82,20 @@ def recorded_settings(out_dir: Path) -> dict[str, Any]:
     return recorded_manifest(out_dir).get("settings") or {}
 
 
-def check_template(out_dir: Path, template_sha1: str) -> None:
+def template_sha1(template: str) -> str:
+    """The fingerprint of a chat template that a distill manifest records."""
+    return hashlib.sha1(template.encode()).hexdigest()
+
+
+def check_template(out_dir: Path, sha1: str) -> None:
     """Refuse to add answers under another chat template than the ones there were written in
     (the tokenizer's template changed, or data.chat_template's file): the training examples
     would be rendered in one template and half their answers written in another."""
     was = recorded_manifest(out_dir).get("chat_template_sha1")
-    if was and was != template_sha1 and read_done_ids(out_dir):
+    if was and was != sha1 and read_done_ids(out_dir):
         raise DistillError(
             f"{out_dir} holds answers written under another chat template (sha1 {was[:12]} "
-            f"there, {template_sha1[:12]} now: the tokenizer's template or data.chat_template's "
+            f"there, {sha1[:12]} now: the tokenizer's template or data.chat_template's "
             "file changed). Use another data.output_dir, or restore that template to resume."
         )
 
@@ -165,10 +170,9 @@ def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
     """How the answers in `out_dir` were made otherwise than `recipe` trains for: by another
     base, under another chat template or system prompt (empty when alike or without a manifest).
     """
-    path = Path(out_dir) / MANIFEST
     try:
-        manifest = json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+        manifest = recorded_manifest(Path(out_dir))
+    except (OSError, DistillError):  # unreadable: distill's own check says so
         return []
     settings = manifest.get("settings") or {}
     notes = []
@@ -178,7 +182,7 @@ def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
         notes.append(f"base {manifest.get('base_model')!r} (this recipe trains for {named!r})")
     template = resolve_chat_template(tokenizer, recipe.data.chat_template)
     sha1 = manifest.get("chat_template_sha1")
-    if sha1 and sha1 != hashlib.sha1(template.encode()).hexdigest():
+    if sha1 and sha1 != template_sha1(template):
         notes.append("another chat template than the recipe's data.chat_template")
     if "system_prompt" in settings and settings["system_prompt"] != recipe.data.system_prompt:
         notes.append(
