@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import time
 import warnings
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -39,6 +39,7 @@ from inference.draft import Draft, Drafter, Sampling
 from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
+from inference.prompt import prompt_ids, prompt_tensor
 from inference.tree import rank_paths, tree_from_parents
 
 # A CPU reads the whole lm_head weight once per call whatever its rows: SmolLM2's (49k x 576,
@@ -77,19 +78,6 @@ def check_arms(arms: list[dict | None]) -> None:
             "once another arm has configured the drafter, {} no longer means its first "
             "settings; name them instead"
         )
-
-
-def prompt_tensor(input_ids) -> torch.Tensor:
-    """The prompt's token ids as a tensor, or a clear error for text or a tokenizer's dict."""
-    texts = isinstance(input_ids, (list, tuple)) and any(isinstance(t, str) for t in input_ids)
-    if isinstance(input_ids, str) or texts:
-        raise TypeError(
-            "input_ids is text: tokenize it first, e.g. tokenizer.apply_chat_template(messages, "
-            "add_generation_prompt=True, return_tensors='pt', return_dict=True)['input_ids']"
-        )
-    if isinstance(input_ids, Mapping):  # a tokenizer's BatchEncoding
-        raise TypeError("input_ids is a tokenizer's output dict: pass its ['input_ids']")
-    return torch.as_tensor(input_ids)
 
 
 class SpeculativeGenerator:
@@ -234,22 +222,14 @@ class SpeculativeGenerator:
         tokenizer=None,
         acceptance: str = "lossless",
         stats: dict | None = None,
+        attention_mask: torch.Tensor | None = None,
     ) -> Iterator[list[int]]:
         """Yield the new tokens of every step (the first yield is the prefill's token).
 
         `stats`, when given, receives `accepted_lengths`, `timings` and `finished` as it goes.
         See `generate` for the arguments.
         """
-        ids = prompt_tensor(input_ids)
-        if ids.dim() == 2:
-            if ids.shape[0] != 1:
-                raise ValueError(
-                    f"batch size {ids.shape[0]}: speculative decoding here runs one sequence at a "
-                    "time; call generate per prompt (or use HF generate for batched decoding)"
-                )
-            ids = ids[0]
-        if ids.numel() == 0:
-            raise ValueError("input_ids is empty: give at least one prompt token")
+        ids = prompt_ids(input_ids, attention_mask)
         if acceptance not in ("lossless", "typical"):
             raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
         if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
@@ -428,6 +408,7 @@ class SpeculativeGenerator:
         stop_strings: Sequence[str] | None = None,
         tokenizer=None,
         acceptance: str = "lossless",
+        attention_mask: torch.Tensor | None = None,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `input_ids` ((1,T) or (T,)).
 
@@ -438,6 +419,8 @@ class SpeculativeGenerator:
         exactly, whatever the drafter proposes. `acceptance="typical"` is
         Medusa's typical acceptance: faster at high temperature but LOSSY (opt-in).
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
+        `attention_mask` (a tokenizer's, so `generate(**inputs)` works) must be all ones: one
+        sequence, no padding.
         """
         stats: dict = {}
         prompt = prompt_tensor(input_ids)  # (1,T) or (T,); stream refuses other shapes
@@ -454,6 +437,7 @@ class SpeculativeGenerator:
             tokenizer,
             acceptance,
             stats,
+            attention_mask,
         ):
             new.extend(step)
         device = next(self.base.parameters()).device

@@ -342,6 +342,27 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, heads, adaptive=[None, {}, {"choices": "cpu-8"}])
 
 
+def test_a_tokenizers_output_unpacks_into_generate():
+    """`generate(**tokenizer(...))` as with HF: an all-ones attention mask is taken; padding,
+    a mask of another length and more than two dimensions are refused before any step."""
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base, MedusaHeads(MedusaConfig.from_base(base.config)))
+    ids = torch.randint(3, 256, (1, 7), generator=torch.Generator().manual_seed(0))
+    inputs = {"input_ids": ids, "attention_mask": torch.ones_like(ids)}
+    unpacked = gen.generate(**inputs, max_new_tokens=12)
+    expected = base.generate(**inputs, do_sample=False, max_new_tokens=12, min_new_tokens=12)
+    assert torch.equal(unpacked.sequences, gen.generate(ids, max_new_tokens=12).sequences)
+    assert torch.equal(unpacked.sequences, expected)
+    padded = torch.ones_like(ids)
+    padded[0, 0] = 0
+    with pytest.raises(ValueError, match=r"masks some prompt tokens \(padding\).*attention_mask"):
+        gen.generate(ids, attention_mask=padded)
+    with pytest.raises(ValueError, match="attention_mask has 6 entries for 7 prompt tokens"):
+        gen.generate(ids, attention_mask=torch.ones(1, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"must be \(1, T\) or \(T,\), got shape \(1, 1, 7\)"):
+        next(gen.stream(ids[None]))
+
+
 def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
     from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
 
