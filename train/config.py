@@ -192,7 +192,8 @@ class TrainingConfig:
     # Start from trained heads (a folder or Hub repo id with this recipe's heads shape) instead
     # of a fresh init: fine-tune them on this data; their draft vocabulary is kept
     init_heads: str | None = None
-    mixed_precision: Literal["no", "bf16", "fp16"] = "no"
+    # "auto": bf16 where the hardware computes it (a GPU, a CPU with AVX512-BF16 or AMX), else no
+    mixed_precision: Literal["no", "bf16", "fp16", "auto"] = "no"
     seed: int = 0
 
     def __post_init__(self) -> None:

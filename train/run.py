@@ -42,6 +42,7 @@ from train.features import (
     split_held_out,
 )
 from train.losses import ratio_means
+from train.precision import resolve_mixed_precision
 
 
 @contextmanager
@@ -135,9 +136,11 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     # DeepSpeed on CPUs (its CPU accelerator talks gloo): cpu=True would silently drop DeepSpeed
     # for plain DDP, and without a backend accelerate would join a single process.
     deepspeed_on_cpu = cpu_only and parse_flag_from_env("ACCELERATE_USE_DEEPSPEED")
+    on_gpu = torch.cuda.is_available() and not parse_flag_from_env("ACCELERATE_USE_CPU")
+    precision, why = resolve_mixed_precision(recipe.training.mixed_precision, on_gpu)
     accelerator = Accelerator(
         gradient_accumulation_steps=recipe.training.gradient_accumulation_steps,
-        mixed_precision=recipe.training.mixed_precision,
+        mixed_precision=precision,
         log_with=log_with,
         project_dir=recipe.output.dir,
         cpu=cpu_only and not deepspeed_on_cpu,
@@ -157,6 +160,8 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = (
             recipe.training.micro_batch_size
         )
+    if recipe.training.mixed_precision == "auto":
+        accelerator.print(f"mixed precision: {precision} ({why})")
     if log_with:
         accelerator.init_trackers(recipe.logging.project, config=_flat(recipe))
     set_seed(recipe.training.seed)

@@ -1,0 +1,81 @@
+"""training.mixed_precision=auto: bf16 autocast only where the hardware computes bf16.
+
+On a CPU without AVX512-BF16 or AMX torch emulates bf16 matmuls: the demo's EAGLE-3 step took
+67 s there instead of 2.0 s in fp32, so the SmolLM2 recipes say "auto".
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+
+import train.eagle
+import train.precision
+import train.run
+from tests.train.conftest import TINY_EAGLE, run
+from train.config import load_recipe
+from train.precision import cpu_has_bf16, resolve_mixed_precision
+
+SMOLLM2_RECIPES = ["recipes/smollm2-135m-medusa.yaml", "recipes/smollm2-135m-eagle.yaml"]
+
+
+def test_auto_is_bf16_only_on_hardware_that_computes_it(monkeypatch):
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    assert resolve_mixed_precision("auto", on_gpu=False) == (
+        "bf16",
+        "auto: this CPU computes in bf16",
+    )
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    assert resolve_mixed_precision("auto", on_gpu=False) == (
+        "no",
+        "auto: this CPU has no bf16 instructions, so fp32",
+    )
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert resolve_mixed_precision("auto", on_gpu=True)[0] == "bf16"
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert resolve_mixed_precision("auto", on_gpu=True)[0] == "no"
+    assert isinstance(cpu_has_bf16(), bool)
+
+
+def test_explicit_settings_are_kept_and_emulated_bf16_is_warned(monkeypatch):
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="without bf16 instructions.*mixed_precision=auto"):
+        assert resolve_mixed_precision("bf16", on_gpu=False) == ("bf16", "bf16")
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        for setting in ("no", "bf16", "fp16"):
+            assert resolve_mixed_precision(setting, on_gpu=False)[0] == setting
+
+
+@pytest.mark.parametrize("path", SMOLLM2_RECIPES)
+def test_the_cpu_recipes_ask_for_auto(path):
+    assert load_recipe(path).training.mixed_precision == "auto"
+
+
+def test_a_run_hands_accelerate_the_resolved_setting(tiny_task, tmp_path, monkeypatch, capsys):
+    """An auto run on a CPU without bf16 trains in fp32 and says why."""
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    given = {}
+    real = train.run.Accelerator
+
+    def recording(*args, **kwargs):
+        given.update(kwargs)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(train.run, "Accelerator", recording)
+    out = tmp_path / "out"
+    run(
+        train.eagle,
+        TINY_EAGLE,
+        tiny_task,
+        out,
+        "training.mixed_precision=auto",
+        "training.max_steps=1",
+    )
+    assert given["mixed_precision"] == "no"
+    printed = capsys.readouterr().out
+    assert "mixed precision: no (auto: this CPU has no bf16 instructions, so fp32)" in printed
+    assert (out / "heads").is_dir()
