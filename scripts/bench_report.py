@@ -10,6 +10,8 @@ from pathlib import Path
 
 import torch
 
+from train.precision import cpu_has_bf16
+
 PLOTS = {
     "tau": "tau_by_category.png",
     "speedup": "speedup.png",
@@ -19,7 +21,8 @@ PLOTS = {
 
 
 def machine_info() -> dict:
-    """CPU model, cores, torch threads and GPU: what a reader needs to weigh the timings."""
+    """CPU model, cores, torch threads, bf16 instructions and GPU: what a reader needs to weigh
+    the timings (a CPU without AVX512 or bf16 ran the demo's benchmark at half the speed)."""
     cpu = platform.processor() or "unknown"
     try:
         with open("/proc/cpuinfo", encoding="utf-8") as f:
@@ -35,6 +38,7 @@ def machine_info() -> dict:
         "cpu_count": os.cpu_count(),
         "cpus_usable": usable,
         "torch_threads": torch.get_num_threads(),
+        "cpu_bf16": cpu_has_bf16(),
         "gpu": gpu,
         "platform": platform.platform(),
     }
@@ -152,6 +156,8 @@ def category_table(results: dict) -> str:
 def markdown(results: dict) -> str:
     machine, s = results["machine"], results["settings"]
     device = machine["gpu"] or f"{machine['cpu']}, {machine['cpus_usable']} cores usable"
+    if not machine["gpu"] and "cpu_bf16" in machine:  # results.json files before it lack it
+        device += ", " + ("bf16 instructions" if machine["cpu_bf16"] else "no bf16 instructions")
     decoding = (
         "greedy" if s["temperature"] == 0 else f"temperature {s['temperature']}, top-p {s['top_p']}"
     )

@@ -141,6 +141,7 @@ def write_report(out: Path, bench_out: Path, timings: dict[str, float], prompts:
         "",
     ]
     lines += [f"- {name}: {seconds / 60:.1f} min" for name, seconds in timings.items()]
+    lines.append(f"- in all: {sum(timings.values()) / 60:.1f} min")
     lines += ["", "## Held-out training metrics", ""]
     for name in ("smollm2-medusa", "smollm2-eagle"):
         path = ROOT / "runs" / name / "heads" / "training_metrics.json"

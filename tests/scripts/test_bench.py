@@ -59,6 +59,7 @@ def test_all_methods_greedy_identical(folders, tmp_path):
     assert results["methods"][3]["options"]["tree"] == "adaptive"  # the generator's default
     assert set(results) >= {"date", "machine", "versions", "settings", "summary", "records"}
     assert results["machine"]["torch_threads"] >= 1 and results["machine"]["cpu"]
+    assert isinstance(results["machine"]["cpu_bf16"], bool)
     records = results["records"]
     assert len(records) == 3 * 6
     assert all(r["identical"] for r in records), [r for r in records if not r["identical"]]
@@ -81,6 +82,8 @@ def test_all_methods_greedy_identical(folders, tmp_path):
     out = tmp_path / "out"
     md = (out / "results.md").read_text()
     assert "| eagle3 | eagle3 |" in md and "## Per category" in md and "scripts/bench.py" in md
+    bf16 = "bf16 instructions" if results["machine"]["cpu_bf16"] else "no bf16 instructions"
+    assert f"cores usable, {bf16} (" in md or results["machine"]["gpu"]
     for png in bench_report.PLOTS.values():
         assert (out / png).stat().st_size > 1000
 

@@ -43,6 +43,7 @@ def test_demo_runs_its_stages_in_order_and_writes_the_report(tmp_path, monkeypat
     report = (tmp_path / "report" / "REPORT.md").read_text()
     assert f"Prompts: `{tmp_path / 'mine.jsonl'}`" in report
     assert "- distill: 1.0 min" in report and "| medusa | 1.50 |" in report
+    assert "- in all: 4.0 min" in report  # the four stages' minute each
     assert str(tmp_path / "report" / "REPORT.md") in capsys.readouterr().out
 
 
