@@ -110,10 +110,10 @@ def _drafter(base, name: str):
 
 def _own_answers(base) -> NgramTable:
     """The base's greedy answers to other prompts, plus noise: right and wrong proposals."""
-    rng = torch.Generator().manual_seed(7)
-    prompts = torch.randint(3, 256, (8, 4), generator=rng).to(base.device)
+    rng = torch.Generator().manual_seed(7)  # on the CPU, also under `with torch.device("cuda")`
+    prompts = torch.randint(3, 256, (8, 4), generator=rng, device="cpu").to(base.device)
     answers = base.generate(prompts, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    noise = torch.randint(3, 256, (8, 24), generator=rng)
+    noise = torch.randint(3, 256, (8, 24), generator=rng, device="cpu")
     return NgramTable([*answers[:, 4:].tolist(), *noise.tolist()], min_count=1)
 
 
