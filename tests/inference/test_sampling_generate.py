@@ -97,9 +97,9 @@ def _gen(kind, lazy_logits=None):
             base, peaky_tiny(seed=3), choices=[(0,), (1,), (0, 0), (1, 0)]
         )
     if kind == "ngram-corpus":  # point-mass chains from a table of the base's greedy answers
-        prompts = torch.randint(
-            3, base.config.vocab_size, (8, 3), generator=torch.Generator().manual_seed(5)
-        )
+        rng = torch.Generator().manual_seed(5)  # on the CPU, also under a CUDA default device
+        prompts = torch.randint(3, base.config.vocab_size, (8, 3), generator=rng, device="cpu")
+        prompts = prompts.to(base.device)
         answers = base.generate(prompts, max_new_tokens=12, do_sample=False, eos_token_id=None)
         table = NgramTable(answers[:, 3:].tolist(), min_count=1)
         return base, SpeculativeGenerator(base, NgramDrafter(num_tokens=2, corpus=table))
