@@ -199,6 +199,9 @@ class EagleTrainee(Trainee):
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok)
             metrics[f"step{j}/top1"] = count(ok[valid])
+            # the top 4: the width of the CPU trees (a right token among them is accepted)
+            top4 = draft.to_base_ids(logits.topk(min(4, logits.shape[-1]), -1).indices)
+            metrics[f"step{j}/top4"] = count((top4 == base_top[rows, None]).any(-1))
             hidden = out
         metrics["sim_tau"] = sim_tau(correct, next_is_target)
         if not self.training and correct:  # a Python walk over the rows: evaluation only

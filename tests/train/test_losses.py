@@ -272,6 +272,11 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
         -1
     )
     assert metrics["step0/top1"] == (int(right.sum()), right.numel())
+    # top 4: the base's token among the draft's 4 highest logits, mapped to base ids
+    ranked = draft.to_base_ids(logits[valid].argsort(-1, descending=True)[:, :4])
+    in_top4 = (ranked == shift_left(base_logits, 1)[valid].argmax(-1)[:, None]).any(-1)
+    assert metrics["step0/top4"] == (int(in_top4.sum()), in_top4.numel())
+    assert metrics["step0/top4"][0] >= metrics["step0/top1"][0]
     assert torch.equal(feats["top"], base_logits.argmax(-1))
     assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
     assert metrics_offline == metrics  # the same hits and rows
