@@ -5,7 +5,7 @@
 
 Runs the trainer's held-out evaluation (train/medusa.py or train/eagle.py, as the recipe says)
 on trained heads: each head's or TTT step's top-1 against the base's greedy token (and whether
-it is among a Medusa head's top 5 or an EAGLE step's top 4, the CPU trees' width), `sim_tau`
+it is among a Medusa head's top 5 or an EAGLE-3 step's top 4, the CPU trees' width), `sim_tau`
 (1 + leading correct steps, averaged over answer positions) and `walk_tau` (the same walked in
 decode order: the tau a fixed chain of the heads' steps decodes at on these answers). It scores
 as decoding runs, in the dtype the recipe loads the base in, without the recipe's training

@@ -200,7 +200,7 @@ class EagleTrainee(Trainee):
             correct.append(ok)
             metrics[f"step{j}/top1"] = count(ok[valid])
             # the top 4: the width of the CPU trees (a right token among them is accepted)
-            top4 = draft.to_base_ids(logits.topk(min(4, logits.shape[-1]), -1).indices)
+            top4 = draft.to_base_ids(logits.detach().topk(min(4, logits.shape[-1]), -1).indices)
             metrics[f"step{j}/top4"] = count((top4 == base_top[rows, None]).any(-1))
             hidden = out
         metrics["sim_tau"] = sim_tau(correct, next_is_target)
