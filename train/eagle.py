@@ -31,7 +31,14 @@ from train.checkpoint import base_identity, check_finite, load_checkpoint, save_
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.init_heads import read_init_heads
-from train.losses import count, ratio_means, shift_left, sim_tau, walk_accept_length
+from train.losses import (
+    count,
+    ratio_means,
+    shift_left,
+    sim_tau,
+    topk_correct,
+    walk_accept_length,
+)
 from train.run import (
     MetricsLog,
     Trainee,
@@ -200,8 +207,8 @@ class EagleTrainee(Trainee):
             correct.append(ok)
             metrics[f"step{j}/top1"] = count(ok[valid])
             # the top 4: the width of the CPU trees (a right token among them is accepted)
-            top4 = draft.to_base_ids(logits.detach().topk(min(4, logits.shape[-1]), -1).indices)
-            metrics[f"step{j}/top4"] = count((top4 == base_top[rows, None]).any(-1))
+            top4 = topk_correct(logits, base_top[rows], 4, draft.to_base_ids)
+            metrics[f"step{j}/top4"] = count(top4)
             hidden = out
         metrics["sim_tau"] = sim_tau(correct, next_is_target)
         if not self.training and correct:  # a Python walk over the rows: evaluation only

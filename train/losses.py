@@ -41,10 +41,11 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int) -> torch.Tensor:
-    """(B,T) bool: label in the top-k of logits (every label when k >= V)."""
-    k = min(k, logits.shape[-1])
-    return (logits.topk(k, dim=-1).indices == labels[..., None]).any(-1)
+def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
+    """(...) bool: label in the top-k of logits (every label when k >= V). `to_ids` maps the
+    logits' indices to the labels' ids first (a reduced draft vocabulary's `to_base_ids`)."""
+    top = logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
+    return ((top if to_ids is None else to_ids(top)) == labels[..., None]).any(-1)
 
 
 def count(values: torch.Tensor) -> tuple[int, int]:

@@ -24,7 +24,14 @@ from train.checkpoint import base_identity, check_finite, load_checkpoint, save_
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.init_heads import read_init_heads
-from train.losses import count, ratio_means, shift_left, sim_tau, walk_accept_length
+from train.losses import (
+    count,
+    ratio_means,
+    shift_left,
+    sim_tau,
+    topk_correct,
+    walk_accept_length,
+)
 from train.run import (
     MetricsLog,
     Trainee,
@@ -120,8 +127,7 @@ class MedusaTrainee(Trainee):
             pred = self.heads.to_base_ids(logits.argmax(-1))
             truth = shift_left(ids, k + 2)[valid]
             metrics[f"head{k}/top1"] = count(pred == truth)
-            top5 = self.heads.to_base_ids(logits.topk(min(5, logits.shape[-1]), -1).indices)
-            metrics[f"head{k}/top5"] = count((top5 == truth[:, None]).any(-1))
+            metrics[f"head{k}/top5"] = count(topk_correct(logits, truth, 5, self.heads.to_base_ids))
             # Chain acceptance: head k right and the data token is the base's greedy choice.
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = (pred == truth) & (base_top[rows] == truth)
