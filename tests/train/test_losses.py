@@ -101,6 +101,13 @@ def test_topk_correct():
     assert topk_correct(logits, labels, 1).tolist() == [[False, True]]
     assert topk_correct(logits, labels, 2).tolist() == [[True, True]]
     assert topk_correct(logits, labels, 5).all()  # k past the vocabulary: everything is in
+    # a reduced draft vocabulary: index i of the logits is base id to_base[i]
+    to_base = torch.tensor([7, 3, 9])
+    base_labels = torch.tensor([[9, 7]])
+    hits = topk_correct(logits, base_labels, 1, to_ids=lambda i: to_base[i])
+    assert hits.tolist() == [[False, True]]
+    assert topk_correct(logits, base_labels, 2, to_ids=lambda i: to_base[i]).all()
+    assert not topk_correct(logits, labels, 3, to_ids=lambda i: to_base[i]).any()  # draft ids
 
 
 def one_hot_logits(tokens: torch.Tensor, V: int, scale: float = 30.0) -> torch.Tensor:
