@@ -61,18 +61,16 @@ class MedusaDrafter(Drafter):
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         K = self.heads.config.num_heads
-        accuracies = DEFAULT_ACCURACIES[:K]
-        sizes = (8,) if device.type == "cpu" else (32, 64)
-        # one head holds at most 11 nodes (its top 10 and the root)
-        sizes = sorted({min(n, static_tree_capacity(accuracies)) for n in sizes})
-        trees = [build_static_tree(accuracies, n) for n in sizes]
         if device.type == "cpu":
-            # On 2 CPU cores a base forward over 6 nodes cost ~1.2x a 1-token one, over 8 up to
-            # ~1.4x: head 0's top 4 and head 1's top 1 first, and no chain, which was never the
-            # best here (docs/bench.md, "CPU arms" and "... the settings that never paid").
-            trees.insert(0, [(rank,) for rank in range(4)] + [(0, 0)][: K - 1])
-        else:
-            trees.insert(0, chain_choices(K))
+            # On 2 CPU cores a base forward over 6 nodes cost ~1.1-1.2x a 1-token one, over 8
+            # ~1.2-1.4x: head 0's top 4 and head 1's top 1, alone. The chain and the 8-node tree
+            # were never the best here, and re-trying them cost the policy (docs/bench.md, "...
+            # the settings that never paid" and "A third level for the full recipe's draft").
+            return [None, {"choices": [(rank,) for rank in range(4)] + [(0, 0)][: K - 1]}]
+        accuracies = DEFAULT_ACCURACIES[:K]
+        # one head holds at most 11 nodes (its top 10 and the root)
+        sizes = sorted({min(n, static_tree_capacity(accuracies)) for n in (32, 64)})
+        trees = [chain_choices(K)] + [build_static_tree(accuracies, n) for n in sizes]
         return [None] + [{"choices": t} for t in trees]
 
     def reset(self) -> None:

@@ -356,7 +356,7 @@ def test_adaptive_generation_is_still_exact(kind):
     gen.arms = [dict(a) if a else a for a in gen.arms]  # equal arms: the same measurements
     gen.generate(prompt, max_new_tokens=8)
     assert gen.policy is policy
-    gen.arms = gen.arms[:2]  # other arms: a policy for them, measured afresh
+    gen.arms = gen.arms[:2][::-1]  # other arms (or an other order): a policy, measured afresh
     ref = base.generate(prompt, max_new_tokens=8, do_sample=False)
     out = gen.generate(prompt, max_new_tokens=8)
     assert torch.equal(out.sequences, ref)
@@ -371,7 +371,7 @@ def test_fixed_options_turn_adaptation_off():
 
 
 @pytest.mark.parametrize("num_heads", [1, 2, 3])
-def test_medusa_cpu_arms_fit_the_heads_and_grow(num_heads):
+def test_medusa_cpu_arms_fit_the_heads(num_heads):
     from inference.drafters.medusa import MedusaDrafter
 
     base = make_tiny_llama()
@@ -383,8 +383,8 @@ def test_medusa_cpu_arms_fit_the_heads_and_grow(num_heads):
     for options in arms[1:]:
         drafter.configure(**options)  # every arm is a tree these heads can draft
         sizes.append(drafter.tree.num_nodes)
-    # head 0's top 4 (and head 1's top 1), then the 8-node tree
-    assert sizes == [5 + (num_heads > 1), 8]
+    # head 0's top 4 (and head 1's top 1): the one tree that paid on 2 CPU cores
+    assert sizes == [5 + (num_heads > 1)]
 
 
 def test_medusa_sized_presets_fit_two_heads_and_chains_say_what_they_need():
