@@ -356,7 +356,7 @@ def test_adaptive_generation_is_still_exact(kind):
     gen.arms = [dict(a) if a else a for a in gen.arms]  # equal arms: the same measurements
     gen.generate(prompt, max_new_tokens=8)
     assert gen.policy is policy
-    gen.arms = gen.arms[:2][::-1]  # other arms (or an other order): a policy, measured afresh
+    gen.arms = gen.arms[:2][::-1]  # other arms (or another order): a policy, measured afresh
     ref = base.generate(prompt, max_new_tokens=8, do_sample=False)
     out = gen.generate(prompt, max_new_tokens=8)
     assert torch.equal(out.sequences, ref)
