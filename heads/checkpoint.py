@@ -39,6 +39,7 @@ class PretrainedHeads(nn.Module):
         from heads.hub import model_card
 
         folder = Path(folder)
+        adapter = self._base_adapter(folder)  # Medusa-2: checked before anything is written
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp"))
         try:
@@ -61,7 +62,29 @@ class PretrainedHeads(nn.Module):
                 os.replace(f, folder / f.name)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
+        if adapter is not None:
+            shutil.copytree(adapter, folder / self.config.base_lora, dirs_exist_ok=True)
         return folder
+
+    def _base_adapter(self, folder: Path) -> Path | None:
+        """Medusa-2 heads read their base with a LoRA adapter (`config.base_lora`), which the
+        heads module does not hold: the folder it was loaded from has it (copied from there), or
+        `folder` already does (training writes it first); else saving would lose it."""
+        lora = getattr(self.config, "base_lora", "")
+        if not lora:
+            return None
+        source = getattr(self, "source_folder", None)
+        if source is not None and (Path(source) / lora).is_dir():
+            same = (Path(source) / lora).resolve() == (folder / lora).resolve()
+            return None if same else Path(source) / lora
+        if (folder / lora).is_dir():
+            return None
+        raise ValueError(
+            f"these Medusa-2 heads read the base with the LoRA adapter that belongs in their "
+            f"'{lora}' folder, and neither {folder} nor the folder they were loaded from has "
+            f"it: save the adapter there first (peft's save_pretrained to {folder / lora}), or "
+            "load the heads with load_heads from the folder that holds it"
+        )
 
     def push_to_hub(
         self,
@@ -225,6 +248,9 @@ def read_heads_folder(folder: Path, base_layers: int | None = None):
         config, tensors = read_vllm_medusa(raw, config, tensors, f"{folder}/{CONFIG_NAME}")
     if isinstance(config, EagleConfig):
         if config.version == 1:  # EAGLE's reference trains an fc bias its config need not name
+            bias = tensors.get("fc.bias")
+            if bias is not None and not bias.any():  # an SGLang export's zero bias: none
+                del tensors["fc.bias"]
             config.fc_bias = "fc.bias" in tensors
         # Some trainers (SpecForge) also save the base's embeddings; the draft reads the base's.
         tensors.pop("embed_tokens.weight", None)
@@ -254,7 +280,7 @@ def load_heads(
     size, layer count must match what they were trained on), moved to its device and dtype, and
     a shared Medusa lm_head is tied to the base's.
     """
-    from heads.eagle import EagleDraft, check_vocab_map
+    from heads.eagle import EagleDraft, check_vocab_map, t2d_from_d2t
     from heads.lora import warn_unless_merged
     from heads.medusa import MedusaConfig, MedusaHeads
 
@@ -282,6 +308,8 @@ def load_heads(
     whole_vocab = isinstance(module, EagleDraft) and config.draft_vocab_size == config.vocab_size
     if whole_vocab and config.version == 3:
         optional += ("d2t", "t2d")  # the whole vocabulary: the identity map, as engines read
+    elif isinstance(module, EagleDraft) and "d2t" in tensors and "t2d" not in tensors:
+        tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
     load_state_checked(module, tensors, str(folder), optional=optional)
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)
@@ -298,5 +326,6 @@ def load_heads(
             prepack_linear_weights(module)  # the draft runs every step too: same CPU fast path
     elif device is not None or dtype is not None:
         module.to(device=device, dtype=dtype)
+    module.source_folder = folder  # a Medusa-2 adapter beside it is saved with the heads
     module.eval()
     return module

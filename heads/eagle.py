@@ -246,6 +246,20 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         )
 
 
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d (the base ids in the draft vocabulary) from d2t, for folders that leave it out: vLLM
+    and SGLang never read it."""
+    target = d2t.long() + torch.arange(d2t.numel())
+    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
+        raise ValueError(
+            f"inconsistent d2t: draft->target ids (draft + d2t[draft]) run from {int(target.min())} "
+            f"to {int(target.max())}, outside the base vocabulary of {vocab_size}"
+        )
+    t2d = torch.zeros(vocab_size, dtype=torch.bool)
+    t2d[target] = True
+    return t2d
+
+
 def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     """Additive causal mask (1,1,T,past+T): each new token sees the past and itself/earlier."""
     q = torch.arange(T, device=device).unsqueeze(1) + past

@@ -64,10 +64,11 @@ def engine_refusal(config: EagleConfig, engine: str) -> str | None:
             f"SGLang's EAGLE-3 layer has no attention or MLP biases, and this draft has "
             f"{' and '.join(biased)} (from its base): serve it with vLLM"
         )
-    if engine == "sglang" and min(ids) < 1:
+    if min(ids) < 1:  # their Llama adds the residual stream, which is None before layer 0
         return (
-            f"aux layer ids {ids}: SGLang does not capture the embeddings (id 0, the state "
-            "entering layer 0): serve the draft with vLLM"
+            f"aux layer ids {ids}: neither vLLM nor SGLang captures the embeddings (id 0, the "
+            "state entering layer 0; their base forward fails on it): serve the draft with "
+            "headstart, or train it with heads.aux_layer_ids of 1 or more"
         )
     return None
 
@@ -179,6 +180,18 @@ class EagleConfig(HeadsConfig):
                 raise ValueError(
                     f"draft_vocab_size={self.draft_vocab_size} must be in (0, {self.vocab_size}]"
                 )
+
+    def check_base(self, base_config) -> None:
+        """Also: the aux layers must be the base's (other trainers' folders record no layer
+        count, so `validate` cannot tell)."""
+        super().check_base(base_config)
+        layers = base_config.num_hidden_layers
+        if self.version == 3 and not all(0 <= i < layers for i in self.aux_layer_ids):
+            raise ValueError(
+                f"this EAGLE-3 draft fuses the states entering base layers {self.aux_layer_ids}, "
+                f"but the given base '{getattr(base_config, 'name_or_path', '?')}' has {layers} "
+                "layers; load the draft with the base it was trained for"
+            )
 
     def llama_config(self, attn_implementation: str = "sdpa") -> LlamaConfig:
         """The LlamaConfig of the draft layer's transformers building blocks."""

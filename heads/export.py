@@ -51,8 +51,13 @@ def export_heads(
     out = Path(out)
     if out.resolve() == Path(src).resolve():
         raise ExportError("--out must differ from the source folder")
-    _export_to(heads, Path(src), target, out, base_name)
     lora = getattr(heads.config, "base_lora", "")
+    if lora and not (Path(src) / lora).is_dir():
+        raise ExportError(
+            f"these Medusa-2 heads read the base with the LoRA adapter of their '{lora}' "
+            f"folder, which {src} lacks: export them from the training run's heads folder"
+        )
+    _export_to(heads, Path(src), target, out, base_name)
     if lora:  # Medusa-2's adapter: the engine serves the base with it merged
         shutil.copytree(Path(src) / lora, out / LORA_FOLDER, dirs_exist_ok=True)
         if target in ("tgi", "trtllm"):

@@ -229,6 +229,8 @@ def read_vllm_medusa(
     if "medusa_fc_bias" not in raw and config.num_hidden_layers > 0:
         config.medusa_fc_bias = "blocks.0.layers.0.bias" in tensors
     token_map = tensors.get("token_map")
+    if config.truncated_vocab_size == config.vocab_size and token_map is None:
+        config.truncated_vocab_size = None  # vLLM reads a token_map only below the vocabulary
     if config.truncated_vocab_size and token_map is not None:  # lm_heads over the whole vocabulary
         for name in [n for n in tensors if n.startswith("lm_head")]:
             if tensors[name].shape[0] > token_map.numel():

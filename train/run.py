@@ -383,16 +383,16 @@ def save_final(
         return None
     heads = accelerator.unwrap_model(heads)
     folder = Path(recipe.output.dir) / "heads"
-    if lora:
+    if lora:  # the adapter first: the heads' config names it, and saving them checks it is there
         heads.config.base_lora, heads.config.base_lora_probe = LORA_FOLDER, probe
-    heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
-    if not lora and (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
+        base.save_pretrained(folder / LORA_FOLDER)
+    elif (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
         shutil.rmtree(folder / LORA_FOLDER)
+    heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))
     accelerator.print(f"heads saved to {folder}")
     if lora:
-        base.save_pretrained(folder / LORA_FOLDER)
         accelerator.print(f"Medusa-2 LoRA adapter saved to {folder / LORA_FOLDER}")
     if recipe.hub.repo_id:  # the folder as written: its dtype, card and training metrics
         try:

@@ -83,6 +83,10 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
     )
     for name in before:
         assert torch.equal(after[name], before[name]), name
+    # the zero bias is no bias: the SGLang folder exports back to vLLM as the native one
+    export_heads(tmp_path / "s1", "vllm", tmp_path / "v1")
+    assert json.loads((tmp_path / "v1/config.json").read_text()) == native
+    assert set(load_file(tmp_path / "v1/model.safetensors")) == set(before)
 
 
 def test_cli(medusa_dir, tmp_path):
@@ -150,9 +154,10 @@ def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
     )
     low.set_vocab_map(torch.arange(0, 256, 8))
     low.save_pretrained(tmp_path / "low")
-    with pytest.raises(ExportError, match="SGLang does not capture the embeddings"):
-        export_heads(tmp_path / "low", "sglang", tmp_path / "low-s")
-    assert not (tmp_path / "low-s").exists()
+    for engine in ("sglang", "vllm"):  # both engines' Llama fails on id 0
+        with pytest.raises(ExportError, match="neither vLLM nor SGLang captures the embeddings"):
+            export_heads(tmp_path / "low", engine, tmp_path / f"low-{engine}")
+        assert not (tmp_path / f"low-{engine}").exists()
     # a Hub repo id (what the model card's EAGLE-1 SGLang lines export) is downloaded first
     import huggingface_hub
 

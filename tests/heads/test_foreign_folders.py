@@ -139,6 +139,12 @@ def test_third_party_eagle3_without_aux_ids_or_base_record(tiny_llama, tmp_path)
     loaded = load_heads(tmp_path, base=tiny_llama)
     assert loaded.config.aux_layer_ids == [1, 1, 0]
     assert loaded.rotary_emb.inv_freq.dtype == torch.float32
+    # with no layer count recorded, aux ids past the given base's layers are refused at load
+    (tmp_path / "config.json").write_text(
+        json.dumps({**cfg, "eagle_aux_hidden_state_layer_ids": [1, 5, 8]})
+    )
+    with pytest.raises(ValueError, match=r"base layers \[1, 5, 8\], but .* has 2 layers"):
+        load_heads(tmp_path, base=tiny_llama)
     assert cfg["torch_dtype"] == "float32"  # what the file holds
     draft.save_pretrained(tmp_path / "again", dtype=torch.bfloat16)
     assert json.loads((tmp_path / "again/config.json").read_text())["torch_dtype"] == "bfloat16"
@@ -179,6 +185,22 @@ def test_third_party_eagle3_over_the_whole_vocabulary_needs_no_vocab_map(tiny_ll
     cfg["draft_vocab_size"] = 32
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match="missing tensors: .*d2t"):
+        load_heads(tmp_path, base=tiny_llama)
+
+
+def test_a_reduced_vocabulary_needs_d2t_only(tiny_llama, tmp_path):
+    """vLLM and SGLang read d2t and never t2d: a folder with d2t alone loads, t2d rebuilt."""
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(3, 256, 8))
+    draft.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["t2d"]
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert torch.equal(loaded.t2d, draft.t2d) and torch.equal(loaded.d2t, draft.d2t)
+    tensors["d2t"][-1] = 300  # a target id past the base vocabulary
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="outside the base vocabulary of 256"):
         load_heads(tmp_path, base=tiny_llama)
 
 
@@ -244,5 +266,19 @@ def test_reference_keys_over_vllm_names_with_a_reduced_vocabulary(tiny_llama, tm
     )
     loaded = load_heads(tmp_path, base=tiny_llama)
     assert (loaded.config.vocab_size, loaded.config.draft_vocab_size) == (256, 128)
+    hidden = torch.randn(1, 3, 64)
+    torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_medusa_truncated_to_the_whole_vocabulary_without_token_map(tiny_llama, tmp_path):
+    """vLLM reads a token_map only when truncated_vocab_size is below vocab_size: a folder that
+    sets it to the whole vocabulary and has no token_map drafts over the whole vocabulary."""
+    heads = _medusa(tiny_llama)
+    heads.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    cfg["truncated_vocab_size"] = cfg["vocab_size"]
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert loaded.token_map is None and loaded.config.truncated_vocab_size is None
     hidden = torch.randn(1, 3, 64)
     torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)

@@ -1,4 +1,6 @@
 import copy
+import shutil
+from pathlib import Path
 
 import torch
 from peft import LoraConfig, get_peft_model
@@ -63,3 +65,47 @@ def test_a_hub_download_brings_the_adapter_along(tmp_path, monkeypatch):
     assert resolve_folder("me/medusa2") == tmp_path
     assert {"lora/adapter_config.json", "lora/adapter_model.safetensors"} <= set(fetched)
     assert "optimizer.pt" not in fetched and "training_metrics.json" not in fetched
+
+
+def test_medusa2_heads_keep_their_adapter_when_saved_again_pushed_or_exported(
+    tmp_path, monkeypatch
+):
+    """The heads module does not hold the base's adapter: saving copies it from the folder the
+    heads were loaded from, and a save or export that would lose it is refused, writing nothing."""
+    import pytest
+
+    from heads import MedusaConfig, MedusaHeads, load_heads
+    from heads.export import ExportError, export_heads
+
+    base = make_tiny_llama()
+    config = MedusaConfig.from_base(base.config, num_heads=2, base_lora="lora")
+    heads = MedusaHeads(config).init_from_base(base)
+    with pytest.raises(ValueError, match="neither .*first nor the folder they were loaded from"):
+        heads.save_pretrained(tmp_path / "first")
+    assert not (tmp_path / "first").exists()
+    (tmp_path / "first" / "lora").mkdir(parents=True)  # as training writes it, before the heads
+    (tmp_path / "first" / "lora" / "adapter_config.json").write_text("{}")
+    heads.save_pretrained(tmp_path / "first")
+    loaded = load_heads(tmp_path / "first")
+    loaded.save_pretrained(tmp_path / "first")  # into its own folder: nothing to copy
+    loaded.save_pretrained(tmp_path / "again")
+    assert (tmp_path / "again" / "lora" / "adapter_config.json").read_text() == "{}"
+    import heads.hub
+
+    pushed = []
+
+    def push(folder, repo_id, **kw):
+        pushed.extend(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*"))
+        return f"https://huggingface.co/{repo_id}"
+
+    monkeypatch.setattr(heads.hub, "push_folder", push)
+    loaded.push_to_hub("me/medusa2")
+    assert "lora/adapter_config.json" in pushed
+    with pytest.warns(UserWarning, match="without their LoRA adapter"):
+        export_heads(tmp_path / "again", "tgi", tmp_path / "tgi", base_name="me/base")
+    assert (tmp_path / "tgi" / "lora" / "adapter_config.json").is_file()
+    # a folder whose config names the adapter but lacks it: refused before anything is written
+    shutil.rmtree(tmp_path / "again" / "lora")
+    with pytest.raises(ExportError, match="'lora' folder, which .* lacks"):
+        export_heads(tmp_path / "again", "vllm", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
