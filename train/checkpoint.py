@@ -26,7 +26,9 @@ from train.feature_cache import weights_fingerprint
 STATE_NAME = "trainer_state.json"
 # How the held-out answers were chosen (train.features.split_held_out), recorded in each
 # checkpoint: a run resumed under another way would train on answers it measured before.
-HELD_OUT_SPLIT = "prompt-hash"
+HELD_OUT_SPLIT = (
+    "prompt-hash-2"  # 2 (2026-12-05): the prompt tokenised alone, see train.features._prompt_key
+)
 # What a resumed run must share with its checkpoint: the base, the heads (and those it started
 # from), the data and the order of the batches. Anything else (epochs, max_steps, learning rate,
 # logging, eval and save steps, where the data folder lies) may change between a run and its

@@ -170,9 +170,11 @@ def tokenize_conversation(
     there. (A record says only that one of its answers was cut: every turn's marker is left out.)
 
     Returns `input_ids`, `loss_mask` (1 on tokens the model produced as the assistant: answer
-    text and end-of-turn token) and `labels` (`input_ids` where the mask is 1, else -100; not
-    shifted, as transformers' causal LM losses expect). `max_length` truncates on a token
-    boundary. Needs a fast tokenizer (character offsets).
+    text and end-of-turn token), `labels` (`input_ids` where the mask is 1, else -100; not
+    shifted, as transformers' causal LM losses expect) and `prompt_ids` (the text before the
+    first answer, tokenised alone: what identifies the prompt, whatever the answer's first
+    token merges with). `max_length` truncates on a token boundary. Needs a fast tokenizer
+    (character offsets).
     """
     if not tokenizer.is_fast:
         raise ChatTemplateError("loss masks need a fast tokenizer (return_offsets_mapping)")
@@ -190,7 +192,16 @@ def tokenize_conversation(
     if max_length is not None:
         input_ids, loss_mask = input_ids[:max_length], loss_mask[:max_length]
     labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, loss_mask)]
-    return {"input_ids": input_ids, "loss_mask": loss_mask, "labels": labels}
+    # An answer's first token may merge with the template's last (SmolLM2: an answer starting
+    # "\n\n" after "assistant\n"), so the tokens before the first target are not the prompt's.
+    prompt = text[: spans[0][0]] if spans else text
+    prompt_ids = list(tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    return {
+        "input_ids": input_ids,
+        "loss_mask": loss_mask,
+        "labels": labels,
+        "prompt_ids": prompt_ids,
+    }
 
 
 def build_examples(

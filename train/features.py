@@ -32,6 +32,11 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
     # Answers cut at max_new_tokens are kept: their tokens are still the base's own (but not
     # the end-of-turn marker the template adds after them).
     records = read_distilled(recipe.data.output_dir)
+    if not records:
+        raise ValueError(
+            f"{recipe.data.output_dir}: its .jsonl shards hold no answers; run scripts/distill.py "
+            "with this recipe (it resumes a killed run) or point data.output_dir at its answers"
+        )
     if notes := distilled_otherwise(recipe.data.output_dir, recipe, tokenizer):
         # Heads learn to draft what the base wrote under that template: allowed (data from
         # elsewhere is a choice), but said, since it is mostly a recipe mix-up.
@@ -129,10 +134,12 @@ def split_held_out(
 
 
 def _prompt_key(example: Example, seed: int) -> bytes:
-    """A seeded hash of an example's tokens before its first target (the prompt)."""
-    mask = example["loss_mask"]
-    first = mask.index(1) if 1 in mask else len(mask)
-    prompt = example["input_ids"][:first]
+    """A seeded hash of an example's prompt tokens (`prompt_ids`; else, for examples made
+    without them, its tokens before the first target)."""
+    prompt = example.get("prompt_ids")
+    if prompt is None:
+        mask = example["loss_mask"]
+        prompt = example["input_ids"][: mask.index(1) if 1 in mask else len(mask)]
     data = f"{seed}:" + ",".join(map(str, prompt))
     return hashlib.blake2b(data.encode(), digest_size=16).digest()
 

@@ -340,6 +340,35 @@ def test_held_out_split_goes_by_prompt_and_keeps_its_sides_as_the_data_grows():
     assert split_held_out(examples, 0.0, seed=0) == (examples, [])
 
 
+def test_answers_to_one_prompt_share_its_key_whatever_their_first_token(smollm2_tokenizer):
+    """SmolLM2's tokenizer merges an answer's leading "\n\n" with the template's "\n" after
+    "assistant": the tokens before the first target differ, the prompt's key must not."""
+    from train.features import _prompt_key, split_held_out
+
+    answers = ["Roses are red.", "\n\nRoses are red.", " Roses", "\nRoses"]
+    examples = []
+    for p in range(40):
+        for answer in answers:
+            conversation = [
+                {"role": "user", "content": f"Write poem number {p}."},
+                {"role": "assistant", "content": answer},
+            ]
+            examples.append(tokenize_conversation(conversation, smollm2_tokenizer))
+    merged = examples[1]
+    first = merged["loss_mask"].index(1)
+    assert (
+        merged["input_ids"][:first] != examples[0]["input_ids"][: examples[0]["loss_mask"].index(1)]
+    )
+    assert len({_prompt_key(e, 0) for e in examples[:4]}) == 1
+    # the usual case keeps the key it had: the tokens before the first target
+    assert (
+        examples[0]["prompt_ids"] == examples[0]["input_ids"][: examples[0]["loss_mask"].index(1)]
+    )
+    train, held = split_held_out(examples, 0.25, seed=0)
+    assert len(held) == 40 and len(train) == 120
+    assert not {tuple(e["prompt_ids"]) for e in held} & {tuple(e["prompt_ids"]) for e in train}
+
+
 def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_tokenizer, tmp_path):
     from train.config import load_recipe
     from train.features import load_examples

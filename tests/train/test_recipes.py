@@ -432,6 +432,18 @@ def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_pat
         assert f"error: {tmp_path}/none: no .jsonl shards (run scripts/distill.py first)" in (
             capsys.readouterr().err
         )
+    (tmp_path / "empty").mkdir()  # shards without a record (a distill killed at its start)
+    (tmp_path / "empty" / "shard-r000-00000.jsonl").write_text("\n")
+    with pytest.raises(SystemExit) as exit_:
+        run(
+            train.medusa,
+            TINY_MEDUSA,
+            tiny_task,
+            tmp_path / "out",
+            f"data.output_dir={tmp_path}/empty",
+        )
+    assert exit_.value.code == 2
+    assert f"error: {tmp_path}/empty: its .jsonl shards hold no answers" in capsys.readouterr().err
     with pytest.raises(SystemExit) as exit_:
         run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "out", "model.name_or_path=./nowhere")
     assert exit_.value.code == 2

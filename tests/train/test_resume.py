@@ -226,7 +226,7 @@ def test_resume_refuses_other_weights_of_the_base_and_says_an_older_split(
     interrupted_run(train.eagle, TINY_EAGLE, tiny_task, out, 3, uses_copy)
     ckpt = out / "checkpoints" / "step-00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
-    assert state["held_out_split"] == "prompt-hash" and len(state["base_weights"]) == 16
+    assert state["held_out_split"] == "prompt-hash-2" and len(state["base_weights"]) == 16
 
     weights = load_file(base_dir / "model.safetensors")
     original = {k: v.clone() for k, v in weights.items()}
