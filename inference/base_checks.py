@@ -33,15 +33,7 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
             "masks that verify a draft in one forward: load it with attn_implementation='sdpa' "
             "(load_base's default) or 'eager'"
         )
-    # A window as wide as the context never applies (the loop stops within the context).
-    context = base.config.max_position_embeddings
-    other = sorted(
-        {
-            type(layer).__name__
-            for layer in DynamicCache(config=base.config).layers
-            if type(layer) is not DynamicLayer and getattr(layer, "sliding_window", 0) < context
-        }
-    )
+    other = windowed_cache_layers(base.config)
     if other:
         raise ValueError(
             f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
@@ -49,6 +41,20 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
             "verification keeps and crops the KV cache by position, which needs full attention "
             "in every layer"
         )
+
+
+def windowed_cache_layers(config) -> list[str]:
+    """The kinds of cache layers narrower than the context that a model of `config` builds
+    (sliding-window attention): their caches cannot be cropped back to an accepted prefix. A
+    window as wide as the context never applies (the loop stops within the context)."""
+    context = config.max_position_embeddings
+    return sorted(
+        {
+            type(layer).__name__
+            for layer in DynamicCache(config=config).layers
+            if type(layer) is not DynamicLayer and getattr(layer, "sliding_window", 0) < context
+        }
+    )
 
 
 # What a base's generation_config may set that makes HF `generate` change the logits before it

@@ -14,6 +14,8 @@ This is the only module that calls the base model in a loop. Per step:
 
 from __future__ import annotations
 
+import math
+import numbers
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -245,16 +247,25 @@ class SpeculativeGenerator:
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        reals = (temperature, top_p)
+        if not all(isinstance(x, numbers.Real) and math.isfinite(x) for x in reals) or (
+            not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool)
+        ):
+            raise TypeError(
+                f"temperature and top_p must be finite numbers and top_k an int; got "
+                f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
+            )
         if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise ValueError(
                 f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
                 f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
             )
         max_positions = self.base.config.max_position_embeddings
-        if len(ids) > max_positions:
+        if len(ids) >= max_positions:  # generation stops at the context: no token would come
             raise ValueError(
-                f"the prompt has {len(ids)} tokens, more than the base's context of "
-                f"{max_positions} positions: shorten it"
+                f"the prompt has {len(ids)} tokens, "
+                f"{'more than' if len(ids) > max_positions else 'as many as'} the base's context "
+                f"of {max_positions} positions: shorten it to leave room for new tokens"
             )
         device = next(self.base.parameters()).device
         ids = ids.to(device)

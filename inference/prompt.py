@@ -46,11 +46,14 @@ def prompt_ids(input_ids, attention_mask=None) -> torch.Tensor:
     if ids.numel() == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
     if attention_mask is not None:
-        mask = torch.as_tensor(attention_mask).reshape(-1)
-        if mask.numel() != ids.numel():
+        mask = torch.as_tensor(attention_mask)
+        shape = tuple(mask.shape)
+        if mask.dim() == 2 and shape[0] == 1:
+            mask = mask[0]
+        if mask.dim() != 1 or mask.numel() != ids.numel():
             raise ValueError(
-                f"attention_mask has {mask.numel()} entries for {ids.numel()} prompt tokens: "
-                "give the mask of this prompt, or none"
+                f"attention_mask has shape {shape} for {ids.numel()} prompt tokens: give the "
+                "mask of this prompt, (1, T) or (T,), or none"
             )
         if not bool((mask == 1).all()):
             raise ValueError(

@@ -20,6 +20,7 @@ import torch
 from transformers import DynamicCache, PreTrainedModel
 
 from inference.acceptance import warp_probs
+from inference.base_checks import windowed_cache_layers
 from inference.draft import Draft, Drafter, Sampling
 from inference.mask import frontier_attention_mask
 from inference.tree import (
@@ -47,6 +48,13 @@ class ModelDrafter(Drafter):
         num_tokens: int | None = None,
         choices: str | Sequence[Sequence[int]] | None = None,
     ) -> None:
+        if windowed := windowed_cache_layers(model.config):
+            raise ValueError(
+                f"the draft model has {', '.join(windowed)} cache layers (sliding-window "
+                "attention narrower than its context): its cache is cropped back to the "
+                "accepted tokens each step, which needs full attention in every layer; draft "
+                "with a model without a sliding window"
+            )
         self.model = model
         if num_tokens is None and choices is None:
             num_tokens = 4

@@ -332,6 +332,13 @@ def test_bad_input_is_clear():
     limit = base.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"prompt has {limit + 1} tokens, more than .* {limit}"):
         gen.generate(torch.ones(1, limit + 1, dtype=torch.long))
+    # a prompt that fills the context leaves no room: generation stops there
+    with pytest.raises(ValueError, match=f"prompt has {limit} tokens, as many as .* {limit}"):
+        gen.generate(torch.ones(1, limit, dtype=torch.long))
+    for bad in ({"temperature": float("nan")}, {"top_k": 2.5}, {"top_p": float("inf")}):
+        with pytest.raises(TypeError, match="finite numbers and top_k an int"):
+            gen.generate(torch.ones(1, 3, dtype=torch.long), **bad)
+    gen.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, top_k=np.int64(5))
     with pytest.raises(ValueError, match="acceptance='typical' .* without top_k / top_p"):
         gen.generate(
             torch.ones(1, 3, dtype=torch.long), temperature=0.7, top_p=0.9, acceptance="typical"
@@ -357,8 +364,11 @@ def test_a_tokenizers_output_unpacks_into_generate():
     padded[0, 0] = 0
     with pytest.raises(ValueError, match=r"masks some prompt tokens \(padding\).*attention_mask"):
         gen.generate(ids, attention_mask=padded)
-    with pytest.raises(ValueError, match="attention_mask has 6 entries for 7 prompt tokens"):
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 6\) for 7 prompt tokens"):
         gen.generate(ids, attention_mask=torch.ones(1, 6, dtype=torch.long))
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 2\) for 4 prompt tokens"):
+        gen.generate(ids[:, :4], attention_mask=torch.ones(2, 2, dtype=torch.long))
+    gen.generate(ids[0], attention_mask=torch.ones(7, dtype=torch.long), max_new_tokens=1)
     with pytest.raises(ValueError, match=r"must be \(1, T\) or \(T,\), got shape \(1, 1, 7\)"):
         next(gen.stream(ids[None]))
 
@@ -383,6 +393,10 @@ def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
     )
     with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers"):
         SpeculativeGenerator(sliding)
+    from inference.drafters.model import ModelDrafter
+
+    with pytest.raises(ValueError, match="the draft model has DynamicSlidingWindowLayer cache"):
+        ModelDrafter(sliding)  # its cache is cropped to the accepted tokens too
     sliding.config.sliding_window = sliding.config.max_position_embeddings  # never applies
     SpeculativeGenerator(sliding)  # as Phi-3.5-mini's 256k window over 128k positions
     gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4))
