@@ -1,6 +1,6 @@
 """Lossless sampling end to end: the empirical law of generated tokens 2-3 under speculative
 sampling equals the exact law computed from the base, for point-mass and sampled drafters, at
-temperature 1 and with top-p < 1; and using q for top-k chosen tokens is caught."""
+temperature 1, with top-p < 1 and with top-k; and using q for top-k chosen tokens is caught."""
 
 import math
 
@@ -42,12 +42,12 @@ def peaky_tiny(seed=0):
     return base
 
 
-def exact_law(base, temperature, top_p):
+def exact_law(base, temperature, top_p, top_k=0):
     """P(x2, x3) for the first three generated tokens, marginalised over x1: (V, V)."""
     T = PROMPT.shape[1]
     seqs = torch.tensor([[a, b] for a in range(V) for b in range(V)], device=base.device)
     ids = torch.cat([PROMPT.to(base.device).expand(V * V, T), seqs], 1)  # (V*V, T+2)
-    probs = warp_probs(base(ids).logits.float(), temperature, 0, top_p)  # (V*V, T+2, V)
+    probs = warp_probs(base(ids).logits.float(), temperature, top_k, top_p)  # (V*V, T+2, V)
     p1 = probs[0, T - 1]  # (V,)
     p2 = probs[::V, T]  # rows for x1 = a: (V, V)
     p3 = probs[:, T + 1].reshape(V, V, V)  # [a, b, c]
@@ -55,7 +55,7 @@ def exact_law(base, temperature, top_p):
     return joint.sum(0)
 
 
-def chi_square(gen, base, temperature=1.0, top_p=1.0):
+def chi_square(gen, base, temperature=1.0, top_p=1.0, top_k=0):
     counts = torch.zeros(V, V)
     for seed in range(SAMPLES):
         out = gen.generate(
@@ -63,12 +63,13 @@ def chi_square(gen, base, temperature=1.0, top_p=1.0):
             max_new_tokens=3,
             temperature=temperature,
             top_p=top_p,
+            top_k=top_k,
             seed=seed,
             eos_token_id=[],
         )
         x = out.sequences[0, -2:]
         counts[x[0], x[1]] += 1
-    expected = exact_law(base, temperature, top_p) * SAMPLES
+    expected = exact_law(base, temperature, top_p, top_k) * SAMPLES
     cells = expected > 5  # the rest are pooled into one cell
     stat = (((counts - expected) ** 2 / expected)[cells]).sum()
     rest_o, rest_e = counts[~cells].sum(), expected[~cells].sum()
@@ -144,6 +145,15 @@ def test_speculative_sampling_matches_base_law_row_by_row(kind):
 def test_speculative_sampling_matches_base_law_top_p(kind):
     base, gen = _gen(kind)
     stat, critical = chi_square(gen, base, temperature=1.0, top_p=0.7)
+    assert stat < critical, (kind, stat, critical)
+
+
+@pytest.mark.parametrize("kind", ["medusa-topk", "draft-model-sampled"])
+def test_speculative_sampling_matches_base_law_top_k(kind):
+    """top_k (with a temperature and top_p beside it, applied in HF's order): the draft model
+    samples from its own q warped the same way, the verifier from the warped p."""
+    base, gen = _gen(kind)
+    stat, critical = chi_square(gen, base, temperature=0.8, top_p=0.95, top_k=3)
     assert stat < critical, (kind, stat, critical)
 
 
