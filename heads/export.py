@@ -23,6 +23,7 @@ from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
 from heads.eagle_config import engine_refusal
+from heads.hub import model_card
 from heads.lora import LORA_FOLDER
 from heads.medusa import MedusaHeads
 
@@ -91,6 +92,8 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
         # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
         if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)
+            if "library_name: headstart" in (out / "README.md").read_text():
+                (out / "README.md").write_text(model_card(heads.config, sglang_layout=True))
         return
     if not is_medusa:
         raise ExportError(

@@ -5,7 +5,7 @@ from __future__ import annotations
 from pathlib import Path
 
 
-def _usage(config, repo_id: str) -> tuple[str, str, str, str]:
+def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:
     """(head kind, vLLM method, vLLM lines, SGLang lines) for a heads config; an engine that would not
     compute the heads as headstart does gets the reason instead of its lines (`engine_refusal`)."""
     from heads.eagle_config import engine_refusal
@@ -30,16 +30,24 @@ def _usage(config, repo_id: str) -> tuple[str, str, str, str]:
     served = base
     if getattr(config, "base_lora", ""):  # Medusa-2: the base with the heads' adapter merged
         served = "BASE_WITH_LORA_MERGED"
+    vllm_path, vllm_export = repo_id, ""
+    if sglang_layout:  # the SGLang export of an EAGLE-1 layer: vLLM reads the native layout
+        vllm_path = "draft-vllm"
+        vllm_export = (
+            "# this folder is in SGLang's EAGLE-1 layout; vLLM reads headstart's: export first\n"
+            "from heads.export import export_heads  # headstart\n"
+            f'export_heads("{repo_id}", "vllm", "draft-vllm")\n'
+        )
     vllm = refusals["vllm"] or (
-        "from vllm import LLM\n"
+        vllm_export + "from vllm import LLM\n"
         f'llm = LLM(model="{served}",\n'
-        f'          speculative_config={{"method": "{method}", "model": "{repo_id}", '
+        f'          speculative_config={{"method": "{method}", "model": "{vllm_path}", '
         f'"num_speculative_tokens": {tokens}}})'
     )
     if refusals["sglang"]:
         return kind, method, vllm, refusals["sglang"]
     path, sglang = repo_id, ""
-    if config.version == 1:
+    if config.version == 1 and not sglang_layout:
         path = "draft-sglang"
         sglang = (
             "# SGLang builds EAGLE-1 under its own architecture name, with an fc bias: "
@@ -56,9 +64,10 @@ def _usage(config, repo_id: str) -> tuple[str, str, str, str]:
     return kind, method, vllm, sglang
 
 
-def model_card(config, repo_id: str = "REPO") -> str:
-    """A README.md for a heads folder: base model, head type, and how to use it."""
-    kind, method, vllm, sglang = _usage(config, repo_id)
+def model_card(config, repo_id: str = "REPO", sglang_layout: bool = False) -> str:
+    """A README.md for a heads folder: base model, head type, and how to use it
+    (`sglang_layout`: the folder is an EAGLE-1 layer's SGLang export)."""
+    kind, method, vllm, sglang = _usage(config, repo_id, sglang_layout)
     base = config.base_model_name_or_path or "BASE"
     tag = "medusa" if method == "medusa" else "eagle"
     lora = getattr(config, "base_lora", "")

@@ -83,6 +83,10 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
     )
     for name in before:
         assert torch.equal(after[name], before[name]), name
+    # its card serves it with SGLang as it is, and says vLLM reads the native layout
+    card = (tmp_path / "s1/README.md").read_text()
+    assert "--speculative-draft-model-path REPO " in card and "'sglang'" not in card
+    assert 'export_heads("REPO", "vllm", "draft-vllm")' in card
     # the zero bias is no bias: the SGLang folder exports back to vLLM as the native one
     export_heads(tmp_path / "s1", "vllm", tmp_path / "v1")
     assert json.loads((tmp_path / "v1/config.json").read_text()) == native
