@@ -230,8 +230,11 @@ def run_bench(
 
 
 def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
+    """One (prompt, turn, method) record: time the median of the timed runs; tau and the
+    accepted-length histogram over every run's steps (an adaptive generator's trees may differ
+    from run to run); identical only when every run's tokens equal the baseline's."""
     seconds = [s for s, _ in timed]
-    out = timed[0][1]  # greedy and seeded runs repeat the same tokens
+    out = timed[0][1]  # greedy and seeded runs repeat the same tokens (checked below)
     median = statistics.median(seconds)
     new = len(out.new_ids)
     record = {
@@ -255,10 +258,11 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
         "_ids": out.new_ids,
     }
     if out.accepted_lengths is not None:
-        steps = len(out.accepted_lengths)
-        record["tau"] = sum(out.accepted_lengths) / steps if steps else None
-        record["steps"] = steps
-        hist = Counter(out.accepted_lengths)
+        accepted = [n for _, r in timed for n in r.accepted_lengths]
+        steps = len(accepted)
+        record["tau"] = sum(accepted) / steps if steps else None
+        record["steps"] = steps / len(timed)  # per run
+        hist = Counter(accepted)
         record["accepted_lengths"] = {str(k): hist[k] for k in sorted(hist)}
         shares = [r.timings["other"] / r.timings["total"] for _, r in timed if r.timings["total"]]
         record["other_share"] = statistics.median(shares) if shares else None
@@ -266,7 +270,7 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
         base_tps, tps = baseline["tokens_per_s"], record["tokens_per_s"]
         record["speedup"] = tps / base_tps if base_tps and tps is not None else None
         if method.greedy:
-            record["identical"] = out.new_ids == baseline["_ids"]
+            record["identical"] = all(r.new_ids == baseline["_ids"] for _, r in timed)
     return record
 
 
@@ -372,14 +376,24 @@ def main(argv: list[str] | None = None) -> int:
         if args.system_prompt is not None:
             system = [{"role": "system", "content": args.system_prompt}]
             prompts = [dataclasses.replace(p, system=system) for p in prompts]
+        out = Path(args.out)  # made now: a folder that cannot be written loses no timings
+        out.mkdir(parents=True, exist_ok=True)
         base, tokenizer, methods = bench_methods.build_methods(names, args)
         if args.chat_template:  # every prompt below is rendered with it
             tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
-        _warm_up(prompts[0], methods, tokenizer, args.seed)
+        room = base.config.max_position_embeddings - args.max_new_tokens
+        # every first turn rendered before anything is timed: a template error stops here
+        first_turns = [first_turn_ids(p, tokenizer) for p in prompts]
+        fitting = [p for p, ids in zip(prompts, first_turns) if ids.shape[1] <= room]
+        if not fitting:
+            raise BenchError(
+                "every prompt passes the base's context with --max-new-tokens "
+                f"{args.max_new_tokens}; lower it"
+            )
+        _warm_up(fitting[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:
         print(f"bench failed: {e}", file=sys.stderr)
         return 2
-    room = base.config.max_position_embeddings - args.max_new_tokens
     records = run_bench(prompts, methods, tokenizer, args.runs, args.seed, room)
     if not records:
         print(
@@ -405,7 +419,8 @@ def main(argv: list[str] | None = None) -> int:
         "settings": {k: v for k, v in vars(args).items() if k not in ("base", "heads", "out")},
         "prompts": {
             "source": args.prompts,
-            "count": len(prompts),
+            "count": len({r["prompt"] for r in records}),  # benchmarked, not skipped
+            "read": len(prompts),
             "turns": args.turns,
             "exclude": args.exclude,
         },
@@ -413,8 +428,6 @@ def main(argv: list[str] | None = None) -> int:
         "summary": bench_report.summarize(records, [m.info() for m in methods]),
         "records": records,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "results.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     (out / "results.md").write_text(bench_report.markdown(results), encoding="utf-8")
     for name in bench_report.PLOTS.values():  # an earlier run's plots are not this run's
@@ -429,10 +442,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def first_turn_ids(prompt: BenchPrompt, tokenizer) -> torch.Tensor:
+    """(1, T) ids of a prompt's first turn (its system turn, if any, and first user turn)."""
+    return prompt_ids([*prompt.system, {"role": "user", "content": prompt.users[0]}], tokenizer)
+
+
 def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -> None:
     """One untimed short generation per method (first-call allocations, lazy inits)."""
-    messages = [*prompt.system, {"role": "user", "content": prompt.users[0]}]
-    ids = prompt_ids(messages, tokenizer)
+    ids = first_turn_ids(prompt, tokenizer)
     for m in methods:
         m.generate(ids.to(m.device), seed, max_new_tokens=16)
 

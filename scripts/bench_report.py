@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import os
 import platform
 import statistics
@@ -126,13 +127,28 @@ def markdown_table(results: dict) -> str:
     ]
     for m in results["methods"]:
         a = results["summary"]["overall"][m["name"]]
-        identical = None if a["identical_rate"] is None else 100 * a["identical_rate"]
         lines.append(
             f"| {m['name']} | {m['kind']} | {_fmt(a['tau'])} | {_fmt(a['tokens_per_s'], '.1f')} "
             f"| {_fmt(a['speedup_median'], '.2f', 'x')} | {_fmt(a['speedup_overall'], '.2f', 'x')} "
-            f"| {_fmt(identical, '.0f', '%')} |"
+            f"| {identical_share(a['identical_rate'], a['records'])} |"
         )
     return "\n".join(lines)
+
+
+def skipped_note(prompts: dict) -> str:
+    """', N more skipped: ...' when some prompts read did not fit the base's context."""
+    skipped = prompts.get("read", prompts["count"]) - prompts["count"]
+    return f"; {skipped} more read, skipped: past the base's context" if skipped > 0 else ""
+
+
+def identical_share(rate: float | None, records: int) -> str:
+    """100% only when every output was identical; else the count, never rounded up to 100%."""
+    if rate is None:
+        return "n/a"
+    if rate == 1:
+        return "100%"
+    same = round(rate * records)
+    return f"{math.floor(1000 * same / records) / 10:.1f}% ({same}/{records})"
 
 
 def category_table(results: dict) -> str:
@@ -169,9 +185,9 @@ def markdown(results: dict) -> str:
             "",
             f"{results['date']} on {device} ({machine['torch_threads']} torch threads); torch "
             f"{results['versions']['torch']}, transformers {results['versions']['transformers']}.",
-            f"{prompts['count']} prompts from `{prompts['source']}` ({turns}), "
-            f"max_new_tokens {s['max_new_tokens']}, {decoding}, {s['runs']} timed run(s) per "
-            "prompt (median), methods interleaved per prompt.",
+            f"{prompts['count']} prompts from `{prompts['source']}` ({turns}"
+            f"{skipped_note(prompts)}), max_new_tokens {s['max_new_tokens']}, {decoding}, "
+            f"{s['runs']} timed run(s) per prompt (median), methods interleaved per prompt.",
             "",
             markdown_table(results),
             "",
@@ -179,7 +195,8 @@ def markdown(results: dict) -> str:
             "mean accepted tokens; HF prompt lookup does not expose it). Speedup: tokens/s over "
             f"HF `generate` ({'greedy' if s['temperature'] == 0 else 'sampling alike'}) on the "
             "same prompt (median over prompts; overall = total "
-            "tokens/s ratio). Identical: output equal to the baseline token for token (greedy only).",
+            "tokens/s ratio). Identical: output equal to the baseline token for token in "
+            "every timed run (greedy only); tau pools every timed run's steps.",
             "",
             "## Per category",
             "",

@@ -40,7 +40,6 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-from jinja2 import TemplateError
 from tqdm import tqdm
 
 from heads.base import load_base
@@ -87,8 +86,10 @@ def user_turn(tokenizer, chat_template: str | None, system_prompt: str | None) -
     messages = asked_turns([{"role": "user", "content": marker}], system_prompt)
     try:
         text = render_conversation(messages, tokenizer, chat_template=chat_template)
-    except TemplateError as e:
-        raise ChatTemplateError(f"the chat template cannot render a user's message: {e}") from e
+    except ChatTemplateError as e:  # the template's own error, said for this use
+        raise ChatTemplateError(
+            f"the chat template cannot render a user's message: {e.__cause__ or e}"
+        ) from e
     start = text.find(marker)
     after = text[start + len(marker) :].split() if text.count(marker) == 1 else []
     end = after[0] if after else ""

@@ -20,6 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 import torch
+from jinja2 import TemplateError
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from train.prompts import Message, jsonl_records, normalize_record
@@ -73,14 +74,22 @@ def render_conversation(
     chat_template: str | None = None,
     add_generation_prompt: bool = False,
 ) -> str:
-    """The conversation as text, through the chat template (override or the tokenizer's)."""
+    """The conversation as text, through the chat template (override or the tokenizer's); a
+    template that does not parse, or raises on these messages (Gemma's on a system turn), is a
+    ChatTemplateError."""
     template = resolve_chat_template(tokenizer, chat_template)
-    return tokenizer.apply_chat_template(
-        messages,
-        tokenize=False,
-        add_generation_prompt=add_generation_prompt,
-        chat_template=template,
-    )
+    roles = ", ".join(m["role"] for m in messages)
+    try:
+        return tokenizer.apply_chat_template(
+            messages,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            chat_template=template,
+        )
+    except TemplateError as e:
+        raise ChatTemplateError(
+            f"the chat template cannot render a conversation of turns [{roles}]: {e}"
+        ) from e
 
 
 def _turn_end_markers(tokenizer: PreTrainedTokenizerBase) -> list[str]:

@@ -416,9 +416,17 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
     # the tiny base has 2048 positions: 2030 new tokens leave room for no chat-templated prompt
     assert bench.main([*argv, "--max-new-tokens", "2030", "--out", str(out)]) == 2
     printed = capsys.readouterr()
-    assert "turn 1: skipped" in printed.err
-    assert "bench failed: every prompt passed the base's context" in printed.err
+    assert "bench failed: every prompt passes the base's context" in printed.err
     assert not (out / "results.json").exists()
+    # a first prompt past the context is skipped, warm-up and all: the next is benchmarked
+    long = _jsonl(tmp_path / "long.jsonl", [{"turns": ["word " * 2100]}, MT_BENCH[0]])
+    argv_long = ["--base", str(folders["base"]), "--prompts", str(long), "--threads", "1"]
+    short = ["--max-new-tokens", "4", "--methods", "baseline,ngram", "--out", str(out)]
+    assert bench.main([*argv_long, *short]) == 0
+    assert "turn 1: skipped" in capsys.readouterr().err
+    results = json.loads((out / "results.json").read_text())
+    assert (results["prompts"]["count"], results["prompts"]["read"]) == (1, 2)
+    assert "1 more read, skipped: past the base's context" in (out / "results.md").read_text()
     for bad, message in (
         (["--temperature", "-1"], "need --temperature >= 0"),
         (["--top-p", "0"], "0 < --top-p <= 1"),
@@ -427,3 +435,72 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
         with pytest.raises(SystemExit) as stop:
             bench.main([*argv, *bad])
         assert stop.value.code == 2 and message in capsys.readouterr().err
+
+
+def test_every_timed_run_is_checked_and_pooled(smollm2_tokenizer):
+    """With --runs R each run's tokens are compared with the baseline's (an adaptive
+    generator's trees, and so its steps, may differ between runs), and tau pools every run."""
+    from bench_methods import Method, Run
+
+    runs: dict[str, int] = {}
+
+    def method(name: str, kind: str, outputs: list[Run]) -> Method:
+        def generate(ids, seed, max_new_tokens=None):
+            runs[name] = runs.get(name, 0) + 1
+            return outputs[(runs[name] - 1) % len(outputs)]
+
+        return Method(name, kind, generate, torch.device("cpu"), True)
+
+    timings = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 1.0}
+    methods = [
+        method("baseline", "baseline", [Run([1, 2, 3, 4])]),
+        method("steady", "ngram", [Run([1, 2, 3, 4], [2, 2], timings)]),
+        method(  # the second run parts from the baseline
+            "parting",
+            "ngram",
+            [Run([1, 2, 3, 4], [4], timings), Run([1, 2, 3, 9], [1, 1, 1, 1], timings)],
+        ),
+    ]
+    prompts = [bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"])]
+    records = bench.run_bench(prompts, methods, smollm2_tokenizer, 2, 0)
+    by_name = {r["method"]: r for r in records}
+    assert by_name["steady"]["identical"] is True and by_name["steady"]["tau"] == 2.0
+    assert by_name["parting"]["identical"] is False
+    assert by_name["parting"]["tau"] == 8 / 5 and by_name["parting"]["steps"] == 2.5
+    assert by_name["parting"]["accepted_lengths"] == {"1": 4, "4": 1}
+
+
+def test_an_identical_share_below_one_never_reads_100():
+    from bench_report import identical_share
+
+    assert identical_share(1.0, 480) == "100%"
+    assert identical_share(479 / 480, 480) == "99.7% (479/480)"
+    assert identical_share(None, 3) == "n/a"
+
+
+def test_a_template_error_or_an_unwritable_out_stops_before_any_timing(folders, tmp_path, capsys):
+    prompts = _jsonl(
+        tmp_path / "p.jsonl",
+        [
+            {"turns": ["Hi"]},
+            {"messages": [{"role": "system", "content": "S"}, {"role": "user", "content": "Hi"}]},
+        ],
+    )
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--threads", "1"]
+    argv += ["--methods", "baseline", "--max-new-tokens", "2"]
+    template = tmp_path / "no-system.jinja"  # refuses a system turn, as Gemma's does
+    template.write_text(
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    assert bench.main([*argv, "--chat-template", str(template), "--out", str(tmp_path / "o")]) == 2
+    err = capsys.readouterr().err
+    assert (
+        "bench failed: the chat template cannot render a conversation of turns [system, user]"
+        in err
+    )
+    assert "System role not supported" in err and "bench:" not in err  # nothing timed
+    (tmp_path / "file").write_text("")
+    assert bench.main([*argv, "--out", str(tmp_path / "file")]) == 2
+    assert "bench failed:" in capsys.readouterr().err
