@@ -52,6 +52,8 @@ def export_heads(
     out = Path(out)
     if out.resolve() == Path(src).resolve():
         raise ExportError("--out must differ from the source folder")
+    if out.exists() and not out.is_dir():
+        raise ExportError(f"--out {out} is a file: give a folder to write the export into")
     lora = getattr(heads.config, "base_lora", "")
     if lora and not (Path(src) / lora).is_dir():
         raise ExportError(

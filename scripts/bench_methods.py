@@ -233,13 +233,28 @@ def _heads_method(
     except ValueError as e:
         raise BenchError(f"EAGLE options for {folder}: {e}") from e
     drafter = gen.drafter
+    depth = drafter.depth
     options = {"top_k": drafter.top_k, "depth": drafter.depth, "total_tokens": drafter.total_tokens}
-    if drafter.static is not None:  # a static tree: its size and depth
+    if gen.arms:  # no --eagle-* setting: adaptive over the generator's arms, as it runs them
+        options = {"tree": "adaptive", "arms": gen.arms}
+        depth = max(_arm_depth(arm, drafter.depth) for arm in gen.arms)
+    elif drafter.static is not None:  # a static tree: its size and depth
         options = {"nodes": drafter.max_nodes, "depth": drafter.depth}
     kind = f"eagle{heads.config.version}"
-    return Method(
-        name, kind, _spec_runner(gen, settings), device, greedy, options, drafter.depth, folder
-    )
+    return Method(name, kind, _spec_runner(gen, settings), device, greedy, options, depth, folder)
+
+
+def _arm_depth(arm: dict | None, configured: int) -> int:
+    """The most drafted tokens one step of an adaptive arm can accept (`configured`: the
+    drafter's depth, for an arm that keeps it)."""
+    if arm is None:
+        return 0
+    if "depth" in arm:
+        return arm["depth"]
+    choices = arm.get("choices")
+    if isinstance(choices, list | tuple):
+        return max((len(path) for path in choices), default=0)
+    return configured
 
 
 def _union_method(

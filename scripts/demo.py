@@ -78,10 +78,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="the report's folder (default: runs/demo)")
     args = parser.parse_args(argv)
+    if args.max_new_tokens < 1 or (args.per_category is not None and args.per_category < 1):
+        parser.error("--max-new-tokens and --per-category must be >= 1")
     # The stages run in the repository; a path given here is read from where the demo was run.
     out = Path(args.out).resolve() if args.out else ROOT / "runs/demo"
     if args.prompts and Path(args.prompts).exists():
         args.prompts = str(Path(args.prompts).resolve())
+    prompts = args.prompts or default_prompts()
+    check_prompts(parser, prompts)  # before the stages' half hour, not after it
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
@@ -98,7 +102,6 @@ def main(argv: list[str] | None = None) -> int:
         cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
         run_stage(name, [script, str(recipe), *cache], timings)
 
-    prompts = args.prompts or default_prompts()
     # as many prompts from HumanEval (one category) as from MT-bench's eight
     per_category = args.per_category or (16 if prompts == "humaneval" else 2)
     bench_out = out / "bench"
@@ -129,6 +132,19 @@ def main(argv: list[str] | None = None) -> int:
     write_report(out, bench_out, timings, prompts)
     print(f"\nreport: {out / 'REPORT.md'}")
     return 0
+
+
+def check_prompts(parser: argparse.ArgumentParser, prompts: str) -> None:
+    """Read the benchmark's prompts as bench.py will (a missing or malformed file is an error)."""
+    from bench import read_prompts  # imports torch: only once the flags are known good
+    from bench_methods import BenchError
+
+    from train.prompts import PromptSourceError
+
+    try:
+        read_prompts(prompts, "first")
+    except (BenchError, PromptSourceError, OSError) as e:
+        parser.error(f"--prompts {prompts}: {e}")
 
 
 def write_report(out: Path, bench_out: Path, timings: dict[str, float], prompts: str) -> None:

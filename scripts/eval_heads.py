@@ -72,9 +72,11 @@ def categories_of(spec: str) -> dict[str, str]:
     found: dict[str, str] = {}
     for prompt in read_prompts(spec, "first"):
         turn = prompt.users[0].strip()
-        if found.setdefault(turn, prompt.category) != prompt.category:
+        # read_prompts calls a record without a category "all", the name of the whole set here
+        category = "(no category)" if prompt.category == "all" else prompt.category
+        if found.setdefault(turn, category) != category:
             raise BenchError(f"{spec}: {turn[:60]!r}... is in two categories")
-    if set(found.values()) == {"all"}:
+    if set(found.values()) == {"(no category)"}:
         raise BenchError(f"{spec}: no record has a 'category'")
     return found
 

@@ -95,6 +95,21 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
 
 def test_cli(medusa_dir, tmp_path):
     src, _ = medusa_dir
+    (tmp_path / "a-file").write_text("")
+    refused = subprocess.run(
+        [
+            sys.executable,
+            "scripts/export.py",
+            str(src),
+            "--to",
+            "vllm",
+            "--out",
+            str(tmp_path / "a-file"),
+        ],
+        capture_output=True,
+        text=True,
+    )
+    assert refused.returncode == 2 and "is a file: give a folder" in refused.stderr
     ok = subprocess.run(
         [
             sys.executable,

@@ -79,6 +79,13 @@ def test_all_methods_greedy_identical(folders, tmp_path):
     assert summary["draft"]["accept_at_least"][-1] == 0.5  # the full step of each prompt
     assert all(summary[n]["identical_rate"] == 1.0 for n in names)
     assert len(summary["medusa"]["accept_at_least"]) == 2
+    # EAGLE as it runs: adaptive over its arms (on a CPU the deepest has two levels)
+    eagle = next(m for m in results["methods"] if m["name"] == "eagle3")
+    arms = [a for a in eagle["options"]["arms"] if a]
+    depths = [a["depth"] if "depth" in a else max(map(len, a["choices"])) for a in arms]
+    assert eagle["options"]["tree"] == "adaptive" and eagle["draft_depth"] == max(depths)
+    assert eagle["draft_depth"] == 2 or results["machine"]["gpu"]
+    assert len(summary["eagle3"]["accept_at_least"]) == eagle["draft_depth"]
     out = tmp_path / "out"
     md = (out / "results.md").read_text()
     assert "| eagle3 | eagle3 |" in md and "## Per category" in md and "scripts/bench.py" in md

@@ -74,3 +74,18 @@ def test_the_benchmark_takes_as_many_humaneval_problems_as_mt_bench_questions(
     assert demo.main(["--prompts", prompts, "--out", "report"]) == 0
     bench = stages[-1]
     assert bench[bench.index("--per-category") + 1] == per_category
+
+
+def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(demo, "run_stage", lambda *a: pytest.fail("a stage ran"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "bad.jsonl").write_text('{"turns": ["Hi?"]}\nnot json\n')
+    for argv, message in (
+        (["--prompts", "missing.jsonl"], "--prompts missing.jsonl:"),
+        (["--prompts", "bad.jsonl"], "bad.jsonl:2"),
+        (["--max-new-tokens", "0"], "must be >= 1"),
+        (["--per-category", "0"], "must be >= 1"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            demo.main(argv)
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv

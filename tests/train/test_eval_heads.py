@@ -60,6 +60,16 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
     # "all" is tokens / steps over both categories: between the two.
     tau = [got[k]["eval/walk_tau"] for k in ("early", "late")]
     assert min(tau) - 1e-9 <= got["all"]["eval/walk_tau"] <= max(tau) + 1e-9
+    # records without a category are a group of their own; "all" stays every answer
+    lines = questions.read_text().splitlines()
+    late = [json.loads(x) for x in lines if json.loads(x)["category"] == "late"]
+    for record in late:
+        del record["category"]
+    early = [x for x in lines if json.loads(x)["category"] == "early"]
+    questions.write_text("".join(x + "\n" for x in early + [json.dumps(r) for r in late]))
+    eval_heads.main([*argv, "--categories", str(questions), "--out", str(scores)])
+    got = json.loads(scores.read_text())
+    assert {k: got[k]["answers"] for k in got} == {"all": 40, "early": 20, "(no category)": 20}
 
 
 @pytest.mark.slow
