@@ -13,10 +13,10 @@ autocast: a run trained under bf16 autocast reported its held-out figures a litt
 
 Without `--data` it scores the recipe's own held-out split (`training.eval_fraction` of
 `data.output_dir`). With `--data` it scores every answer in that distill output, e.g. the base's
-answers to the prompts your users send:
+answers to the prompts your users send (greedy: `data.temperature=0`, as decoding runs):
 
     python scripts/distill.py RUN/recipe.yaml 'data.sources=[mt_bench.jsonl]' \\
-        data.limit=null data.output_dir=runs/mtbench-distill
+        data.limit=null data.temperature=0 data.output_dir=runs/mtbench-distill
     python scripts/eval_heads.py RUN/recipe.yaml RUN/heads --data runs/mtbench-distill \\
         --categories mt_bench.jsonl
 
