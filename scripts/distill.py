@@ -275,14 +275,20 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         if state.is_main_process:
             print(f"note: {out_dir}'s answers so far were written by {was}, these by {backend}")
         backend = "+".join(sorted({*was.split("+"), backend}))
+    # model.dtype "auto" resolves per machine (bf16 on a GPU, fp32 on a CPU): said and recorded
+    # as the backend is, when a folder's answers so far came in another
+    dtype = str(model.dtype).removeprefix("torch.") if model is not None else recipe.model.dtype
+    was = recorded_manifest(out_dir).get("dtype") if done else None
+    if was and dtype not in was.split("+"):
+        if state.is_main_process:
+            print(f"note: {out_dir}'s answers so far were computed in {was}, these in {dtype}")
+        dtype = "+".join(sorted({*was.split("+"), dtype}))
     manifest = {
         "format": FORMAT,
         "base_model": recorded_name,
         "settings": settings,
         "backend": backend,
-        "dtype": str(model.dtype).removeprefix("torch.")
-        if model is not None
-        else recipe.model.dtype,
+        "dtype": dtype,
         "chat_template": template,
         "chat_template_sha1": sha1,
         "eos_token_ids": eos_ids,
@@ -315,7 +321,9 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         if vllm
         else transformers_generator(model, tokenizer, recipe, eos_ids)
     )
-    torch.manual_seed(data.seed + state.process_index)
+    # A run that continues a folder draws another stream than a fresh one: else a sample
+    # regenerated where its sibling was first drawn would repeat it (num_samples > 1).
+    torch.manual_seed(data.seed + state.process_index + 104_729 * len(done))
     writer = ShardWriter(out_dir, state.process_index, data.records_per_shard)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     bar = tqdm(

@@ -208,7 +208,9 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
         try:
             if isinstance(record, Exception):  # a line that is not valid JSON
                 raise record
-            messages = normalize_record(record)
+            # an empty answer (a base that ended its turn at once, in another run's shards) is
+            # no reason to lose the prompt: answers in a prompt source are regenerated
+            messages = normalize_record(record, empty_answers=True)
         except ValueError as e:
             message = f"{where}: {e}"
             if on_error == "stop":

