@@ -10,8 +10,12 @@ step) costs the same as before.
 `prepack_linear_weights` swaps the class of each fp32 CPU `nn.Linear` to `PackedLinear` in place:
 the module, its `weight` Parameter (tied embeddings included) and the state dict are unchanged,
 so saving, `get_output_embeddings()` and peft still work. It falls back to the plain GEMM whenever
-the packed copy cannot be used: autograd, another device or dtype, or a weight changed in place
-since packing (`Tensor._version`). The packed copy costs one more copy of the linear weights.
+the packed copy cannot be used: autograd, another device or dtype, or a weight replaced or changed
+in place since packing (its storage, dtype or `Tensor._version`). A change written through
+`weight.data` (peft's `merge_and_unload` adds the adapter so) moves none of these: `repack_stale`
+finds it by a probe of the weight's values and packs again, and `SpeculativeGenerator` calls it
+when built. A copy (`copy.deepcopy`, pickling) leaves the packed copy behind and computes with the
+plain GEMM until packed again. The packed copy costs one more copy of the linear weights.
 """
 
 from __future__ import annotations
@@ -22,6 +26,9 @@ from torch import nn
 
 # oneDNN picks its blocking for this many rows; trees on CPU verify 1-16 tokens.
 PACK_ROWS_HINT = 8
+# Weight values kept at packing to tell a change written through `.data` (spread over the weight:
+# a merged LoRA adapter changes nearly every one of them).
+PROBES = 64
 
 
 def can_prepack() -> bool:
@@ -38,11 +45,33 @@ class PackedLinear(nn.Linear):
     """An `nn.Linear` that also holds its fp32 CPU weight in oneDNN's packed layout."""
 
     _packed: torch.Tensor
-    _packed_version: int
+    _packed_key: tuple | None  # the weight's (storage, dtype, version) when packed
+    _probe: tuple[torch.Tensor, torch.Tensor]  # (flat indices, their values) when packed
 
     def pack(self) -> None:
-        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), PACK_ROWS_HINT)
-        self._packed_version = self.weight._version
+        weight = self.weight.detach()
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
+        self._packed_key = self._weight_key()
+        where = torch.linspace(0, weight.numel() - 1, PROBES).long().unique()
+        self._probe = (where, weight.reshape(-1)[where].clone())
+
+    def _weight_key(self) -> tuple:
+        weight = self.weight
+        return (weight.data_ptr(), weight.dtype, weight._version)
+
+    def stale(self) -> bool:
+        """Whether the weight changed since packing, also through `weight.data`."""
+        if self._packed_key != self._weight_key():
+            return True
+        where, values = self._probe
+        return not torch.equal(self.weight.detach().reshape(-1)[where], values)
+
+    def __getstate__(self) -> dict:
+        # oneDNN's packed tensor cannot be copied or pickled: a copy packs again when asked
+        state = self.__dict__.copy()
+        state.pop("_packed", None)
+        state["_packed_key"] = None
+        return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
@@ -50,7 +79,7 @@ class PackedLinear(nn.Linear):
             x.device.type == "cpu"
             and weight.device.type == "cpu"
             and x.dtype == weight.dtype == torch.float32
-            and weight._version == self._packed_version
+            and self._packed_key == (weight.data_ptr(), weight.dtype, weight._version)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
         if not usable:
@@ -77,7 +106,22 @@ def prepack_linear_weights(model: nn.Module) -> int:
             module.pack()
             packed += 1
         elif isinstance(module, PackedLinear):  # repacked only if its weight changed
-            if module._packed_version != module.weight._version:
+            if module.stale():
                 module.pack()
             packed += 1
     return packed
+
+
+def repack_stale(model: nn.Module) -> int:
+    """Pack again the `PackedLinear`s of `model` whose weight changed since packing (a merged
+    LoRA adapter, weights loaded into it); returns how many. Packs nothing that was not packed."""
+    if not can_prepack():
+        return 0
+    repacked = 0
+    for module in model.modules():
+        if isinstance(module, PackedLinear) and module.stale():
+            weight = module.weight
+            if weight.device.type == "cpu" and weight.dtype == torch.float32:
+                module.pack()
+                repacked += 1
+    return repacked

@@ -26,6 +26,7 @@ from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
 from heads.base import check_model
+from heads.cpu import repack_stale
 from inference.acceptance import (
     Acceptance,
     verify_greedy,
@@ -119,6 +120,10 @@ class SpeculativeGenerator:
         check_model(base)
         check_base_takes_trees(base)
         warn_unapplied_logits_settings(base)
+        # load_base's prepacked CPU weights, changed since (an adapter merged into the base)
+        repack_stale(base)
+        if isinstance(heads_or_drafter, nn.Module):
+            repack_stale(heads_or_drafter)
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self.lm_head: nn.Module = base.get_output_embeddings()

@@ -5,7 +5,7 @@ import pytest
 import torch
 from torch import nn
 
-from heads.cpu import PackedLinear, can_prepack, prepack_linear_weights
+from heads.cpu import PackedLinear, can_prepack, prepack_linear_weights, repack_stale
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
@@ -34,7 +34,7 @@ def test_packed_linear_falls_back_for_grad_dtype_and_changed_weights():
         lin.weight.mul_(2)  # the packed copy is stale now: the plain GEMM must be used
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
         prepack_linear_weights(lin)  # repacking picks the new weight up
-        assert lin._packed_version == lin.weight._version
+        assert not lin.stale()
         torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
         half = lin.to(torch.bfloat16)
         assert half(x.detach().bfloat16()).dtype == torch.bfloat16
@@ -57,3 +57,53 @@ def test_loaded_heads_are_packed_and_a_shared_lm_head_is_the_bases(tmp_path):
     heads = load_heads(tmp_path, base=base)
     assert heads.lm_head is base.lm_head and base.lm_head._packed is packed  # not packed twice
     assert all(type(m) is not nn.Linear for m in heads.modules())
+
+
+def test_weights_replaced_or_changed_through_data_are_never_computed_stale():
+    """`.data =` and a dtype round trip move the storage: the plain GEMM runs at once. A change
+    written through `.data` (peft's merge_and_unload) moves nothing the forward checks: the
+    probe finds it, and repack_stale (SpeculativeGenerator calls it) packs again."""
+    import copy
+
+    lin = nn.Linear(16, 8)
+    prepack_linear_weights(lin)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        lin.weight.data = torch.zeros_like(lin.weight)
+        torch.testing.assert_close(lin(x), lin.bias.expand(3, 8))
+        lin.to(torch.bfloat16).to(torch.float32)
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias)
+        assert repack_stale(lin) == 1 and not lin.stale()
+        lin.weight.data += 1.0  # in place, as a LoRA merge writes it
+        assert lin.stale() and repack_stale(lin) == 1 and repack_stale(lin) == 0
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
+        twin = copy.deepcopy(lin)  # the packed copy stays behind: the plain GEMM, then repacked
+        torch.testing.assert_close(twin(x), x @ lin.weight.T + lin.bias)
+        assert repack_stale(twin) == 1
+        torch.testing.assert_close(twin(x), lin(x), atol=1e-5, rtol=0)
+
+
+def test_a_lora_merged_into_a_prepacked_base_is_what_the_generator_computes(tmp_path):
+    """The Medusa-2 serving flow on a CPU: load_base prepacks, peft merges the adapter through
+    `.data`; the generator's greedy output is the merged model's, token for token."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    from inference import SpeculativeGenerator
+
+    adapted = get_peft_model(
+        make_tiny_llama(), LoraConfig(r=2, target_modules=["q_proj", "v_proj"])
+    )
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.5)
+    adapted.save_pretrained(tmp_path)
+    reference = PeftModel.from_pretrained(make_tiny_llama(), tmp_path).merge_and_unload()
+    base = make_tiny_llama()
+    prepack_linear_weights(base)
+    merged = PeftModel.from_pretrained(base, tmp_path).merge_and_unload()
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    expected = reference.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    gen = SpeculativeGenerator(merged, None, num_tokens=3)
+    out = gen.generate(prompt, max_new_tokens=12, eos_token_id=[])
+    assert torch.equal(out.sequences, expected)
