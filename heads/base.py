@@ -88,9 +88,17 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
     try:
         plain.save_pretrained(tmp)
         tokenizer.save_pretrained(tmp)
-        if out_dir.exists():
-            shutil.rmtree(out_dir)
-        tmp.rename(out_dir)
+        # Several processes (accelerate launch) may convert at once: the first copy in place
+        # serves them all, and one being read is never removed.
+        if (out_dir / "config.json").is_file():
+            return
+        try:
+            tmp.rename(out_dir)
+        except OSError as e:
+            if not (out_dir / "config.json").is_file():  # not lost to another process's copy
+                raise OSError(
+                    f"{out_dir} holds an unfinished conversion: remove it and load again ({e})"
+                ) from e
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -160,7 +168,7 @@ def load_base(
     Args:
         name_or_path: `"smollm2-135m-instruct"` (the embedded default, no network needed), a
             Hugging Face Hub id, a local folder, or a `.gguf` file.
-        dtype: defaults to fp32 on CPU and bf16 on a CUDA device.
+        dtype: defaults (or "auto") to fp32 on CPU and bf16 on a CUDA device.
         device: defaults to CUDA when available.
         attn_implementation: "sdpa" (default) or "eager"; both accept headstart's 4D tree masks.
         frozen: `requires_grad_(False)` on every parameter (the base is never trained, except
@@ -173,7 +181,14 @@ def load_base(
         (model, tokenizer). `model.config.name_or_path` is the name heads record as their base.
     """
     device = torch.device(device) if device is not None else _default_device()
-    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype
+    if isinstance(dtype, str):
+        named = None if dtype == "auto" else getattr(torch, dtype, None)
+        if dtype != "auto" and not isinstance(named, torch.dtype):
+            raise ValueError(
+                f"dtype={dtype!r} is no torch dtype: give one such as 'float32', 'bfloat16', "
+                "'float16', or 'auto' (fp32 on a CPU, bf16 on a GPU)"
+            )
+        dtype = named
     dtype = dtype or default_dtype(device)
     path, recorded_name = resolve_base_path(name_or_path)
     try:

@@ -52,7 +52,8 @@ class PackedLinear(nn.Linear):
         weight = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
         self._packed_key = self._weight_key()
-        where = torch.linspace(0, weight.numel() - 1, PROBES).long().unique()
+        # integer steps: a float linspace rounds past the end of a weight of 28M values
+        where = (torch.arange(PROBES) * (weight.numel() - 1) // (PROBES - 1)).unique()
         self._probe = (where, weight.reshape(-1)[where].clone())
 
     def _weight_key(self) -> tuple:

@@ -84,9 +84,10 @@ def model_card(config, repo_id: str = "REPO", sglang_layout: bool = False) -> st
             "merged (below;\nfor vLLM, `save_pretrained` the merged base and give its folder as "
             "`BASE_WITH_LORA_MERGED`).\n"
         )
+    # The Hub refuses a card whose base_model is not a repo id (a local folder, a .gguf file)
+    header = f"base_model: {base}\n" if _looks_like_repo_id(base) else ""
     return f"""---
-base_model: {base}
-library_name: headstart
+{header}library_name: headstart
 tags:
 - speculative-decoding
 - {tag}
@@ -128,6 +129,13 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 {sglang}
 ```
 """
+
+
+def _looks_like_repo_id(name: str) -> bool:
+    """A Hub repo id ("owner/name", or an old one without an owner), not a local path."""
+    if name in ("", "BASE") or name.startswith((".", "/", "~")) or name.count("/") > 1:
+        return False
+    return not Path(name).expanduser().exists() and not name.endswith(".gguf")
 
 
 class HubPushError(OSError):

@@ -1,3 +1,6 @@
+import shutil
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -38,6 +41,19 @@ def test_embedded_model_loads_generates_and_caches(smollm2, monkeypatch):
     assert torch.equal(again.lm_head.weight, model.lm_head.weight)
 
 
+def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_tokenizer):
+    from tests.conftest import make_tiny_llama
+
+    make_tiny_llama(vocab_size=len(smollm2_tokenizer)).save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    model, _ = load_base(str(tmp_path), dtype="auto", device="cpu")
+    assert model.dtype == torch.float32
+    with pytest.raises(ValueError, match="dtype='fp32' is no torch dtype"):
+        load_base(str(tmp_path), dtype="fp32", device="cpu")
+    with pytest.raises(ValueError, match="dtype='Tensor' is no torch dtype"):
+        load_base(str(tmp_path), dtype="Tensor", device="cpu")
+
+
 def test_missing_gguf_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_base(tmp_path / "absent.gguf")
@@ -66,3 +82,41 @@ def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):
     with pytest.raises(OSError) as failed:
         load_base("HuggingFaceTB/SmolLM2-360M-Instruct", device="cpu")
     assert "did you mean" not in str(failed.value) and "spelling" not in str(failed.value)
+
+
+def test_processes_converting_at_once_keep_the_first_copy(tmp_path, monkeypatch, smollm2_tokenizer):
+    """accelerate launch: every process converts a GGUF none has cached yet. A copy already in
+    place when another finishes is kept (another process may be reading it), whether it came
+    before the check or between the check and the rename."""
+    from tests.conftest import make_tiny_llama
+
+    model = make_tiny_llama(vocab_size=len(smollm2_tokenizer))
+    monkeypatch.setattr(
+        base_module.AutoTokenizer, "from_pretrained", lambda *a, **k: smollm2_tokenizer
+    )
+    monkeypatch.setattr(base_module.AutoModelForCausalLM, "from_pretrained", lambda *a, **k: model)
+    out = tmp_path / "cache" / "model"
+
+    def other_process_finished():
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "config.json").write_text("{}")  # the other's copy, being read
+
+    gguf = tmp_path / "m.gguf"
+    other_process_finished()
+    base_module._convert_gguf(gguf, out, "m")  # finds it before renaming: keeps it
+    assert (out / "config.json").read_text() == "{}" and not (out / "model.safetensors").exists()
+    shutil.rmtree(out)
+    rename = Path.rename
+
+    def racing_rename(self, target):
+        other_process_finished()  # lands between the check and this rename
+        return rename(self, target)
+
+    monkeypatch.setattr(Path, "rename", racing_rename)
+    base_module._convert_gguf(gguf, out, "m")
+    assert (out / "config.json").read_text() == "{}"
+    assert [p.name for p in out.parent.iterdir()] == ["model"]  # no temporary copy left
+    monkeypatch.setattr(Path, "rename", rename)
+    shutil.rmtree(out)
+    base_module._convert_gguf(gguf, out, "m")  # alone: its own copy
+    assert (out / "model.safetensors").is_file()
