@@ -126,6 +126,7 @@ class SpeculativeGenerator:
             repack_stale(heads_or_drafter)
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
+        self._configured: dict | None = None  # the adaptive arm's options the drafter holds
         self.lm_head: nn.Module = base.get_output_embeddings()
         device = next(base.parameters()).device
         # Trees of more nodes than this verify row by row (lazily); None: never.
@@ -335,16 +336,18 @@ class SpeculativeGenerator:
         policy = self.policy if self.arms else None
         if policy:
             policy.greedy = sampling.greedy
-        current_arm = -1
+        # The drafter is shared by every stream of this generator: which settings it holds is
+        # the generator's to know, not this stream's (another may have configured it since).
+        self._configured = None
         paths_of = paths = tree_nodes = None  # the latest static tree's nodes as paths of ranks
         after_plain = True  # the prefill, like a plain step, leaves the drafter to catch up
         while not done:
             prefix = cache.get_seq_length()
             arm = policy.choose() if policy else -1
             options = policy.arms[arm].options if policy else {}
-            if options and arm != current_arm:
+            if options and options != self._configured:
                 self.drafter.configure(**options)
-                current_arm = arm
+                self._configured = options
             nodes = 1 if options is None else self.drafter.max_nodes
             if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
                 # the tree no longer fits the context but a token does: plain steps to the end

@@ -412,3 +412,30 @@ def test_medusa_gpu_arms_fit_the_heads(num_heads):
         drafter.configure(**options)
         sizes.append(drafter.tree.num_nodes)
     assert sizes == ([11] if num_heads == 1 else [32, 64])  # one head's top 10 at most
+
+
+def test_interleaved_streams_run_the_arm_the_policy_credits():
+    """Two streams of one generator share its drafter: each step runs the settings of the arm
+    chosen for it, even when the other stream configured the drafter since."""
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=256))
+    gen = SpeculativeGenerator(base, draft)
+    gen.policy = AdaptivePolicy.from_options(gen.arms, warmup=1)
+    static, dynamic = 1, 2  # the CPU arms: the top 4 at one level; a 2-level dynamic tree
+    assert "choices" in gen.arms[static] and "top_k" in gen.arms[dynamic]
+    ran = []
+    propose = gen.drafter.propose
+
+    def logged(sequence, sampling):
+        ran.append("static" if gen.drafter.static is not None else "dynamic")
+        return propose(sequence, sampling)
+
+    gen.drafter.propose = logged
+    chosen = iter([static, dynamic] * 4)
+    gen.policy.choose = lambda: next(chosen)
+    rng = torch.Generator().manual_seed(1)
+    a, b = (gen.stream(torch.randint(3, 256, (1, 10), generator=rng), 8) for _ in range(2))
+    next(a), next(b)  # the prefills
+    for _ in range(3):
+        next(a), next(b)
+    assert ran == ["static", "dynamic"] * 3
