@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import tempfile
 from pathlib import Path
 
 
@@ -150,27 +153,42 @@ def push_folder(
     token: str | None = None,
     commit_message: str = "Upload headstart heads",
 ) -> str:
-    """Create `repo_id` if needed and upload a saved heads folder; returns the commit URL."""
+    """Create `repo_id` if needed and upload a saved heads folder; returns the commit URL.
+
+    The card uploaded names the repo it lives in; the folder's own keeps its placeholders, so
+    the folder can be pushed to another repo too."""
     from huggingface_hub import HfApi
 
     folder = Path(folder)
-    card = folder / "README.md"
-    if card.is_file():  # the card names the repo it lives in
-        card.write_text(
-            card.read_text()
-            .replace('"REPO"', f'"{repo_id}"')
-            .replace("path REPO", f"path {repo_id}")
-            .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
-        )
     api = HfApi(token=token)
-    try:
-        api.create_repo(repo_id, private=private, exist_ok=True)
-        info = api.upload_folder(
-            folder_path=str(folder), repo_id=repo_id, commit_message=commit_message
-        )
-    except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's errors
-        raise HubPushError(
-            f"could not push {folder} to the Hub repo {repo_id}: {type(e).__name__}: {e}. Check "
-            "the network and your token (`hf auth login`, HF_TOKEN or token=)"
-        ) from e
+    # A staged copy of hard links (same filesystem: no weights copied) with the card filled in.
+    with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.push.") as tmp:
+        staged = Path(tmp) / folder.name
+        shutil.copytree(folder, staged, copy_function=_link_or_copy)
+        card = staged / "README.md"
+        if card.is_file():
+            text = card.read_text()
+            card.unlink()  # a link to the folder's own card: replaced, not written through
+            card.write_text(
+                text.replace('"REPO"', f'"{repo_id}"')
+                .replace("path REPO", f"path {repo_id}")
+                .replace("export_heads('REPO'", f"export_heads('{repo_id}'")
+            )
+        try:
+            api.create_repo(repo_id, private=private, exist_ok=True)
+            info = api.upload_folder(
+                folder_path=str(staged), repo_id=repo_id, commit_message=commit_message
+            )
+        except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
+            raise HubPushError(
+                f"could not push {folder} to the Hub repo {repo_id}: {type(e).__name__}: {e}. "
+                "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+            ) from e
     return str(getattr(info, "commit_url", info))
+
+
+def _link_or_copy(src: str, dst: str) -> None:
+    try:
+        os.link(src, dst)
+    except OSError:
+        shutil.copy2(src, dst)

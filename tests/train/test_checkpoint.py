@@ -119,6 +119,9 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypa
         def upload_folder(self, folder_path, repo_id, commit_message):
             uploaded["folder"] = folder_path
             uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
+            uploaded["card"] = (Path(folder_path) / "README.md").read_text()
+            weights = Path(folder_path) / "model.safetensors"
+            uploaded["weights"] = weights.read_bytes()
             return "https://hub/commit/2"
 
     monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
@@ -128,13 +131,22 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypa
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
     folder = save_final(recipe, heads, Accelerator(cpu=True), {"eval/step0/top1": 0.5})
     assert uploaded["repo"] == ("me/tiny-medusa", True)
-    assert Path(uploaded["folder"]) == folder == tmp_path / "heads"
+    assert folder == tmp_path / "heads"
+    assert Path(uploaded["folder"]).name == "heads"  # a staged copy of the folder, as saved
+    assert uploaded["weights"] == (folder / "model.safetensors").read_bytes()
     assert {"config.json", "model.safetensors", "README.md", "training_metrics.json"} <= set(
         uploaded["files"]
     )
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert f.get_tensor("lm_heads.0.weight").dtype == torch.bfloat16  # the recipe's default
-    assert '"model": "me/tiny-medusa"' in (folder / "README.md").read_text()
+    # the uploaded card names the repo; the folder's keeps its placeholder for other pushes
+    assert '"model": "me/tiny-medusa"' in uploaded["card"]
+    assert '"model": "REPO"' in (folder / "README.md").read_text()
+    from heads.hub import push_folder
+
+    push_folder(folder, "me/elsewhere")
+    assert '"model": "me/elsewhere"' in uploaded["card"]
+    assert not list(tmp_path.glob(".heads.push.*"))  # the staged copy is gone
 
     # no network: said, with where the heads are and how to push them again
     class Offline(FakeApi):
