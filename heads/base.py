@@ -200,6 +200,15 @@ def load_base(
         raise BaseNotFoundError(
             f"base model '{name_or_path}' could not be loaded: {e}{_name_hint(str(name_or_path))}"
         ) from e
+    except ValueError as e:  # a folder of weights alone: transformers asks for sentencepiece
+        folder = Path(path)
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files):
+            raise BaseNotFoundError(
+                f"base model folder {path} has no tokenizer ({', '.join(tokenizer_files)}): "
+                "save the model's tokenizer there too (tokenizer.save_pretrained(folder))"
+            ) from e
+        raise
     model.config.name_or_path = recorded_name
     model.eval()
     if frozen:

@@ -45,6 +45,8 @@ def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_token
     from tests.conftest import make_tiny_llama
 
     make_tiny_llama(vocab_size=len(smollm2_tokenizer)).save_pretrained(tmp_path)
+    with pytest.raises(FileNotFoundError, match="has no tokenizer .*tokenizer.save_pretrained"):
+        load_base(str(tmp_path), device="cpu")  # the weights alone
     smollm2_tokenizer.save_pretrained(tmp_path)
     model, _ = load_base(str(tmp_path), dtype="auto", device="cpu")
     assert model.dtype == torch.float32
