@@ -183,6 +183,11 @@ def read_kept(path: Path) -> list[dict]:
     for where, record in jsonl_records(path):
         if isinstance(record, Exception):  # a line that is not UTF-8 or not JSON
             raise PromptSourceError(f"{where}: {record}")
+        if not isinstance(record, dict) or not isinstance(record.get("prompt"), str):
+            raise PromptSourceError(
+                f'{where}: not a {{"prompt": ...}} line as self_instruct writes them (edited '
+                "by hand?): mend or remove the line, or write to another self_instruct.output"
+            )
         kept.append(record)
     return kept
 

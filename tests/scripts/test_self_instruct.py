@@ -273,3 +273,7 @@ def test_kept_prompts_holding_a_line_separator_read_back(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in records), "utf-8")
     assert si.read_kept(path) == records
+    for line in ('["a list"]\n', '{"text": "no prompt"}\n'):  # edited by hand
+        path.write_text(json.dumps(records[1]) + "\n" + line, "utf-8")
+        with pytest.raises(PromptSourceError, match=r"prompts.jsonl:2: not a \{\"prompt\""):
+            si.read_kept(path)
