@@ -103,6 +103,11 @@ def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
 
+def is_repo_id(name: str) -> bool:
+    """Whether `name` has the form of a Hub repo id, "owner/name" (not a path)."""
+    return not name.startswith((".", "/", "~")) and name.count("/") == 1
+
+
 class BaseNotFoundError(FileNotFoundError):
     """The base is not a folder here, and not a Hub repo that could be read (or reached)."""
 
@@ -154,6 +159,20 @@ def _name_hint(name: str) -> str:
     )
 
 
+def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except ValueError as e:  # a folder of weights alone: transformers asks for sentencepiece
+        folder = Path(path)
+        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+        if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files):
+            raise BaseNotFoundError(
+                f"base model folder {path} has no tokenizer ({', '.join(tokenizer_files)}): "
+                "save the model's tokenizer there too (tokenizer.save_pretrained(folder))"
+            ) from e
+        raise
+
+
 def load_base(
     name_or_path: str | os.PathLike = EMBEDDED_NAME,
     *,
@@ -192,7 +211,7 @@ def load_base(
     dtype = dtype or default_dtype(device)
     path, recorded_name = resolve_base_path(name_or_path)
     try:
-        tokenizer = AutoTokenizer.from_pretrained(path)
+        tokenizer = _load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation
         ).to(device)
@@ -200,15 +219,6 @@ def load_base(
         raise BaseNotFoundError(
             f"base model '{name_or_path}' could not be loaded: {e}{_name_hint(str(name_or_path))}"
         ) from e
-    except ValueError as e:  # a folder of weights alone: transformers asks for sentencepiece
-        folder = Path(path)
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files):
-            raise BaseNotFoundError(
-                f"base model folder {path} has no tokenizer ({', '.join(tokenizer_files)}): "
-                "save the model's tokenizer there too (tokenizer.save_pretrained(folder))"
-            ) from e
-        raise
     model.config.name_or_path = recorded_name
     model.eval()
     if frozen:

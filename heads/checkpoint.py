@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import check_model
+from heads.base import check_model, is_repo_id
 from heads.cpu import PackedLinear, prepack_linear_weights
 
 WEIGHTS_NAME = "model.safetensors"
@@ -189,7 +189,7 @@ def resolve_folder(
         raise FileNotFoundError(
             f"{path_or_repo_id} is a file: give the heads folder (the one with {CONFIG_NAME})"
         )
-    if str(path_or_repo_id).startswith((".", "/", "~")) or str(path_or_repo_id).count("/") != 1:
+    if not is_repo_id(str(path_or_repo_id)):
         raise FileNotFoundError(f"heads folder not found: {path_or_repo_id}")
     from huggingface_hub import list_repo_files, snapshot_download
 

@@ -41,28 +41,41 @@ def can_prepack() -> bool:
     )
 
 
+def packable(weight: torch.Tensor) -> bool:
+    """Whether oneDNN's packed linear takes this weight: fp32 on the CPU."""
+    return weight.device.type == "cpu" and weight.dtype == torch.float32
+
+
 class PackedLinear(nn.Linear):
     """An `nn.Linear` that also holds its fp32 CPU weight in oneDNN's packed layout."""
 
     _packed: torch.Tensor
-    _packed_key: tuple | None  # the weight's (storage, dtype, version) when packed
+    # The weight as packed: held, so that its storage's address cannot be handed to another
+    # weight (a replaced one is then told by its address), and its version counter when packed.
+    _packed_from: torch.Tensor | None
+    _packed_version: int | None
     _probe: tuple[torch.Tensor, torch.Tensor]  # (flat indices, their values) when packed
 
     def pack(self) -> None:
         weight = self.weight.detach()
         self._packed = torch.ops.mkldnn._reorder_linear_weight(weight, PACK_ROWS_HINT)
-        self._packed_key = self._weight_key()
+        self._packed_from, self._packed_version = weight, self.weight._version
         # integer steps: a float linspace rounds past the end of a weight of 28M values
         where = (torch.arange(PROBES) * (weight.numel() - 1) // (PROBES - 1)).unique()
         self._probe = (where, weight.reshape(-1)[where].clone())
 
-    def _weight_key(self) -> tuple:
-        weight = self.weight
-        return (weight.data_ptr(), weight.dtype, weight._version)
+    def _current(self, weight: torch.Tensor) -> bool:
+        """Whether `weight` is the tensor packed, unchanged by any op autograd sees."""
+        return (
+            self._packed_from is not None
+            and weight.data_ptr() == self._packed_from.data_ptr()
+            and weight._version == self._packed_version
+            and packable(weight)
+        )
 
     def stale(self) -> bool:
         """Whether the weight changed since packing, also through `weight.data`."""
-        if self._packed_key != self._weight_key():
+        if not self._current(self.weight):
             return True
         where, values = self._probe
         return not torch.equal(self.weight.detach().reshape(-1)[where], values)
@@ -71,16 +84,15 @@ class PackedLinear(nn.Linear):
         # oneDNN's packed tensor cannot be copied or pickled: a copy packs again when asked
         state = self.__dict__.copy()
         state.pop("_packed", None)
-        state["_packed_key"] = None
+        state["_packed_from"] = state["_packed_version"] = None
         return state
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight = self.weight
         usable = (
             x.device.type == "cpu"
-            and weight.device.type == "cpu"
-            and x.dtype == weight.dtype == torch.float32
-            and self._packed_key == (weight.data_ptr(), weight.dtype, weight._version)
+            and x.dtype == torch.float32
+            and self._current(weight)
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
         )
         if not usable:
@@ -89,7 +101,8 @@ class PackedLinear(nn.Linear):
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Prepack every fp32 CPU `nn.Linear` of `model` in place; returns how many are packed.
+    """Prepack every fp32 CPU `nn.Linear` of `model` in place (again where a packed weight
+    changed); returns how many are packed.
 
     A no-op (returns 0) when oneDNN is unavailable. Use it on a frozen model for inference.
     """
@@ -97,17 +110,12 @@ def prepack_linear_weights(model: nn.Module) -> int:
         return 0
     packed = 0
     for module in model.modules():
-        weight = getattr(module, "weight", None)
-        if (
-            type(module) is nn.Linear
-            and weight.device.type == "cpu"
-            and weight.dtype == torch.float32
-        ):
+        if type(module) is nn.Linear and packable(module.weight):
             module.__class__ = PackedLinear
             module.pack()
             packed += 1
-        elif isinstance(module, PackedLinear):  # repacked only if its weight changed
-            if module.stale():
+        elif isinstance(module, PackedLinear) and packable(module.weight):
+            if module.stale():  # repacked only if its weight changed
                 module.pack()
             packed += 1
     return packed
@@ -120,9 +128,7 @@ def repack_stale(model: nn.Module) -> int:
         return 0
     repacked = 0
     for module in model.modules():
-        if isinstance(module, PackedLinear) and module.stale():
-            weight = module.weight
-            if weight.device.type == "cpu" and weight.dtype == torch.float32:
-                module.pack()
-                repacked += 1
+        if isinstance(module, PackedLinear) and packable(module.weight) and module.stale():
+            module.pack()
+            repacked += 1
     return repacked

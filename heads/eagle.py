@@ -229,16 +229,11 @@ class EagleDraft(PretrainedHeads):
 def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
     """Raise unless d2t maps the draft vocabulary one-to-one onto the base ids t2d marks (in any
     order: headstart writes them increasing, vLLM and SGLang read any one-to-one map)."""
-    target = d2t + torch.arange(d2t.numel(), device=d2t.device)
     if int(t2d.sum()) != d2t.numel():
         raise ValueError(
             f"inconsistent t2d: marks {int(t2d.sum())} tokens but the draft vocabulary has {d2t.numel()}"
         )
-    if target.numel() and (int(target.min()) < 0 or int(target.max()) >= t2d.numel()):
-        raise ValueError(
-            f"inconsistent d2t: draft->target ids (draft + d2t[draft]) run from {int(target.min())} "
-            f"to {int(target.max())}, outside the base vocabulary of {t2d.numel()}"
-        )
+    target = target_ids(d2t, t2d.numel())
     if target.unique().numel() != target.numel() or not bool(t2d[target].all()):
         raise ValueError(
             "inconsistent d2t / t2d: d2t must map the draft tokens to distinct base ids, the ones "
@@ -246,17 +241,23 @@ def check_vocab_map(d2t: torch.Tensor, t2d: torch.Tensor) -> None:
         )
 
 
-def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """t2d (the base ids in the draft vocabulary) from d2t, for folders that leave it out: vLLM
-    and SGLang never read it."""
-    target = d2t.long() + torch.arange(d2t.numel())
+def target_ids(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """The base ids d2t maps the draft vocabulary to (draft + d2t[draft]), checked to lie in a
+    base vocabulary of `vocab_size`."""
+    target = d2t.long() + torch.arange(d2t.numel(), device=d2t.device)
     if target.numel() and (int(target.min()) < 0 or int(target.max()) >= vocab_size):
         raise ValueError(
             f"inconsistent d2t: draft->target ids (draft + d2t[draft]) run from {int(target.min())} "
             f"to {int(target.max())}, outside the base vocabulary of {vocab_size}"
         )
+    return target
+
+
+def t2d_from_d2t(d2t: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """t2d (the base ids in the draft vocabulary) from d2t, for folders that leave it out: vLLM
+    and SGLang never read it."""
     t2d = torch.zeros(vocab_size, dtype=torch.bool)
-    t2d[target] = True
+    t2d[target_ids(d2t, vocab_size)] = True
     return t2d
 
 

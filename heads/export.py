@@ -62,7 +62,8 @@ def export_heads(
         )
     _export_to(heads, Path(src), target, out, base_name)
     if lora:  # Medusa-2's adapter: the engine serves the base with it merged
-        shutil.copytree(Path(src) / lora, out / LORA_FOLDER, dirs_exist_ok=True)
+        if not (out / LORA_FOLDER).is_dir():  # the vllm export's save_pretrained copied it
+            shutil.copytree(Path(src) / lora, out / LORA_FOLDER)
         if target in ("tgi", "trtllm"):
             warnings.warn(
                 f"{target} loads the base these heads name, without their LoRA adapter: merge "
@@ -89,12 +90,12 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
         card = src / "README.md"
         # a card written by hand is kept; headstart's own is the one just written, which says
         # how the engines serve these heads now (an older one may not)
-        if card.is_file() and "library_name: headstart" not in card.read_text():
+        if card.is_file() and not _headstart_card(card):
             shutil.copy2(card, out / "README.md")
         # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
         if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)
-            if "library_name: headstart" in (out / "README.md").read_text():
+            if _headstart_card(out / "README.md"):
                 (out / "README.md").write_text(model_card(heads.config, sglang_layout=True))
         return
     if not is_medusa:
@@ -103,6 +104,11 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
             "with vLLM or SGLang"
         )
     _write_medusa_lm_head(heads, target, out, base_name)
+
+
+def _headstart_card(card: Path) -> bool:
+    """Whether a model card is one headstart wrote (not one written by hand)."""
+    return "library_name: headstart" in card.read_text()
 
 
 def _stored_dtype(folder: Path) -> torch.dtype | None:

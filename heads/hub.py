@@ -7,6 +7,8 @@ import shutil
 import tempfile
 from pathlib import Path
 
+from heads.base import is_repo_id
+
 
 def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:
     """(head kind, vLLM method, vLLM lines, SGLang lines) for a heads config; an engine that would not
@@ -87,8 +89,9 @@ def model_card(config, repo_id: str = "REPO", sglang_layout: bool = False) -> st
             "merged (below;\nfor vLLM, `save_pretrained` the merged base and give its folder as "
             "`BASE_WITH_LORA_MERGED`).\n"
         )
-    # The Hub refuses a card whose base_model is not a repo id (a local folder, a .gguf file)
-    header = f"base_model: {base}\n" if _looks_like_repo_id(base) else ""
+    # The Hub refuses a card whose base_model is no repo id (a local folder, a GGUF's name)
+    local = not is_repo_id(base) or Path(base).expanduser().exists()
+    header = "" if local else f"base_model: {base}\n"
     return f"""---
 {header}library_name: headstart
 tags:
@@ -134,13 +137,6 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 """
 
 
-def _looks_like_repo_id(name: str) -> bool:
-    """A Hub repo id ("owner/name", or an old one without an owner), not a local path."""
-    if name in ("", "BASE") or name.startswith((".", "/", "~")) or name.count("/") > 1:
-        return False
-    return not Path(name).expanduser().exists() and not name.endswith(".gguf")
-
-
 class HubPushError(OSError):
     """The Hub would not take the heads (no network, no token, no write access)."""
 
@@ -159,7 +155,7 @@ def push_folder(
     the folder can be pushed to another repo too."""
     from huggingface_hub import HfApi
 
-    folder = Path(folder)
+    folder = Path(folder).resolve()  # "." has no name and is its own parent
     api = HfApi(token=token)
     # A staged copy of hard links (same filesystem: no weights copied) with the card filled in.
     with tempfile.TemporaryDirectory(dir=folder.parent, prefix=f".{folder.name}.push.") as tmp:

@@ -235,7 +235,10 @@ class SpeculativeGenerator:
         """Yield the new tokens of every step (the first yield is the prefill's token).
 
         `stats`, when given, receives `accepted_lengths`, `timings` and `finished` as it goes.
-        See `generate` for the arguments.
+        See `generate` for the arguments. Streams of one generator share its drafter: several
+        interleaved stay exact, but each drafts from the state the others left (the drafter
+        keeps one sequence's), so they speculate worse than one at a time; give each
+        concurrent stream its own generator.
         """
         ids = prompt_ids(input_ids, attention_mask)
         if acceptance not in ("lossless", "typical"):
@@ -254,24 +257,23 @@ class SpeculativeGenerator:
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         reals = (temperature, top_p)
-        if not all(isinstance(x, numbers.Real) and math.isfinite(x) for x in reals) or (
+        if not all(isinstance(x, numbers.Real) for x in reals) or (
             not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool)
         ):
             raise TypeError(
-                f"temperature and top_p must be finite numbers and top_k an int; got "
+                f"temperature and top_p must be numbers and top_k an int; got "
                 f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
             )
-        if temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
             raise ValueError(
                 f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
                 f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
             )
         max_positions = self.base.config.max_position_embeddings
-        if len(ids) >= max_positions:  # generation stops at the context: no token would come
+        if len(ids) > max_positions:
             raise ValueError(
-                f"the prompt has {len(ids)} tokens, "
-                f"{'more than' if len(ids) > max_positions else 'as many as'} the base's context "
-                f"of {max_positions} positions: shorten it to leave room for new tokens"
+                f"the prompt has {len(ids)} tokens, more than the base's context of "
+                f"{max_positions} positions: shorten it"
             )
         device = next(self.base.parameters()).device
         ids = ids.to(device)
@@ -345,7 +347,7 @@ class SpeculativeGenerator:
             prefix = cache.get_seq_length()
             arm = policy.choose() if policy else -1
             options = policy.arms[arm].options if policy else {}
-            if options and options != self._configured:
+            if options and options is not self._configured:
                 self.drafter.configure(**options)
                 self._configured = options
             nodes = 1 if options is None else self.drafter.max_nodes

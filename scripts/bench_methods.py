@@ -25,6 +25,7 @@ from inference import (
     plain_generation,
     plain_generation_config,
 )
+from inference.tree import PRESETS
 
 METHODS = (
     "baseline",
@@ -252,6 +253,8 @@ def _arm_depth(arm: dict | None, configured: int) -> int:
     if "depth" in arm:
         return arm["depth"]
     choices = arm.get("choices")
+    if isinstance(choices, str):  # a preset's name
+        choices = PRESETS.get(choices)
     if isinstance(choices, list | tuple):
         return max((len(path) for path in choices), default=0)
     return configured

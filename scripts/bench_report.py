@@ -136,7 +136,7 @@ def markdown_table(results: dict) -> str:
 
 
 def skipped_note(prompts: dict) -> str:
-    """', N more skipped: ...' when some prompts read did not fit the base's context."""
+    """'; N more read, skipped: ...' when some prompts read did not fit the base's context."""
     skipped = prompts.get("read", prompts["count"]) - prompts["count"]
     return f"; {skipped} more read, skipped: past the base's context" if skipped > 0 else ""
 

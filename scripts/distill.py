@@ -269,20 +269,14 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     check_template(out_dir, sha1)
     out_dir.mkdir(parents=True, exist_ok=True)
     done = read_done_ids(out_dir)
-    backend = "vllm" if vllm else "transformers"
-    was = recorded_manifest(out_dir).get("backend") if done else None
-    if was and backend not in was.split("+"):  # both backends' answers: the record says so
-        if state.is_main_process:
-            print(f"note: {out_dir}'s answers so far were written by {was}, these by {backend}")
-        backend = "+".join(sorted({*was.split("+"), backend}))
-    # model.dtype "auto" resolves per machine (bf16 on a GPU, fp32 on a CPU): said and recorded
-    # as the backend is, when a folder's answers so far came in another
+    recorded = recorded_manifest(out_dir) if done else {}
+    # Both backends' answers, or two dtypes' (model.dtype "auto" resolves per machine: bf16 on
+    # a GPU, fp32 on a CPU; vLLM's is its own "auto"): the record says so.
+    backend = merged_record(
+        recorded, "backend", "vllm" if vllm else "transformers", "written by", out_dir, state
+    )
     dtype = str(model.dtype).removeprefix("torch.") if model is not None else recipe.model.dtype
-    was = recorded_manifest(out_dir).get("dtype") if done else None
-    if was and dtype not in was.split("+"):
-        if state.is_main_process:
-            print(f"note: {out_dir}'s answers so far were computed in {was}, these in {dtype}")
-        dtype = "+".join(sorted({*was.split("+"), dtype}))
+    dtype = merged_record(recorded, "dtype", dtype, "computed in", out_dir, state)
     manifest = {
         "format": FORMAT,
         "base_model": recorded_name,
@@ -316,14 +310,15 @@ def distill(recipe: Recipe) -> dict[str, Any]:
             len(todo),
             state.num_processes,
         )
+    # A run that continues a folder draws another stream than a fresh one: else a sample
+    # regenerated where its sibling was first drawn would repeat it (num_samples > 1).
+    seed = data.seed + state.process_index + 104_729 * len(done)
     generate = (
-        vllm_generator(model_path, recipe, eos_ids)
+        vllm_generator(model_path, recipe, eos_ids, seed)
         if vllm
         else transformers_generator(model, tokenizer, recipe, eos_ids)
     )
-    # A run that continues a folder draws another stream than a fresh one: else a sample
-    # regenerated where its sibling was first drawn would repeat it (num_samples > 1).
-    torch.manual_seed(data.seed + state.process_index + 104_729 * len(done))
+    torch.manual_seed(seed)
     writer = ShardWriter(out_dir, state.process_index, data.records_per_shard)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
     bar = tqdm(
@@ -350,6 +345,19 @@ def distill(recipe: Recipe) -> dict[str, Any]:
         manifest["complete"] = manifest["counts"]["records_written"] == len(items)
         write_atomic(out_dir / MANIFEST, json.dumps(manifest, indent=2, ensure_ascii=False))
     return manifest
+
+
+def merged_record(recorded: dict, key: str, now: str, verb: str, out_dir: Path, state) -> str:
+    """The manifest's `key` for a folder whose answers so far were recorded under another value
+    (`recorded`): both, joined by "+", and a note saying so."""
+    was = recorded.get(key)
+    if not was:
+        return now
+    if now in was.split("+"):  # "transformers+vllm" stays so when transformers goes on
+        return was
+    if state.is_main_process:
+        print(f"note: {out_dir}'s answers so far were {verb} {was}, these {verb} {now}")
+    return "+".join(sorted({*was.split("+"), now}))
 
 
 def main(argv: list[str] | None = None) -> int:

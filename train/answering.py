@@ -135,8 +135,11 @@ def transformers_generator(
     return generate
 
 
-def vllm_generator(model_path: str, recipe: Recipe, eos_ids: list[int]) -> Generate:
-    """vLLM offline engine; tensor-parallel over the visible GPUs (run it as one process)."""
+def vllm_generator(
+    model_path: str, recipe: Recipe, eos_ids: list[int], seed: int | None = None
+) -> Generate:
+    """vLLM offline engine; tensor-parallel over the visible GPUs (run it as one process);
+    sampling seeded with `seed` (default: data.seed)."""
     from vllm import LLM, SamplingParams
 
     data = recipe.data
@@ -144,7 +147,7 @@ def vllm_generator(model_path: str, recipe: Recipe, eos_ids: list[int]) -> Gener
     llm = LLM(
         model=model_path,
         dtype=dtype,
-        seed=data.seed,
+        seed=data.seed if seed is None else seed,
         max_model_len=data.max_length,
         tensor_parallel_size=max(torch.cuda.device_count(), 1),
     )

@@ -301,12 +301,15 @@ def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
     assert uploads["created"] == "me/tiny-eagle3"
     assert set(uploads["files"]) == {"config.json", "model.safetensors", "README.md"}
     card = uploads["files"]["README.md"].decode()
-    assert "base_model: tiny-llama-0" in card and "EAGLE-3" in card
-    # a base loaded from a folder or a .gguf is no repo id: the Hub would refuse the card
-    local = _eagle(tiny_llama, 3).config
-    for name in ("/data/models/my-base", "./my-base", "runs/x/base", "my-base.Q4_1.gguf"):
-        local.base_model_name_or_path = name
-        assert "base_model:" not in model_card(local) and f"for {name}" in model_card(local)
+    assert "for tiny-llama-0" in card and "EAGLE-3" in card
+    # the card's base_model is a repo id, or none: the Hub refuses a card that names a path
+    # (a base loaded from a folder, a GGUF's name)
+    config = _eagle(tiny_llama, 3).config
+    config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "base_model: HuggingFaceTB/SmolLM2-135M-Instruct\n" in model_card(config)
+    for name in ("/data/models/my-base", "./my-base", "runs/x/base", "my-base.Q4_1"):
+        config.base_model_name_or_path = name
+        assert "base_model:" not in model_card(config) and f"for {name}" in model_card(config)
     assert '"model": "me/tiny-eagle3"' in card  # vLLM reads the repo as is
     # the config names the aux layers in SGLang's meaning too: it serves the repo as is
     assert "--speculative-draft-model-path me/tiny-eagle3" in card and "export_heads" not in card

@@ -90,7 +90,7 @@ def test_medusa2_heads_keep_their_adapter_when_saved_again_pushed_or_exported(
     loaded.save_pretrained(tmp_path / "first")  # into its own folder: nothing to copy
     loaded.save_pretrained(tmp_path / "again")
     assert (tmp_path / "again" / "lora" / "adapter_config.json").read_text() == "{}"
-    import heads.hub
+    import heads.hub as hub
 
     pushed = []
 
@@ -98,7 +98,7 @@ def test_medusa2_heads_keep_their_adapter_when_saved_again_pushed_or_exported(
         pushed.extend(p.relative_to(folder).as_posix() for p in Path(folder).rglob("*"))
         return f"https://huggingface.co/{repo_id}"
 
-    monkeypatch.setattr(heads.hub, "push_folder", push)
+    monkeypatch.setattr(hub, "push_folder", push)
     loaded.push_to_hub("me/medusa2")
     assert "lora/adapter_config.json" in pushed
     with pytest.warns(UserWarning, match="without their LoRA adapter"):

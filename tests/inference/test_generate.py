@@ -332,11 +332,10 @@ def test_bad_input_is_clear():
     limit = base.config.max_position_embeddings
     with pytest.raises(ValueError, match=f"prompt has {limit + 1} tokens, more than .* {limit}"):
         gen.generate(torch.ones(1, limit + 1, dtype=torch.long))
-    # a prompt that fills the context leaves no room: generation stops there
-    with pytest.raises(ValueError, match=f"prompt has {limit} tokens, as many as .* {limit}"):
-        gen.generate(torch.ones(1, limit, dtype=torch.long))
-    for bad in ({"temperature": float("nan")}, {"top_k": 2.5}, {"top_p": float("inf")}):
-        with pytest.raises(TypeError, match="finite numbers and top_k an int"):
+    with pytest.raises(TypeError, match="must be numbers and top_k an int"):
+        gen.generate(torch.ones(1, 3, dtype=torch.long), top_k=2.5)
+    for bad in ({"temperature": float("nan")}, {"top_p": float("inf")}):
+        with pytest.raises(ValueError, match="need temperature >= 0"):
             gen.generate(torch.ones(1, 3, dtype=torch.long), **bad)
     gen.generate(torch.ones(1, 3, dtype=torch.long), max_new_tokens=2, top_k=np.int64(5))
     with pytest.raises(ValueError, match="acceptance='typical' .* without top_k / top_p"):

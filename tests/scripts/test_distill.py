@@ -155,8 +155,8 @@ def test_answers_are_added_under_their_own_template_and_the_backends_are_recorde
     template.write_text(own)
     assert distill.main([recipe, "data.limit=6"]) == 0
     printed = capsys.readouterr().out
-    assert "written by vllm, these by transformers" in printed
-    assert "computed in bfloat16, these in float32" in printed
+    assert "written by vllm, these written by transformers" in printed
+    assert "computed in bfloat16, these computed in float32" in printed
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["backend"] == "transformers+vllm"
     assert manifest["dtype"] == "bfloat16+float32"
