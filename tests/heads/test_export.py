@@ -1,6 +1,7 @@
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -95,48 +96,17 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
 
 def test_cli(medusa_dir, tmp_path):
     src, _ = medusa_dir
+
+    def export(target: str, out: Path) -> subprocess.CompletedProcess:
+        argv = [sys.executable, "scripts/export.py", str(src), "--to", target, "--out", str(out)]
+        return subprocess.run(argv, capture_output=True, text=True)
+
     (tmp_path / "a-file").write_text("")
-    refused = subprocess.run(
-        [
-            sys.executable,
-            "scripts/export.py",
-            str(src),
-            "--to",
-            "vllm",
-            "--out",
-            str(tmp_path / "a-file"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    refused = export("vllm", tmp_path / "a-file")
     assert refused.returncode == 2 and "is a file: give a folder" in refused.stderr
-    ok = subprocess.run(
-        [
-            sys.executable,
-            "scripts/export.py",
-            str(src),
-            "--to",
-            "tgi",
-            "--out",
-            str(tmp_path / "o"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    ok = export("tgi", tmp_path / "o")
     assert ok.returncode == 0, ok.stderr
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "scripts/export.py",
-            str(src),
-            "--to",
-            "sglang",
-            "--out",
-            str(tmp_path / "p"),
-        ],
-        capture_output=True,
-        text=True,
-    )
+    bad = export("sglang", tmp_path / "p")
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
 
