@@ -444,47 +444,6 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
         assert stop.value.code == 2 and message in capsys.readouterr().err
 
 
-def test_every_timed_run_is_checked_and_pooled(smollm2_tokenizer):
-    """With --runs R each run's tokens are compared with the baseline's (an adaptive
-    generator's trees, and so its steps, may differ between runs), and tau pools every run."""
-    from bench_methods import Method, Run
-
-    runs: dict[str, int] = {}
-
-    def method(name: str, kind: str, outputs: list[Run]) -> Method:
-        def generate(ids, seed, max_new_tokens=None):
-            runs[name] = runs.get(name, 0) + 1
-            return outputs[(runs[name] - 1) % len(outputs)]
-
-        return Method(name, kind, generate, torch.device("cpu"), True)
-
-    timings = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 1.0}
-    methods = [
-        method("baseline", "baseline", [Run([1, 2, 3, 4])]),
-        method("steady", "ngram", [Run([1, 2, 3, 4], [2, 2], timings)]),
-        method(  # the second run parts from the baseline
-            "parting",
-            "ngram",
-            [Run([1, 2, 3, 4], [4], timings), Run([1, 2, 3, 9], [1, 1, 1, 1], timings)],
-        ),
-    ]
-    prompts = [bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"])]
-    records = bench.run_bench(prompts, methods, smollm2_tokenizer, 2, 0)
-    by_name = {r["method"]: r for r in records}
-    assert by_name["steady"]["identical"] is True and by_name["steady"]["tau"] == 2.0
-    assert by_name["parting"]["identical"] is False
-    assert by_name["parting"]["tau"] == 8 / 5 and by_name["parting"]["steps"] == 2.5
-    assert by_name["parting"]["accepted_lengths"] == {"1": 4, "4": 1}
-
-
-def test_an_identical_share_below_one_never_reads_100():
-    from bench_report import identical_share
-
-    assert identical_share(1.0, 480) == "100%"
-    assert identical_share(479 / 480, 480) == "99.7% (479/480)"
-    assert identical_share(None, 3) == "n/a"
-
-
 def test_a_template_error_or_an_unwritable_out_stops_before_any_timing(folders, tmp_path, capsys):
     prompts = _jsonl(
         tmp_path / "p.jsonl",
