@@ -52,8 +52,8 @@ class PackedLinear(nn.Linear):
     _packed: torch.Tensor
     # The weight as packed: held, so that its storage's address cannot be handed to another
     # weight (a replaced one is then told by its address), and its version counter when packed.
-    _packed_from: torch.Tensor | None
-    _packed_version: int | None
+    _packed_from: torch.Tensor | None = None  # None: not packed yet (or a copy's)
+    _packed_version: int | None = None
     _probe: tuple[torch.Tensor, torch.Tensor]  # (flat indices, their values) when packed
 
     def pack(self) -> None:
@@ -108,17 +108,11 @@ def prepack_linear_weights(model: nn.Module) -> int:
     """
     if not can_prepack():
         return 0
-    packed = 0
     for module in model.modules():
         if type(module) is nn.Linear and packable(module.weight):
-            module.__class__ = PackedLinear
-            module.pack()
-            packed += 1
-        elif isinstance(module, PackedLinear) and packable(module.weight):
-            if module.stale():  # repacked only if its weight changed
-                module.pack()
-            packed += 1
-    return packed
+            module.__class__ = PackedLinear  # not packed yet: stale
+    repack_stale(model)
+    return sum(isinstance(m, PackedLinear) and packable(m.weight) for m in model.modules())
 
 
 def repack_stale(model: nn.Module) -> int:
