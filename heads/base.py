@@ -192,9 +192,10 @@ def load_base(
         attn_implementation: "sdpa" (default) or "eager"; both accept headstart's 4D tree masks.
         frozen: `requires_grad_(False)` on every parameter (the base is never trained, except
             through LoRA adapters in Medusa-2).
-        prepack: keep fp32 CPU linear weights in oneDNN's packed layout (`heads.cpu`), which
-            makes multi-token forwards nearly as cheap as one-token ones on CPU. Defaults to
-            on for a frozen fp32 model on CPU; costs one more copy of the linear weights.
+        prepack: keep CPU linear weights in oneDNN's packed layout (`heads.cpu`), which
+            makes multi-token forwards nearly as cheap as one-token ones on CPU: fp32 ones, and
+            bf16 ones where oneDNN computes bf16. Defaults to on for a frozen model on CPU;
+            costs one more copy of the linear weights.
 
     Returns:
         (model, tokenizer). `model.config.name_or_path` is the name heads record as their base.
@@ -224,7 +225,7 @@ def load_base(
     if frozen:
         model.requires_grad_(False)
     if prepack is None:
-        prepack = frozen and device.type == "cpu" and dtype == torch.float32
+        prepack = frozen and device.type == "cpu"  # packs only the dtypes oneDNN takes
     if prepack:
         prepack_linear_weights(model)
     if tokenizer.pad_token is None:

@@ -2,7 +2,7 @@
 
 python scripts/bench_distill.py [--prompts 48] [--unbatched 8] [--max-new-tokens 64]
                                 [--batch-size 32 [64 ...]] [--processes 1 [2 ...]]
-                                [--chunk-tokens 16 [0 ...]]
+                                [--chunk-tokens 16 [0 ...]] [--dtype float32|bfloat16]
                                 [--max-length N] [--threads N] [--out results.json]
 
 Every run uses the same model, prompts (the embedded set), greedy decoding and max_new_tokens;
@@ -14,7 +14,9 @@ length-sorted prompts, started together; tokens/s is all their tokens over the w
 the common start to the last one's end. `--chunk-tokens` gives the new tokens per generate call
 of the batched path, after which rows that ended leave the batch (0: one call per batch, every
 row running until the longest answer ends). Tokens are counted up to and including the
-end-of-turn token; padding after it is not counted.
+end-of-turn token; padding after it is not counted. `--dtype` is the base's (default fp32, as
+greedy answers are distilled on a CPU; `bfloat16` as sampled ones are on a CPU with bf16
+instructions, `train.precision.answering_dtype`).
 """
 
 from __future__ import annotations
@@ -71,13 +73,14 @@ def build(args: argparse.Namespace):
         None,
         [
             f"model.name_or_path={args.base}",
+            f"model.dtype={args.dtype}",
             f"data.limit={args.prompts}",
             f"data.max_new_tokens={args.max_new_tokens}",
             f"data.max_length={args.max_length}",
             "data.sources=embedded",
         ],
     )
-    model, tokenizer = load_base(args.base)
+    model, tokenizer = load_base(args.base, dtype=args.dtype)
     template = resolve_chat_template(tokenizer, None)
     eos_ids = eos_token_ids(tokenizer, model.generation_config, template)
     return recipe, model, tokenizer, template, eos_ids
@@ -188,6 +191,13 @@ def main(argv: list[str] | None = None) -> int:
         default=DataConfig().max_length,
         help="data.max_length: longer prompts are skipped, later turns that do not fit dropped "
         "(the CPU recipes use 320)",
+    )
+    parser.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16"],
+        default="float32",
+        help="the base's dtype (bf16: as sampled answers are distilled on a CPU with bf16 "
+        "instructions)",
     )
     parser.add_argument(
         "--threads", type=int, default=None, help="torch threads (default: torch's)"

@@ -66,6 +66,7 @@ from train.distilled import (
     template_sha1,
     write_atomic,
 )
+from train.precision import answering_dtype
 from train.prompts import (
     PROMPT_ORDER,
     Message,
@@ -247,7 +248,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
             gen_config = None
         model = None
     else:
-        dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
+        dtype = answering_dtype(recipe.model.dtype, data.temperature, state.device)
         model, tokenizer = load_base(
             recipe.model.name_or_path,
             dtype=dtype,
@@ -271,7 +272,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     done = read_done_ids(out_dir)
     recorded = recorded_manifest(out_dir) if done else {}
     # Both backends' answers, or two dtypes' (model.dtype "auto" resolves per machine: bf16 on
-    # a GPU, fp32 on a CPU; vLLM's is its own "auto"): the record says so.
+    # a GPU and for sampled answers on a CPU with bf16 instructions, else fp32; vLLM's is its
+    # own "auto"): the record says so.
     backend = merged_record(
         recorded, "backend", "vllm" if vllm else "transformers", "written by", out_dir, state
     )

@@ -12,6 +12,8 @@ import warnings
 
 import torch
 
+from heads.cpu import can_prepack_bf16
+
 
 def cpu_has_bf16() -> bool:
     """Whether this CPU computes bf16 natively (AVX512-BF16 or AMX tiles), as torch sees it."""
@@ -40,3 +42,20 @@ def resolve_mixed_precision(setting: str, on_gpu: bool) -> tuple[str, str]:
             stacklevel=2,
         )
     return setting, setting
+
+
+def answering_dtype(setting: str, temperature: float, device: torch.device) -> str | None:
+    """The base's dtype for distilling answers from a recipe's `model.dtype` (None: load_base's
+    default, bf16 on a GPU and fp32 on a CPU).
+
+    "auto" also takes bf16 for *sampled* answers on a CPU with bf16 instructions, whose weights
+    oneDNN packs (`heads.cpu`): they are training data, a sample of the base's distribution,
+    which bf16 changes by its rounding only, and the batched generation runs about twice as fast
+    (AMX). Greedy answers stay fp32 on a CPU: they are the base's exact greedy output, the one
+    that decoding reproduces and that `scripts/eval_heads.py` scores heads on.
+    """
+    if setting != "auto":
+        return setting
+    if device.type == "cpu" and temperature > 0 and cpu_has_bf16() and can_prepack_bf16():
+        return "bfloat16"
+    return None

@@ -5,7 +5,13 @@ import pytest
 import torch
 from torch import nn
 
-from heads.cpu import PackedLinear, can_prepack, prepack_linear_weights, repack_stale
+from heads.cpu import (
+    PackedLinear,
+    can_prepack,
+    can_prepack_bf16,
+    prepack_linear_weights,
+    repack_stale,
+)
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
@@ -40,10 +46,35 @@ def test_packed_linear_falls_back_for_grad_dtype_and_changed_weights():
         assert half(x.detach().bfloat16()).dtype == torch.bfloat16
 
 
-def test_only_fp32_cpu_linears_are_packed():
-    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Embedding(5, 4))
-    assert prepack_linear_weights(model) == 1
-    assert type(model[1]) is nn.Linear
+def test_only_fp32_and_onednn_bf16_cpu_linears_are_packed():
+    model = nn.Sequential(
+        nn.Linear(4, 4),
+        nn.Linear(4, 4).to(torch.bfloat16),
+        nn.Linear(4, 4).to(torch.float16),
+        nn.Embedding(5, 4),
+    )
+    assert prepack_linear_weights(model) == 1 + can_prepack_bf16()
+    assert isinstance(model[1], PackedLinear) == can_prepack_bf16()
+    assert type(model[2]) is nn.Linear
+
+
+@pytest.mark.skipif(not can_prepack_bf16(), reason="oneDNN computes no bf16 on this CPU")
+def test_prepacked_bf16_llama_matches_the_plain_bf16_gemm():
+    """bf16 weights packed where oneDNN computes bf16: the same logits as the plain bf16 GEMM,
+    for a tree's rows and for a batch's last positions (HF generate's strided slice)."""
+    plain, packed = make_tiny_llama().to(torch.bfloat16), make_tiny_llama().to(torch.bfloat16)
+    assert prepack_linear_weights(packed) == 2 * 7 + 1
+    ids = torch.randint(0, 256, (3, 9), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        for rows in (ids[:1, :1], ids[:1, :4], ids):
+            expected = plain(rows).logits
+            got = packed(rows).logits
+            assert got.dtype == torch.bfloat16
+            torch.testing.assert_close(got, expected, atol=1e-2, rtol=1e-2)
+        hidden = plain.model(ids).last_hidden_state[:, -1:, :]  # (3, 1, H), not contiguous
+        torch.testing.assert_close(
+            packed.lm_head(hidden), plain.lm_head(hidden), atol=1e-2, rtol=1e-2
+        )
 
 
 def test_loaded_heads_are_packed_and_a_shared_lm_head_is_the_bases(tmp_path):

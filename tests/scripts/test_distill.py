@@ -115,6 +115,24 @@ def test_distill_end_to_end(tmp_path, tiny_base, capsys):
     assert "max_new_tokens: 6 in the manifest, 7 now" in capsys.readouterr().err
 
 
+def test_sampled_answers_are_computed_in_bf16_where_the_cpu_computes_it(
+    tmp_path, tiny_base, monkeypatch
+):
+    """model.dtype=auto on a CPU with bf16 instructions: sampled answers in bf16, recorded so;
+    greedy ones in fp32 (the base's exact greedy output)."""
+    import train.precision
+
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), tmp_path / "out"))
+    for temperature, dtype in (("0.7", "bfloat16"), ("0", "float32")):
+        out = tmp_path / f"out-{temperature}"
+        args = [f"data.temperature={temperature}", f"data.output_dir={out}", "data.limit=2"]
+        assert distill.main([recipe, *args]) == 0
+        assert json.loads((out / "manifest.json").read_text())["dtype"] == dtype
+        assert len(read_records(out)) == 2
+
+
 def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     out = tmp_path / "out"
     recipe = str(recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out))

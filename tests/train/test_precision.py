@@ -16,7 +16,7 @@ import train.precision
 import train.run
 from tests.train.conftest import TINY_EAGLE, run
 from train.config import load_recipe
-from train.precision import cpu_has_bf16, resolve_mixed_precision
+from train.precision import answering_dtype, cpu_has_bf16, resolve_mixed_precision
 
 SMOLLM2_RECIPES = ["recipes/smollm2-135m-medusa.yaml", "recipes/smollm2-135m-eagle.yaml"]
 
@@ -79,3 +79,22 @@ def test_a_run_hands_accelerate_the_resolved_setting(tiny_task, tmp_path, monkey
     printed = capsys.readouterr().out
     assert "mixed precision: no (auto: this CPU has no bf16 instructions, so fp32)" in printed
     assert (out / "heads").is_dir()
+
+
+def test_distilling_takes_bf16_for_sampled_answers_on_a_cpu_that_computes_it(monkeypatch):
+    """model.dtype=auto: sampled answers (training data) in bf16 where the CPU computes it and
+    oneDNN packs it; greedy ones (the base's exact greedy output) in fp32; a GPU and an explicit
+    dtype as load_base takes them."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    assert answering_dtype("auto", 0.7, cpu) == "bfloat16"
+    assert answering_dtype("auto", 0.0, cpu) is None  # load_base's fp32
+    assert answering_dtype("auto", 0.7, gpu) is None  # load_base's bf16
+    assert answering_dtype("float32", 0.7, cpu) == "float32"
+    assert answering_dtype("bfloat16", 0.0, cpu) == "bfloat16"
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: False)
+    assert answering_dtype("auto", 0.7, cpu) is None
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    assert answering_dtype("auto", 0.7, cpu) is None
