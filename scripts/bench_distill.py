@@ -80,7 +80,7 @@ def build(args: argparse.Namespace):
             "data.sources=embedded",
         ],
     )
-    model, tokenizer = load_base(args.base, dtype=args.dtype)
+    model, tokenizer = load_base(args.base, dtype=recipe.model.dtype)
     template = resolve_chat_template(tokenizer, None)
     eos_ids = eos_token_ids(tokenizer, model.generation_config, template)
     return recipe, model, tokenizer, template, eos_ids
