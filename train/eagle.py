@@ -258,7 +258,7 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
-    base, tokenizer = load_frozen_base(recipe, accelerator)
+    base, tokenizer = load_frozen_base(recipe, accelerator, ckpt)
     with stop_on_bad_input():  # other weights than the checkpoint's
         base_weights = base_identity(base, ckpt)
     spec = recipe.heads
@@ -345,6 +345,7 @@ def training_function(recipe: Recipe) -> dict:
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
                     "base_weights": base_weights,
+                    "base_dtype": str(base.dtype).removeprefix("torch."),
                 }
                 save_checkpoint(
                     accelerator,

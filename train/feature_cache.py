@@ -132,6 +132,12 @@ def _read_identity(cache_dir: Path) -> dict | None:
     return identity
 
 
+def cache_base_dtype(cache_dir: str | Path) -> str | None:
+    """The dtype of the base whose features `cache_dir` holds; None for no cache there yet."""
+    identity = _read_identity(Path(cache_dir))
+    return identity.get("base_dtype") if identity else None
+
+
 # Keys a cache made by an earlier headstart may lack: not a difference of setup.
 ADDED_KEYS = ("base_weights",)
 

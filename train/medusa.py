@@ -195,7 +195,7 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
-    base, tokenizer = load_frozen_base(recipe, accelerator)
+    base, tokenizer = load_frozen_base(recipe, accelerator, ckpt)
     with stop_on_bad_input():  # other weights than the checkpoint's
         base_weights = base_identity(base, ckpt)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
@@ -297,6 +297,7 @@ def training_function(recipe: Recipe) -> dict:
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
                     "base_weights": base_weights,
+                    "base_dtype": str(base.dtype).removeprefix("torch."),
                 }
                 save_checkpoint(
                     accelerator,

@@ -24,16 +24,18 @@ from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
+from heads.base import default_dtype
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
 from train.checkpoint import (
+    STATE_NAME,
     TrainingDiverged,
     check_same_run,
     checkpoints_dir,
     resolve_resume,
 )
 from train.config import Recipe, load_recipe, save_recipe
-from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
+from train.feature_cache import FeatureCache, FeatureCacheError, cache_base_dtype, fill_cache
 from train.features import (
     ExampleDataset,
     collate,
@@ -42,7 +44,7 @@ from train.features import (
     split_held_out,
 )
 from train.losses import ratio_means
-from train.precision import resolve_mixed_precision
+from train.precision import resolve_mixed_precision, training_base_dtype
 
 
 @contextmanager
@@ -179,8 +181,24 @@ def _flat(recipe: Recipe) -> dict:
     }
 
 
-def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
-    dtype = None if recipe.model.dtype == "auto" else getattr(torch, recipe.model.dtype)
+def load_frozen_base(recipe: Recipe, accelerator: Accelerator, ckpt: Path | None = None):
+    """(base, tokenizer), frozen, in the dtype `training_base_dtype` gives for the recipe and
+    what this run builds on: the checkpoint `ckpt` it resumes or an existing feature cache."""
+    earlier = None
+    if ckpt is not None:  # a checkpoint from before it recorded the dtype: load_base's default
+        state = json.loads((ckpt / STATE_NAME).read_text())
+        earlier = state.get("base_dtype") or str(default_dtype(accelerator.device))
+    elif recipe.training.feature_cache:
+        with stop_on_bad_input((FeatureCacheError,)):  # a damaged features.json
+            earlier = cache_base_dtype(recipe.training.feature_cache)
+    name = training_base_dtype(
+        recipe.model.dtype,
+        accelerator.mixed_precision,
+        recipe.training.mode,
+        accelerator.device,
+        earlier and earlier.removeprefix("torch."),
+    )
+    dtype = getattr(torch, name) if name else None
     # ZeRO-3 partitions the weights inside from_pretrained (zero.Init, a collective): every
     # process must load at once, and the partitioned weights cannot be prepacked for the CPU.
     zero3 = is_deepspeed_zero3_enabled()
@@ -196,6 +214,9 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator):
             attn_implementation=recipe.model.attn_implementation,
             prepack=False if zero3 else None,
         )
+    if recipe.model.dtype == "auto" and name:
+        why = "as the checkpoint or feature cache it builds on" if earlier else "bf16 features"
+        accelerator.print(f"base dtype: {name} (auto: {why})")
     return base, tokenizer
 
 

@@ -6,7 +6,10 @@ On a CPU without AVX512-BF16 or AMX torch emulates bf16 matmuls: the demo's EAGL
 
 from __future__ import annotations
 
+import json
 import warnings
+from contextlib import nullcontext
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,7 +19,12 @@ import train.precision
 import train.run
 from tests.train.conftest import TINY_EAGLE, run
 from train.config import load_recipe
-from train.precision import answering_dtype, cpu_has_bf16, resolve_mixed_precision
+from train.precision import (
+    answering_dtype,
+    cpu_has_bf16,
+    resolve_mixed_precision,
+    training_base_dtype,
+)
 
 SMOLLM2_RECIPES = ["recipes/smollm2-135m-medusa.yaml", "recipes/smollm2-135m-eagle.yaml"]
 
@@ -98,3 +106,67 @@ def test_distilling_takes_bf16_for_sampled_answers_on_a_cpu_that_computes_it(mon
     monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
     monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
     assert answering_dtype("auto", 0.7, cpu) is None
+
+
+def test_training_takes_a_bf16_base_for_offline_features_on_a_cpu_that_computes_it(monkeypatch):
+    """model.dtype=auto: bf16 for offline training under bf16 autocast on a CPU that computes
+    and packs bf16; what the run builds on (a checkpoint, a feature cache) keeps its dtype;
+    online training, fp32 training, a GPU and an explicit dtype as load_base takes them."""
+    cpu, gpu = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    assert training_base_dtype("auto", "bf16", "offline", cpu, None) == "bfloat16"
+    assert training_base_dtype("auto", "bf16", "offline", cpu, "float32") == "float32"
+    assert training_base_dtype("auto", "no", "offline", cpu, "bfloat16") == "bfloat16"
+    assert training_base_dtype("auto", "bf16", "online", cpu, None) is None
+    assert training_base_dtype("auto", "no", "offline", cpu, None) is None
+    assert training_base_dtype("auto", "bf16", "offline", gpu, None) is None
+    assert training_base_dtype("float32", "bf16", "offline", cpu, None) == "float32"
+    assert training_base_dtype("float32", "bf16", "offline", cpu, "bfloat16") == "float32"
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: False)
+    assert training_base_dtype("auto", "bf16", "offline", cpu, None) is None
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    assert training_base_dtype("auto", "bf16", "offline", cpu, None) is None
+
+
+def test_the_trainers_base_keeps_the_dtype_of_its_cache_and_checkpoint(
+    tiny_task, tmp_path, monkeypatch, capsys
+):
+    """load_frozen_base under model.dtype=auto on a bf16 CPU: bf16 for a new run; an fp32
+    feature cache, or a checkpoint of an fp32 run (recorded, or from before the dtype was
+    recorded), keep the base in fp32, whose weights their fingerprints hold."""
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    accelerator = SimpleNamespace(
+        device=torch.device("cpu"),
+        mixed_precision="bf16",
+        main_process_first=nullcontext,
+        print=print,
+    )
+    cache = tmp_path / "features"
+    offline = [
+        f"model.name_or_path={tiny_task.base_dir}",
+        "model.dtype=auto",
+        "training.mode=offline",
+        f"training.feature_cache={cache}",
+    ]
+
+    def base_dtype(*overrides, ckpt=None):
+        recipe = load_recipe(TINY_EAGLE, [*offline, *overrides])
+        return train.run.load_frozen_base(recipe, accelerator, ckpt)[0].dtype
+
+    assert base_dtype() == torch.bfloat16
+    assert "base dtype: bfloat16 (auto: bf16 features)" in capsys.readouterr().out
+    cache.mkdir()
+    (cache / "features.json").write_text(json.dumps({"base_dtype": "float32"}))
+    assert base_dtype() == torch.float32
+    assert "as the checkpoint or feature cache it builds on" in capsys.readouterr().out
+    assert base_dtype("model.dtype=bfloat16") == torch.bfloat16
+
+    ckpt = tmp_path / "step-00000002"
+    ckpt.mkdir()
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2}))  # an earlier headstart's
+    assert base_dtype("training.feature_cache=null", ckpt=ckpt) == torch.float32
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "base_dtype": "bfloat16"}))
+    assert base_dtype(ckpt=ckpt) == torch.bfloat16

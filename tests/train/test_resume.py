@@ -227,6 +227,7 @@ def test_resume_refuses_other_weights_of_the_base_and_says_an_older_split(
     ckpt = out / "checkpoints" / "step-00000002"
     state = json.loads((ckpt / "trainer_state.json").read_text())
     assert state["held_out_split"] == "prompt-hash-2" and len(state["base_weights"]) == 16
+    assert state["base_dtype"] == "float32"  # the recipe's: a resumed auto run loads it so
 
     weights = load_file(base_dir / "model.safetensors")
     original = {k: v.clone() for k, v in weights.items()}
