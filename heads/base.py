@@ -39,7 +39,7 @@ def cache_dir() -> Path:
 
 
 def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """fp32 on CPU (exact greedy checks, and CPUs gain little from bf16), bf16 on CUDA."""
+    """fp32 on CPU (exact greedy checks, and many CPUs have no bf16 instructions), bf16 on CUDA."""
     device = torch.device(device) if device is not None else _default_device()
     if device.type == "cuda" and torch.cuda.is_bf16_supported():
         return torch.bfloat16

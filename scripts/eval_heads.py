@@ -130,6 +130,8 @@ def main(argv: list[str] | None = None) -> int:
         raise fail(str(e)) from None
     heads_class, trainee_class = TRAINEES[recipe.heads.type]
     accelerator = Accelerator()  # the device only: no trackers, no training autocast
+    # The recipe's model.dtype as decoding loads it (auto: fp32 on a CPU), whatever dtype the
+    # run trained its base in: the heads are scored as they will draft.
     base, tokenizer = load_frozen_base(recipe, accelerator)
     try:
         heads = load_heads(args.heads, base)

@@ -166,6 +166,13 @@ def base_identity(base, ckpt: Path | None) -> str | None:
     state = json.loads((ckpt / STATE_NAME).read_text()) if ckpt is not None else {}
     was = state.get("base_weights")
     if was and was != fingerprint:
+        dtype, now = state.get("base_dtype"), str(base.dtype).removeprefix("torch.")
+        if dtype and dtype != now:
+            raise RecipeError(
+                f"the checkpoint {ckpt} trained with the base in {dtype}, loaded in {now} now: "
+                f"resume with model.dtype={dtype}, or start afresh with training.resume=never "
+                "(it overwrites this output) or another output.dir."
+            )
         raise RecipeError(
             f"the checkpoint {ckpt} trained on other weights of the base than those loaded now "
             f"(fingerprint {was} there, {fingerprint} now: re-exported, fine-tuned or merged "

@@ -32,7 +32,8 @@ class ModelConfig:
 
     # "smollm2-135m-instruct" (embedded, offline), a Hugging Face Hub id, a folder or a .gguf.
     name_or_path: str = "smollm2-135m-instruct"
-    # "auto": bf16 on a CUDA device, fp32 on CPU.
+    # "auto": bf16 on a CUDA device, fp32 on CPU, except bf16 on a CPU that computes it for
+    # sampled answers (distill) and offline features under bf16 autocast (train.precision).
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 

@@ -43,6 +43,7 @@ from train.run import (
     MetricsLog,
     Trainee,
     assert_trainable,
+    base_dtype_for_training,
     count_steps,
     epoch_batches,
     evaluate,
@@ -258,7 +259,9 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
-    base, tokenizer = load_frozen_base(recipe, accelerator, ckpt)
+    dtype = base_dtype_for_training(recipe, accelerator, ckpt)
+    base, tokenizer = load_frozen_base(recipe, accelerator, dtype)
+    base_dtype = str(base.dtype).removeprefix("torch.")  # as loaded: DeepSpeed may cast it
     with stop_on_bad_input():  # other weights than the checkpoint's
         base_weights = base_identity(base, ckpt)
     spec = recipe.heads
@@ -345,7 +348,7 @@ def training_function(recipe: Recipe) -> dict:
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
                     "base_weights": base_weights,
-                    "base_dtype": str(base.dtype).removeprefix("torch."),
+                    "base_dtype": base_dtype,
                 }
                 save_checkpoint(
                     accelerator,

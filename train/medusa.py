@@ -36,6 +36,7 @@ from train.run import (
     MetricsLog,
     Trainee,
     assert_trainable,
+    base_dtype_for_training,
     count_steps,
     epoch_batches,
     evaluate,
@@ -195,7 +196,9 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
 def training_function(recipe: Recipe) -> dict:
     accelerator = make_accelerator(recipe)
     ckpt = find_resume(recipe, accelerator)
-    base, tokenizer = load_frozen_base(recipe, accelerator, ckpt)
+    dtype = base_dtype_for_training(recipe, accelerator, ckpt)
+    base, tokenizer = load_frozen_base(recipe, accelerator, dtype)
+    base_dtype = str(base.dtype).removeprefix("torch.")  # as loaded: DeepSpeed may cast it
     with stop_on_bad_input():  # other weights than the checkpoint's
         base_weights = base_identity(base, ckpt)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
@@ -297,7 +300,7 @@ def training_function(recipe: Recipe) -> dict:
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
                     "base_weights": base_weights,
-                    "base_dtype": str(base.dtype).removeprefix("torch."),
+                    "base_dtype": base_dtype,
                 }
                 save_checkpoint(
                     accelerator,

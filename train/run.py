@@ -13,6 +13,7 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -44,7 +45,7 @@ from train.features import (
     split_held_out,
 )
 from train.losses import ratio_means
-from train.precision import resolve_mixed_precision, training_base_dtype
+from train.precision import cpu_has_bf16, resolve_mixed_precision, training_base_dtype
 
 
 @contextmanager
@@ -181,13 +182,21 @@ def _flat(recipe: Recipe) -> dict:
     }
 
 
-def load_frozen_base(recipe: Recipe, accelerator: Accelerator, ckpt: Path | None = None):
-    """(base, tokenizer), frozen, in the dtype `training_base_dtype` gives for the recipe and
-    what this run builds on: the checkpoint `ckpt` it resumes or an existing feature cache."""
+def base_dtype_for_training(
+    recipe: Recipe, accelerator: Accelerator, ckpt: Path | None
+) -> str | None:
+    """The trainers' base dtype (`training_base_dtype`) for the recipe and what this run builds
+    on, the checkpoint `ckpt` it resumes or an existing feature cache; says why under "auto"."""
     earlier = None
-    if ckpt is not None:  # a checkpoint from before it recorded the dtype: load_base's default
+    if ckpt is not None:
         state = json.loads((ckpt / STATE_NAME).read_text())
-        earlier = state.get("base_dtype") or str(default_dtype(accelerator.device))
+        earlier = state.get("base_dtype")
+        if earlier is None:  # written before the dtype was: its recipe's, or load_base's default
+            saved = ckpt / "recipe.yaml"
+            was = yaml.safe_load(saved.read_text()).get("model", {}) if saved.is_file() else {}
+            earlier = was.get("dtype", "auto")
+            if earlier == "auto":
+                earlier = str(default_dtype(accelerator.device)).removeprefix("torch.")
     elif recipe.training.feature_cache:
         with stop_on_bad_input((FeatureCacheError,)):  # a damaged features.json
             earlier = cache_base_dtype(recipe.training.feature_cache)
@@ -196,9 +205,25 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, ckpt: Path | None
         accelerator.mixed_precision,
         recipe.training.mode,
         accelerator.device,
-        earlier and earlier.removeprefix("torch."),
+        earlier,
     )
-    dtype = getattr(torch, name) if name else None
+    if recipe.model.dtype == "auto" and name:
+        why = "as the checkpoint or feature cache it builds on" if earlier else "bf16 features"
+        accelerator.print(f"base dtype: {name} (auto: {why})")
+        if name == "bfloat16" and accelerator.device.type == "cpu" and not cpu_has_bf16():
+            accelerator.print(
+                "warning: this CPU has no bf16 instructions, so the bf16 base runs emulated "
+                "and slowly; model.dtype=float32 with a new training.feature_cache (or "
+                "training.resume=never) trains in fp32"
+            )
+    return name
+
+
+def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None = None):
+    """(base, tokenizer), frozen, in `dtype` (a torch dtype's name), else the recipe's
+    `model.dtype` as load_base takes it ("auto": fp32 on a CPU, bf16 on a GPU, as decoding
+    runs). The trainers pass `base_dtype_for_training`'s."""
+    dtype = dtype or recipe.model.dtype
     # ZeRO-3 partitions the weights inside from_pretrained (zero.Init, a collective): every
     # process must load at once, and the partitioned weights cannot be prepacked for the CPU.
     zero3 = is_deepspeed_zero3_enabled()
@@ -214,9 +239,6 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, ckpt: Path | None
             attn_implementation=recipe.model.attn_implementation,
             prepack=False if zero3 else None,
         )
-    if recipe.model.dtype == "auto" and name:
-        why = "as the checkpoint or feature cache it builds on" if earlier else "bf16 features"
-        accelerator.print(f"base dtype: {name} (auto: {why})")
     return base, tokenizer
 
 

@@ -137,8 +137,8 @@ def watching(module):
     seen = {}
     real = module.load_frozen_base
 
-    def load(recipe, accelerator, ckpt=None):
-        seen["base"], tokenizer = real(recipe, accelerator, ckpt)
+    def load(recipe, accelerator, dtype=None):
+        seen["base"], tokenizer = real(recipe, accelerator, dtype)
         return seen["base"], tokenizer
 
     with pytest.MonkeyPatch.context() as mp:

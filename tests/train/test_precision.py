@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import warnings
-from contextlib import nullcontext
 from types import SimpleNamespace
 
 import pytest
@@ -133,40 +132,107 @@ def test_training_takes_a_bf16_base_for_offline_features_on_a_cpu_that_computes_
 def test_the_trainers_base_keeps_the_dtype_of_its_cache_and_checkpoint(
     tiny_task, tmp_path, monkeypatch, capsys
 ):
-    """load_frozen_base under model.dtype=auto on a bf16 CPU: bf16 for a new run; an fp32
+    """base_dtype_for_training under model.dtype=auto on a bf16 CPU: bf16 for a new run; an fp32
     feature cache, or a checkpoint of an fp32 run (recorded, or from before the dtype was
-    recorded), keep the base in fp32, whose weights their fingerprints hold."""
+    recorded: its recipe's, else load_base's default), keep fp32, whose weights their
+    fingerprints hold."""
     monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
     monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
-    accelerator = SimpleNamespace(
-        device=torch.device("cpu"),
-        mixed_precision="bf16",
-        main_process_first=nullcontext,
-        print=print,
-    )
+    accelerator = SimpleNamespace(device=torch.device("cpu"), mixed_precision="bf16", print=print)
     cache = tmp_path / "features"
-    offline = [
-        f"model.name_or_path={tiny_task.base_dir}",
-        "model.dtype=auto",
-        "training.mode=offline",
-        f"training.feature_cache={cache}",
-    ]
+    offline = ["model.dtype=auto", "training.mode=offline", f"training.feature_cache={cache}"]
 
-    def base_dtype(*overrides, ckpt=None):
+    def dtype(*overrides, ckpt=None):
         recipe = load_recipe(TINY_EAGLE, [*offline, *overrides])
-        return train.run.load_frozen_base(recipe, accelerator, ckpt)[0].dtype
+        return train.run.base_dtype_for_training(recipe, accelerator, ckpt)
 
-    assert base_dtype() == torch.bfloat16
+    assert dtype() == "bfloat16"
     assert "base dtype: bfloat16 (auto: bf16 features)" in capsys.readouterr().out
     cache.mkdir()
     (cache / "features.json").write_text(json.dumps({"base_dtype": "float32"}))
-    assert base_dtype() == torch.float32
+    assert dtype() == "float32"
     assert "as the checkpoint or feature cache it builds on" in capsys.readouterr().out
-    assert base_dtype("model.dtype=bfloat16") == torch.bfloat16
+    assert dtype("model.dtype=bfloat16") == "bfloat16"
+    (cache / "features.json").write_text("{")
+    with pytest.raises(SystemExit) as stopped:
+        dtype()
+    assert stopped.value.code == 2 and "features.json is damaged" in capsys.readouterr().err
 
     ckpt = tmp_path / "step-00000002"
     ckpt.mkdir()
     (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2}))  # an earlier headstart's
-    assert base_dtype("training.feature_cache=null", ckpt=ckpt) == torch.float32
-    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "base_dtype": "bfloat16"}))
-    assert base_dtype(ckpt=ckpt) == torch.bfloat16
+    assert dtype("training.feature_cache=null", ckpt=ckpt) == "float32"
+    (ckpt / "recipe.yaml").write_text("model:\n  dtype: bfloat16\n")
+    assert dtype(ckpt=ckpt) == "bfloat16"
+    (ckpt / "trainer_state.json").write_text(json.dumps({"step": 2, "base_dtype": "float32"}))
+    assert dtype(ckpt=ckpt) == "float32"
+
+
+@pytest.mark.slow
+def test_an_auto_run_on_a_bf16_cpu_caches_bf16_features_resumes_and_is_scored_in_fp32(
+    tiny_task, tmp_path, monkeypatch, capsys
+):
+    """The whole path: an offline EAGLE-3 run under bf16 autocast fills its cache with the bf16
+    base and records it; resumed, it loads that base again (the fingerprints match); Medusa in
+    fp32 on the same cache keeps its bf16 base; eval_heads scores in fp32 as decoding runs."""
+    from accelerate.state import AcceleratorState
+
+    import scripts.eval_heads
+    import train.medusa
+    from tests.train.conftest import TINY_MEDUSA, watching
+
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
+    # accelerate keeps one mixed-precision setting per process: each run here sets its own.
+    monkeypatch.setattr(train.run, "Accelerator", fresh_state(train.run.Accelerator))
+    cache, out = tmp_path / "features", tmp_path / "eagle"
+    auto = ["model.dtype=auto", "training.mode=offline", f"training.feature_cache={cache}"]
+    bf16 = [*auto, "training.mixed_precision=bf16"]
+    base = run(train.eagle, TINY_EAGLE, tiny_task, out, *bf16, "training.max_steps=2")
+    assert base.dtype == torch.bfloat16
+    assert json.loads((cache / "features.json").read_text())["base_dtype"] == "bfloat16"
+    state = out / "checkpoints" / "step-00000002" / "trainer_state.json"
+    assert json.loads(state.read_text())["base_dtype"] == "bfloat16"
+    capsys.readouterr()
+    base = run(train.eagle, TINY_EAGLE, tiny_task, out, *bf16, "training.max_steps=3")
+    assert base.dtype == torch.bfloat16 and "at step 2" in capsys.readouterr().out
+
+    medusa = tmp_path / "medusa"
+    fp32 = [*auto, "training.mixed_precision=no", "training.max_steps=1"]
+    assert run(train.medusa, TINY_MEDUSA, tiny_task, medusa, *fp32).dtype == torch.bfloat16
+
+    AcceleratorState._reset_state(reset_partial_state=True)  # eval_heads: no autocast
+    with watching(scripts.eval_heads) as seen:
+        scripts.eval_heads.main([str(out / "recipe.yaml"), str(out / "heads")])
+    assert seen["base"].dtype == torch.float32
+    AcceleratorState._reset_state(reset_partial_state=True)  # "no" again for the next tests
+
+
+def fresh_state(accelerator_class):
+    """accelerator_class, made after accelerate's process-wide state is reset."""
+    from accelerate.state import AcceleratorState
+
+    def make(*args, **kwargs):
+        AcceleratorState._reset_state(reset_partial_state=True)
+        return accelerator_class(*args, **kwargs)
+
+    return make
+
+
+def test_resuming_with_the_base_in_another_dtype_says_which(tiny_task, tmp_path):
+    """A checkpoint of a bf16-base run resumed with the fp32 base: its fingerprint differs, and
+    the error names the dtypes and the setting that resumes it."""
+    from tests.train.conftest import load_tiny_base
+    from train.checkpoint import base_identity
+    from train.config import RecipeError
+
+    ckpt = tmp_path / "step-00000002"
+    ckpt.mkdir()
+    state = {"step": 2, "base_weights": "0123456789abcdef", "base_dtype": "bfloat16"}
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(RecipeError, match="base in bfloat16, loaded in float32 now: resume with "):
+        base_identity(load_tiny_base(tiny_task), ckpt)
+    state["base_dtype"] = "float32"  # the same dtype: other weights
+    (ckpt / "trainer_state.json").write_text(json.dumps(state))
+    with pytest.raises(RecipeError, match="other weights of the base"):
+        base_identity(load_tiny_base(tiny_task), ckpt)
