@@ -15,13 +15,15 @@ import shutil
 import sys
 from pathlib import Path
 
+import torch
 import yaml
 from accelerate import PartialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
+from heads.base import default_dtype
 from heads.config import same_base
 from train.config import RecipeError, recipe_to_dict, save_recipe
-from train.feature_cache import weights_fingerprint
+from train.feature_cache import cache_base_dtype, weights_fingerprint
 
 STATE_NAME = "trainer_state.json"
 # How the held-out answers were chosen (train.features.split_held_out), recorded in each
@@ -189,6 +191,27 @@ def base_identity(base, ckpt: Path | None) -> str | None:
             file=sys.stderr,
         )
     return fingerprint
+
+
+def built_on_dtype(
+    ckpt: Path | None, feature_cache: str | None, device: torch.device
+) -> str | None:
+    """The base dtype of what a training run builds on: the checkpoint `ckpt` it resumes (one
+    written before the dtype was recorded: its recipe's model.dtype, else load_base's default on
+    `device`), else an existing `feature_cache`; None for a fresh run.
+
+    Raises:
+        FeatureCacheError: the cache's features.json is damaged.
+    """
+    if ckpt is None:
+        return cache_base_dtype(feature_cache) if feature_cache else None
+    recorded = json.loads((ckpt / STATE_NAME).read_text()).get("base_dtype")
+    if recorded:
+        return recorded
+    saved = ckpt / "recipe.yaml"
+    recipe = yaml.safe_load(saved.read_text()) if saved.is_file() else None
+    dtype = (recipe or {}).get("model", {}).get("dtype", "auto")
+    return str(default_dtype(device)).removeprefix("torch.") if dtype == "auto" else dtype
 
 
 def data_fingerprint(output_dir: str | Path) -> str:

@@ -63,9 +63,9 @@ def answering_dtype(setting: str, temperature: float, device: torch.device) -> s
 
 def training_base_dtype(
     setting: str, mixed_precision: str, mode: str, device: torch.device, earlier: str | None
-) -> str | None:
-    """The frozen base's dtype for training from a recipe's `model.dtype` (None: load_base's
-    default, bf16 on a GPU and fp32 on a CPU).
+) -> tuple[str | None, str]:
+    """(the frozen base's dtype for training, why) from a recipe's `model.dtype`; the dtype None
+    is load_base's default, bf16 on a GPU and fp32 on a CPU.
 
     "auto" keeps `earlier`, the base dtype of what the run builds on (a resumed checkpoint, an
     existing feature cache), whose fingerprints hold the weights in that dtype. Otherwise it takes
@@ -75,10 +75,18 @@ def training_base_dtype(
     scored as those of the fp32 base (docs/distill.md).
     """
     if setting != "auto":
-        return setting
+        return setting, setting
     if earlier is not None:
-        return earlier
+        if earlier == "bfloat16" and device.type == "cpu" and not cpu_has_bf16():
+            warnings.warn(
+                "the checkpoint or feature cache this run builds on holds the base's bf16 "
+                "weights, and this CPU has no bf16 instructions: the bf16 base runs emulated, "
+                "slowly. model.dtype=float32 with a new training.feature_cache (or "
+                "training.resume=never) trains in fp32.",
+                stacklevel=2,
+            )
+        return earlier, "auto: as the checkpoint or feature cache it builds on"
     fast = cpu_has_bf16() and can_prepack_bf16()
     if device.type == "cpu" and mode == "offline" and mixed_precision == "bf16" and fast:
-        return "bfloat16"
-    return None
+        return "bfloat16", "auto: bf16 features on this CPU"
+    return None, "auto: load_base's default"

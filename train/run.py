@@ -13,7 +13,6 @@ from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
-import yaml
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -25,18 +24,17 @@ from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
-from heads.base import default_dtype
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
 from train.checkpoint import (
-    STATE_NAME,
     TrainingDiverged,
+    built_on_dtype,
     check_same_run,
     checkpoints_dir,
     resolve_resume,
 )
 from train.config import Recipe, load_recipe, save_recipe
-from train.feature_cache import FeatureCache, FeatureCacheError, cache_base_dtype, fill_cache
+from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
     collate,
@@ -45,7 +43,7 @@ from train.features import (
     split_held_out,
 )
 from train.losses import ratio_means
-from train.precision import cpu_has_bf16, resolve_mixed_precision, training_base_dtype
+from train.precision import resolve_mixed_precision, training_base_dtype
 
 
 @contextmanager
@@ -187,35 +185,17 @@ def base_dtype_for_training(
 ) -> str | None:
     """The trainers' base dtype (`training_base_dtype`) for the recipe and what this run builds
     on, the checkpoint `ckpt` it resumes or an existing feature cache; says why under "auto"."""
-    earlier = None
-    if ckpt is not None:
-        state = json.loads((ckpt / STATE_NAME).read_text())
-        earlier = state.get("base_dtype")
-        if earlier is None:  # written before the dtype was: its recipe's, or load_base's default
-            saved = ckpt / "recipe.yaml"
-            was = yaml.safe_load(saved.read_text()).get("model", {}) if saved.is_file() else {}
-            earlier = was.get("dtype", "auto")
-            if earlier == "auto":
-                earlier = str(default_dtype(accelerator.device)).removeprefix("torch.")
-    elif recipe.training.feature_cache:
-        with stop_on_bad_input((FeatureCacheError,)):  # a damaged features.json
-            earlier = cache_base_dtype(recipe.training.feature_cache)
-    name = training_base_dtype(
+    with stop_on_bad_input((FeatureCacheError,)):  # a damaged features.json
+        earlier = built_on_dtype(ckpt, recipe.training.feature_cache, accelerator.device)
+    name, why = training_base_dtype(
         recipe.model.dtype,
         accelerator.mixed_precision,
         recipe.training.mode,
         accelerator.device,
         earlier,
     )
-    if recipe.model.dtype == "auto" and name:
-        why = "as the checkpoint or feature cache it builds on" if earlier else "bf16 features"
-        accelerator.print(f"base dtype: {name} (auto: {why})")
-        if name == "bfloat16" and accelerator.device.type == "cpu" and not cpu_has_bf16():
-            accelerator.print(
-                "warning: this CPU has no bf16 instructions, so the bf16 base runs emulated "
-                "and slowly; model.dtype=float32 with a new training.feature_cache (or "
-                "training.resume=never) trains in fp32"
-            )
+    if name and recipe.model.dtype == "auto":
+        accelerator.print(f"base dtype: {name} ({why})")
     return name
 
 

@@ -114,19 +114,28 @@ def test_training_takes_a_bf16_base_for_offline_features_on_a_cpu_that_computes_
     cpu, gpu = torch.device("cpu"), torch.device("cuda")
     monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
     monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
-    assert training_base_dtype("auto", "bf16", "offline", cpu, None) == "bfloat16"
-    assert training_base_dtype("auto", "bf16", "offline", cpu, "float32") == "float32"
-    assert training_base_dtype("auto", "no", "offline", cpu, "bfloat16") == "bfloat16"
-    assert training_base_dtype("auto", "bf16", "online", cpu, None) is None
-    assert training_base_dtype("auto", "no", "offline", cpu, None) is None
-    assert training_base_dtype("auto", "bf16", "offline", gpu, None) is None
-    assert training_base_dtype("float32", "bf16", "offline", cpu, None) == "float32"
-    assert training_base_dtype("float32", "bf16", "offline", cpu, "bfloat16") == "float32"
+
+    def dtype(*args):
+        return training_base_dtype(*args)[0]
+
+    assert training_base_dtype("auto", "bf16", "offline", cpu, None) == (
+        "bfloat16",
+        "auto: bf16 features on this CPU",
+    )
+    assert dtype("auto", "bf16", "offline", cpu, "float32") == "float32"
+    assert dtype("auto", "no", "offline", cpu, "bfloat16") == "bfloat16"
+    assert dtype("auto", "bf16", "online", cpu, None) is None
+    assert dtype("auto", "no", "offline", cpu, None) is None
+    assert dtype("auto", "bf16", "offline", gpu, None) is None
+    assert dtype("float32", "bf16", "offline", cpu, None) == "float32"
+    assert dtype("float32", "bf16", "offline", cpu, "bfloat16") == "float32"
     monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: False)
-    assert training_base_dtype("auto", "bf16", "offline", cpu, None) is None
+    assert dtype("auto", "bf16", "offline", cpu, None) is None
     monkeypatch.setattr(train.precision, "can_prepack_bf16", lambda: True)
     monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
-    assert training_base_dtype("auto", "bf16", "offline", cpu, None) is None
+    assert dtype("auto", "bf16", "offline", cpu, None) is None
+    with pytest.warns(UserWarning, match="no bf16 instructions: the bf16 base runs emulated"):
+        assert dtype("auto", "bf16", "offline", cpu, "bfloat16") == "bfloat16"
 
 
 def test_the_trainers_base_keeps_the_dtype_of_its_cache_and_checkpoint(
@@ -147,7 +156,7 @@ def test_the_trainers_base_keeps_the_dtype_of_its_cache_and_checkpoint(
         return train.run.base_dtype_for_training(recipe, accelerator, ckpt)
 
     assert dtype() == "bfloat16"
-    assert "base dtype: bfloat16 (auto: bf16 features)" in capsys.readouterr().out
+    assert "base dtype: bfloat16 (auto: bf16 features on this CPU)" in capsys.readouterr().out
     cache.mkdir()
     (cache / "features.json").write_text(json.dumps({"base_dtype": "float32"}))
     assert dtype() == "float32"
