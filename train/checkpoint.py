@@ -153,22 +153,24 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
 _MISSING = object()
 
 
-def base_identity(base, ckpt: Path | None) -> str | None:
-    """The base's weights fingerprint, which each checkpoint records, checked against that of
-    the checkpoint `ckpt` the run resumes (a base re-exported, fine-tuned or merged under its
-    old name); a checkpoint from before the held-out split was recorded is said. None under
-    ZeRO-3, where each process holds a shard of the weights. Call on every process.
+def base_identity(base, ckpt: Path | None) -> dict:
+    """What each checkpoint records of the base as loaded (before DeepSpeed may cast it): its
+    dtype and its weights fingerprint (None under ZeRO-3, where each process holds a shard),
+    checked against those of the checkpoint `ckpt` the run resumes (a base re-exported,
+    fine-tuned or merged under its old name, or loaded in another dtype); a checkpoint from
+    before the held-out split was recorded is said. Call on every process.
 
     Raises:
         RecipeError: the fingerprints differ.
     """
+    now = str(base.dtype).removeprefix("torch.")
     if is_deepspeed_zero3_enabled():
-        return None
+        return {"base_weights": None, "base_dtype": now}
     fingerprint = weights_fingerprint(base)
     state = json.loads((ckpt / STATE_NAME).read_text()) if ckpt is not None else {}
     was = state.get("base_weights")
     if was and was != fingerprint:
-        dtype, now = state.get("base_dtype"), str(base.dtype).removeprefix("torch.")
+        dtype = state.get("base_dtype")
         if dtype and dtype != now:
             raise RecipeError(
                 f"the checkpoint {ckpt} trained with the base in {dtype}, loaded in {now} now: "
@@ -190,7 +192,7 @@ def base_identity(base, ckpt: Path | None) -> str | None:
             "afresh.",
             file=sys.stderr,
         )
-    return fingerprint
+    return {"base_weights": fingerprint, "base_dtype": now}
 
 
 def built_on_dtype(

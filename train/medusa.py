@@ -198,9 +198,8 @@ def training_function(recipe: Recipe) -> dict:
     ckpt = find_resume(recipe, accelerator)
     dtype = base_dtype_for_training(recipe, accelerator, ckpt)
     base, tokenizer = load_frozen_base(recipe, accelerator, dtype)
-    base_dtype = str(base.dtype).removeprefix("torch.")  # as loaded: DeepSpeed may cast it
     with stop_on_bad_input():  # other weights than the checkpoint's
-        base_weights = base_identity(base, ckpt)
+        identity = base_identity(base, ckpt)
     train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
     heads = build_heads(recipe, base, train_ds, accelerator)
     lora_params = []
@@ -299,8 +298,7 @@ def training_function(recipe: Recipe) -> dict:
                     "epoch": epoch + done_epoch,
                     "batch_in_epoch": 0 if done_epoch else bi + 1,
                     "metrics": best,
-                    "base_weights": base_weights,
-                    "base_dtype": base_dtype,
+                    **identity,
                 }
                 save_checkpoint(
                     accelerator,

@@ -44,6 +44,12 @@ def resolve_mixed_precision(setting: str, on_gpu: bool) -> tuple[str, str]:
     return setting, setting
 
 
+def bf16_base_pays(device: torch.device) -> bool:
+    """Whether a frozen base in bf16 runs fast on `device` as a CPU: one with bf16 instructions
+    whose bf16 weights oneDNN packs (`heads.cpu`); unpacked, bf16 runs slower than fp32."""
+    return device.type == "cpu" and cpu_has_bf16() and can_prepack_bf16()
+
+
 def answering_dtype(setting: str, temperature: float, device: torch.device) -> str | None:
     """The base's dtype for distilling answers from a recipe's `model.dtype` (None: load_base's
     default, bf16 on a GPU and fp32 on a CPU).
@@ -56,7 +62,7 @@ def answering_dtype(setting: str, temperature: float, device: torch.device) -> s
     """
     if setting != "auto":
         return setting
-    if device.type == "cpu" and temperature > 0 and cpu_has_bf16() and can_prepack_bf16():
+    if temperature > 0 and bf16_base_pays(device):
         return "bfloat16"
     return None
 
@@ -86,7 +92,6 @@ def training_base_dtype(
                 stacklevel=2,
             )
         return earlier, "auto: as the checkpoint or feature cache it builds on"
-    fast = cpu_has_bf16() and can_prepack_bf16()
-    if device.type == "cpu" and mode == "offline" and mixed_precision == "bf16" and fast:
+    if mode == "offline" and mixed_precision == "bf16" and bf16_base_pays(device):
         return "bfloat16", "auto: bf16 features on this CPU"
     return None, "auto: load_base's default"

@@ -177,9 +177,19 @@ def test_the_trainers_base_keeps_the_dtype_of_its_cache_and_checkpoint(
     assert dtype(ckpt=ckpt) == "float32"
 
 
+@pytest.fixture
+def fresh_accelerate_state():
+    """accelerate keeps one mixed-precision setting per process: reset it after the test, so
+    the next tests' Accelerator ("no") is not refused."""
+    from accelerate.state import AcceleratorState
+
+    yield
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+
 @pytest.mark.slow
 def test_an_auto_run_on_a_bf16_cpu_caches_bf16_features_resumes_and_is_scored_in_fp32(
-    tiny_task, tmp_path, monkeypatch, capsys
+    tiny_task, tmp_path, monkeypatch, capsys, fresh_accelerate_state
 ):
     """The whole path: an offline EAGLE-3 run under bf16 autocast fills its cache with the bf16
     base and records it; resumed, it loads that base again (the fingerprints match); Medusa in
@@ -214,7 +224,6 @@ def test_an_auto_run_on_a_bf16_cpu_caches_bf16_features_resumes_and_is_scored_in
     with watching(scripts.eval_heads) as seen:
         scripts.eval_heads.main([str(out / "recipe.yaml"), str(out / "heads")])
     assert seen["base"].dtype == torch.float32
-    AcceleratorState._reset_state(reset_partial_state=True)  # "no" again for the next tests
 
 
 def fresh_state(accelerator_class):
