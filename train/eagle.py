@@ -36,6 +36,7 @@ from train.losses import (
     ratio_means,
     shift_left,
     sim_tau,
+    soft_target_ce,
     topk_correct,
     walk_accept_length,
 )
@@ -156,10 +157,10 @@ class EagleTrainee(Trainee):
         rows = shift_left(row_of, 1, -1)[valid]
         target = base_logits[rows].float().softmax(-1)
         lm_head = self.base.get_output_embeddings()
-        logits = lm_head(pred.to(lm_head.weight.dtype)).float()  # EAGLE-1 shares the base lm_head
+        logits = lm_head(pred.to(lm_head.weight.dtype))  # EAGLE-1 shares the base lm_head
         own = int(next_is_target.sum())
         feature_loss = F.smooth_l1_loss(pred.float(), true.float(), reduction="sum") / (n * H)
-        token_loss = -(target * logits.log_softmax(-1)).sum() / n
+        token_loss = soft_target_ce(logits, target) / n
         loss = (
             self.spec.feature_loss_weight * feature_loss + self.spec.token_loss_weight * token_loss
         )
@@ -200,9 +201,9 @@ class EagleTrainee(Trainee):
             out = draft(
                 shift_left(embeds, j), hidden, pos + j, attention_mask=mask, cache=cache
             )  # (B,T,H)
-            logits = draft.compute_logits(out[valid]).float()  # (n_j, V_draft)
+            logits = draft.compute_logits(out[valid])  # (n_j, V_draft)
             rows = shift_left(row_of, j + 1, -1)[valid]
-            loss = loss + self.decay**j * -(targets[rows] * logits.log_softmax(-1)).sum() / n
+            loss = loss + self.decay**j * soft_target_ce(logits, targets, rows) / n
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
             ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
             correct.append(ok)

@@ -29,6 +29,7 @@ from train.losses import (
     ratio_means,
     shift_left,
     sim_tau,
+    soft_target_ce,
     topk_correct,
     walk_accept_length,
 )
@@ -115,14 +116,16 @@ class MedusaTrainee(Trainee):
             if not valid.any():
                 break
             # Heads train in fp32 whatever the base's dtype (a shared lm_head keeps the base's).
-            logits = self.heads.head_logits(k, hidden[valid]).float()  # (n_k, V_draft)
+            logits = self.heads.head_logits(k, hidden[valid])  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
-                loss_k = -(targets[rows] * logits.log_softmax(-1)).sum() / n
+                loss_k = soft_target_ce(logits, targets, rows) / n
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]
                 drafted = labels >= 0  # targets outside a reduced draft vocabulary teach nothing
-                losses = nn.functional.cross_entropy(logits, labels.clamp(min=0), reduction="none")
+                losses = nn.functional.cross_entropy(
+                    logits.float(), labels.clamp(min=0), reduction="none"
+                )
                 loss_k = (losses * drafted).sum() / n
             loss = loss + self.decay**k * loss_k
             pred = self.heads.to_base_ids(logits.argmax(-1))

@@ -15,6 +15,7 @@ from train.losses import (
     medusa_loss,
     shift_left,
     soft_cross_entropy,
+    soft_target_ce,
     topk_correct,
     walk_accept_length,
 )
@@ -473,3 +474,60 @@ def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
     batches = [[0], [1, 2], [3], [3, 0]]  # 1 | 6 ; 8 | 9 targets: steps of 7 and 17 here
     norms = step_norms(dataset, batches, recipe, accelerator)
     assert norms == [17 / 4, 17 / 4, 37 / 4, 37 / 4]
+
+
+def _naive_soft_ce(logits, targets, rows=None):
+    picked = targets if rows is None else targets[rows]
+    compute = torch.promote_types(logits.dtype, torch.float32)  # fp32, fp64 for fp64
+    return -(picked * logits.to(compute).log_softmax(-1)).sum()
+
+
+@pytest.mark.parametrize("vocab", [7, 2**16])  # 2**16: 4 rows per chunk, so 3 chunks of 10 rows
+def test_soft_target_ce_matches_the_log_softmax_formula_in_value_and_gradient(vocab):
+    torch.manual_seed(0)
+    logits = (torch.randn(10, vocab) * 4).requires_grad_()
+    targets = (torch.randn(12, vocab) * 3).softmax(-1)
+    rows = torch.tensor([11, 0, 3, 3, 7, 1, 2, 9, 10, 5])  # out of order, one row twice
+    for r in (rows, None):
+        expected = _naive_soft_ce(logits, targets if r is not None else targets[:10], r)
+        (want,) = torch.autograd.grad(expected, logits)
+        got = soft_target_ce(logits, targets if r is not None else targets[:10], r)
+        (grad,) = torch.autograd.grad(got, logits)
+        assert got.dtype == torch.float32
+        assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+        torch.testing.assert_close(grad, want, rtol=1e-4, atol=1e-7)
+
+
+def test_soft_target_ce_gradient_is_exact_in_fp64_for_unnormalised_targets():
+    torch.manual_seed(1)
+    logits = torch.randn(6, 5, dtype=torch.float64, requires_grad=True)
+    targets = torch.rand(4, 5, dtype=torch.float64)  # rows summing to anything: the general form
+    rows = torch.tensor([0, 3, 3, 1, 2, 0])
+    assert torch.autograd.gradcheck(lambda z: soft_target_ce(z, targets, rows), (logits,))
+    got = soft_target_ce(logits, targets, rows)
+    assert float(got.detach()) == pytest.approx(
+        float(_naive_soft_ce(logits, targets, rows).detach()), rel=1e-12
+    )
+
+
+def test_soft_target_ce_reads_bf16_logits_in_fp32_and_returns_a_bf16_gradient():
+    torch.manual_seed(2)
+    logits = (torch.randn(9, 300) * 5).bfloat16().requires_grad_()
+    targets = torch.randn(9, 300).softmax(-1)
+    with torch.autocast("cpu", dtype=torch.bfloat16):  # as under mixed precision
+        got = soft_target_ce(logits, targets)
+    got.backward()
+    exact = logits.detach().float().requires_grad_()
+    expected = _naive_soft_ce(exact, targets)
+    expected.backward()
+    assert got.dtype == torch.float32 and logits.grad.dtype == torch.bfloat16
+    assert float(got.detach()) == pytest.approx(float(expected.detach()), rel=1e-5)
+    # the fp32 gradient rounded once to bf16, as autograd's cast back would
+    torch.testing.assert_close(logits.grad, exact.grad.bfloat16(), rtol=0.0, atol=2e-3)
+
+
+def test_soft_target_ce_refuses_mismatched_shapes():
+    with pytest.raises(ValueError, match=r"logits \(n, V\) and targets \(m, V\)"):
+        soft_target_ce(torch.zeros(3, 4), torch.zeros(3, 5))
+    with pytest.raises(ValueError, match="logits"):
+        soft_target_ce(torch.zeros(2, 3, 4), torch.zeros(3, 4))
