@@ -37,7 +37,7 @@ from train.losses import (
     shift_left,
     sim_tau,
     soft_target_ce,
-    topk_correct,
+    top_ids,
     walk_accept_length,
 )
 from train.run import (
@@ -204,13 +204,13 @@ class EagleTrainee(Trainee):
             logits = draft.compute_logits(out[valid])  # (n_j, V_draft)
             rows = shift_left(row_of, j + 1, -1)[valid]
             loss = loss + self.decay**j * soft_target_ce(logits, targets, rows) / n
+            # the top 4: the width of the CPU trees (a right token among them is accepted)
+            hits = top_ids(logits, 4, draft.to_base_ids) == base_top[rows, None]  # (n_j, 4)
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)
-            ok[valid] = draft.to_base_ids(logits.argmax(-1)) == base_top[rows]
+            ok[valid] = hits[:, 0]
             correct.append(ok)
             metrics[f"step{j}/top1"] = count(ok[valid])
-            # the top 4: the width of the CPU trees (a right token among them is accepted)
-            top4 = topk_correct(logits, base_top[rows], 4, draft.to_base_ids)
-            metrics[f"step{j}/top4"] = count(top4)
+            metrics[f"step{j}/top4"] = count(hits.any(-1))
             hidden = out
         metrics["sim_tau"] = sim_tau(correct, next_is_target)
         if not self.training and correct:  # a Python walk over the rows: evaluation only

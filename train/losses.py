@@ -101,11 +101,18 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     return out
 
 
+def top_ids(logits: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
+    """(..., min(k, V)) the ids of the k largest logits, best first; `to_ids` maps the logits'
+    indices to other ids (a reduced draft vocabulary's `to_base_ids`). Column 0 is the argmax
+    (one topk serves both metrics: on a CPU, argmax over a vocabulary costs more than a topk)."""
+    top = logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
+    return top if to_ids is None else to_ids(top)
+
+
 def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
     """(...) bool: label in the top-k of logits (every label when k >= V). `to_ids` maps the
     logits' indices to the labels' ids first (a reduced draft vocabulary's `to_base_ids`)."""
-    top = logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
-    return ((top if to_ids is None else to_ids(top)) == labels[..., None]).any(-1)
+    return (top_ids(logits, k, to_ids) == labels[..., None]).any(-1)
 
 
 def count(values: torch.Tensor) -> tuple[int, int]:

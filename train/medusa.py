@@ -30,7 +30,7 @@ from train.losses import (
     shift_left,
     sim_tau,
     soft_target_ce,
-    topk_correct,
+    top_ids,
     walk_accept_length,
 )
 from train.run import (
@@ -128,10 +128,10 @@ class MedusaTrainee(Trainee):
                 )
                 loss_k = (losses * drafted).sum() / n
             loss = loss + self.decay**k * loss_k
-            pred = self.heads.to_base_ids(logits.argmax(-1))
-            truth = shift_left(ids, k + 2)[valid]
+            top = top_ids(logits, 5, self.heads.to_base_ids)  # (n_k, 5) best first
+            pred, truth = top[:, 0], shift_left(ids, k + 2)[valid]
             metrics[f"head{k}/top1"] = count(pred == truth)
-            metrics[f"head{k}/top5"] = count(topk_correct(logits, truth, 5, self.heads.to_base_ids))
+            metrics[f"head{k}/top5"] = count((top == truth[:, None]).any(-1))
             # Chain acceptance: head k right and the data token is the base's greedy choice.
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = (pred == truth) & (base_top[rows] == truth)

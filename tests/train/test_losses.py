@@ -16,6 +16,7 @@ from train.losses import (
     shift_left,
     soft_cross_entropy,
     soft_target_ce,
+    top_ids,
     topk_correct,
     walk_accept_length,
 )
@@ -531,3 +532,12 @@ def test_soft_target_ce_refuses_mismatched_shapes():
         soft_target_ce(torch.zeros(3, 4), torch.zeros(3, 5))
     with pytest.raises(ValueError, match="logits"):
         soft_target_ce(torch.zeros(2, 3, 4), torch.zeros(3, 4))
+
+
+def test_top_ids_ranks_best_first_with_column_zero_the_argmax():
+    logits = torch.tensor([[0.1, 3.0, -1.0, 2.0], [5.0, 4.0, 6.0, 0.0]]).bfloat16()
+    assert top_ids(logits, 3).tolist() == [[1, 3, 0], [2, 0, 1]]
+    assert top_ids(logits, 9).shape == (2, 4)  # k past the vocabulary: all of it
+    to_base = torch.tensor([10, 11, 12, 13])  # a reduced vocabulary's ids in the base's
+    assert top_ids(logits, 1, lambda i: to_base[i]).tolist() == [[11], [12]]
+    assert torch.equal(top_ids(logits, 2)[:, 0], logits.argmax(-1))
