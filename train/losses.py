@@ -66,18 +66,30 @@ def soft_target_ce(
     logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None = None
 ) -> torch.Tensor:
     """sum_i CE(targets[rows[i]], softmax(logits[i])): a soft-label cross entropy summed over the
-    rows, in fp32 whatever the logits' dtype (fp64 for fp64). logits (n, V); targets (m, V) probabilities (each
-    row may sum to other than 1); rows (n,) the target row of each logit row (None: row i).
+    rows, in fp32 whatever the logits' dtype (fp64 for fp64). logits (n, V); targets (m, V)
+    probabilities, a constant (no gradient flows to them; a row may sum to other than 1); rows
+    (n,) the target row of each logit row (None: row i, m == n).
 
     The same value and gradient as `-(targets[rows] * logits.float().log_softmax(-1)).sum()`,
-    computed a chunk of rows at a time: no fp32 copy of the logits, log-probabilities, gathered
-    targets or products of shape (n, V) (for a 128k vocabulary and 16k rows, 8.6 GB each),
-    only the gradient, in the logits' dtype."""
-    if logits.dim() != 2 or targets.shape[-1] != logits.shape[-1]:
+    a chunk of rows at a time. For the backward it keeps the logits themselves (that formula
+    kept fp32 log-probabilities and gathered targets: 8 bytes an element against 2 for bf16
+    logits) and makes no other (n, V) tensor than the gradient, in the logits' dtype (for a
+    128k vocabulary and 16k rows, each fp32 (n, V) tensor is 8.6 GB)."""
+    n = logits.shape[0] if logits.dim() == 2 else -1
+    if n < 0 or targets.dim() != 2 or targets.shape[-1] != logits.shape[-1]:
         raise ValueError(
             f"soft_target_ce takes logits (n, V) and targets (m, V); got {tuple(logits.shape)} "
             f"and {tuple(targets.shape)}"
         )
+    if rows is None and targets.shape[0] != n:
+        raise ValueError(
+            f"soft_target_ce without rows needs one target row per logit row: got "
+            f"{n} and {targets.shape[0]}"
+        )
+    if rows is not None and tuple(rows.shape) != (n,):
+        raise ValueError(f"soft_target_ce needs rows (n,) = ({n},); got {tuple(rows.shape)}")
+    if targets.requires_grad:
+        raise ValueError("soft_target_ce takes the targets as constants: pass targets.detach()")
     return _SoftTargetCE.apply(logits, targets, rows)
 
 
@@ -103,8 +115,9 @@ def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
 
 def top_ids(logits: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
     """(..., min(k, V)) the ids of the k largest logits, best first; `to_ids` maps the logits'
-    indices to other ids (a reduced draft vocabulary's `to_base_ids`). Column 0 is the argmax
-    (one topk serves both metrics: on a CPU, argmax over a vocabulary costs more than a topk)."""
+    indices to other ids (a reduced draft vocabulary's `to_base_ids`). Column 0 is an argmax
+    (of tied logits, any one, as the drafters' topk picks at inference): one topk serves both
+    accuracy metrics, where on a CPU an argmax over a vocabulary costs more than the topk."""
     top = logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
     return top if to_ids is None else to_ids(top)
 
