@@ -21,27 +21,27 @@ def soft_cross_entropy(
     return (ce * mask).sum() / (mask.sum().clamp(min=1) if divisor is None else divisor)
 
 
-def _chunk_rows(logits: torch.Tensor) -> int:
-    """Rows per chunk of a fused soft cross entropy: ~1 MB of fp32 temporaries on a CPU (they
-    stay in its caches), ~64 MB on an accelerator (few kernel launches)."""
+def _row_chunks(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None):
+    """(rows slice, its logits, their targets) chunk by chunk, in fp32 (fp64 for fp64 logits):
+    ~1 MB of temporaries on a CPU (they stay in its caches), ~64 MB on an accelerator (few
+    kernel launches)."""
+    dtype = torch.promote_types(logits.dtype, torch.float32)
     elements = 2**18 if logits.device.type == "cpu" else 2**24
-    return max(1, elements // max(logits.shape[-1], 1))
+    step = max(1, elements // max(logits.shape[-1], 1))
+    for start in range(0, logits.shape[0], step):
+        part = slice(start, start + step)
+        t = targets[part] if rows is None else targets[rows[part]]
+        yield part, logits[part].to(dtype), t.to(dtype)
 
 
 class _SoftTargetCE(torch.autograd.Function):
-    """sum_i CE(targets[rows_i], softmax(logits_i)), row chunk by row chunk, in fp32 (fp64 for
-    fp64 logits)."""
+    """sum_i CE(targets[rows_i], softmax(logits_i)), a chunk of rows at a time."""
 
     @staticmethod
     def forward(ctx, logits, targets, rows):
+        total = logits.new_zeros((), dtype=torch.promote_types(logits.dtype, torch.float32))
         with torch.autocast(logits.device.type, enabled=False):
-            dtype = torch.promote_types(logits.dtype, torch.float32)
-            total = logits.new_zeros((), dtype=dtype)
-            step = _chunk_rows(logits)
-            for s in range(0, logits.shape[0], step):
-                z = logits[s : s + step].to(dtype)
-                t = targets[s : s + step] if rows is None else targets[rows[s : s + step]]
-                t = t.to(dtype)
+            for _, z, t in _row_chunks(logits, targets, rows):
                 # -sum_v t_v log softmax(z)_v = logsumexp(z) * sum_v t_v - sum_v t_v z_v
                 total += (z.logsumexp(-1) * t.sum(-1)).sum() - (t * z).sum()
         ctx.save_for_backward(logits, targets, rows)
@@ -52,13 +52,8 @@ class _SoftTargetCE(torch.autograd.Function):
         logits, targets, rows = ctx.saved_tensors
         grad = torch.empty_like(logits)  # the only (n, V) tensor: in the logits' dtype
         with torch.autocast(logits.device.type, enabled=False):
-            dtype = torch.promote_types(logits.dtype, torch.float32)
-            step = _chunk_rows(logits)
-            for s in range(0, logits.shape[0], step):
-                z = logits[s : s + step].to(dtype)
-                t = targets[s : s + step] if rows is None else targets[rows[s : s + step]]
-                t = t.to(dtype)
-                grad[s : s + step] = (z.softmax(-1) * t.sum(-1, keepdim=True) - t) * grad_total
+            for part, z, t in _row_chunks(logits, targets, rows):
+                grad[part] = (z.softmax(-1) * t.sum(-1, keepdim=True) - t) * grad_total
         return grad, None, None
 
 
