@@ -111,6 +111,7 @@ def check_manifest(out_dir: Path, settings: dict[str, Any]) -> None:
         if old.get(key) != settings.get(key)
         and not (key == "limit" and _extends(old, settings))
         and not (key == "sources" and _adds_sources(old, settings))
+        and not (key == "num_samples" and _adds_samples(old, settings))
     ]
     if diffs:
         raise DistillError(
@@ -129,6 +130,12 @@ def _adds_sources(old: dict[str, Any], new: dict[str, Any]) -> bool:
     """More sources extend a run that now takes every prompt (no limit): the records written are
     kept by their ids, and only the prompts not yet answered are generated."""
     return new.get("limit") is None and set(old.get("sources") or []) <= set(new.get("sources"))
+
+
+def _adds_samples(old: dict[str, Any], new: dict[str, Any]) -> bool:
+    """More answers per prompt extend a run: a prompt's records are PROMPT_ID-0, -1, ..., so the
+    ones written stay and only the new samples are generated."""
+    return new.get("num_samples", 1) >= old.get("num_samples", 1)
 
 
 def write_atomic(path: Path, text: str) -> None:

@@ -148,6 +148,25 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert "limit: 6 in the manifest, 4 now" in capsys.readouterr().err
 
 
+def test_more_samples_per_prompt_extend_a_run(tmp_path, tiny_base, capsys):
+    out = tmp_path / "out"
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out, temperature=0.7))
+    assert distill.main([recipe, "data.limit=3"]) == 0
+    first = read_records(out)
+    assert distill.main([recipe, "data.limit=3", "data.num_samples=2"]) == 0
+    grown = read_records(out)
+    assert len(grown) == len({r["id"] for r in grown}) == 6
+    assert [r for r in grown if r["id"] in {f["id"] for f in first}] == first  # kept, not redone
+    assert {r["id"].removesuffix("-1") for r in grown if r["id"].endswith("-1")} == {
+        f["id"].removesuffix("-0") for f in first
+    }
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["settings"]["num_samples"] == 2
+    assert manifest["complete"] is True
+    assert distill.main([recipe, "data.limit=3"]) == 2  # fewer samples would leave some out
+    assert "num_samples: 2 in the manifest, 1 now" in capsys.readouterr().err
+
+
 def test_answers_are_added_under_their_own_template_and_the_backends_are_recorded(
     tmp_path, tiny_base, capsys
 ):
