@@ -13,6 +13,7 @@ import json
 import math
 import shutil
 import sys
+from array import array
 from pathlib import Path
 
 import torch
@@ -84,7 +85,6 @@ def save_checkpoint(
         state = {
             **state,
             "num_processes": accelerator.num_processes,
-            "data": data_fingerprint(recipe.data.output_dir),
             "held_out_split": HELD_OUT_SPLIT,
         }
         (tmp / STATE_NAME).write_text(json.dumps(state, indent=2))
@@ -222,6 +222,36 @@ def data_fingerprint(output_dir: str | Path) -> str:
     shards = sorted(Path(output_dir).glob("*.jsonl"))
     listing = "\n".join(f"{p.name} {p.stat().st_size}" for p in shards)
     return hashlib.sha1(listing.encode()).hexdigest()[:16]
+
+
+def examples_fingerprint(train: list[dict], held_out: list[dict]) -> str:
+    """The token ids and target masks of a run's examples, in order, hashed: what it trains on
+    and measures, however it was made (distilled answers, a text corpus, a tokenizer)."""
+    digest = hashlib.sha1()
+    for part in (train, held_out):
+        digest.update(f"{len(part)};".encode())
+        for example in part:
+            digest.update(array("l", example["input_ids"]).tobytes())
+            digest.update(bytes(example["loss_mask"]))
+    return digest.hexdigest()[:16]
+
+
+def check_same_examples(ckpt: Path | None, fingerprint: str) -> None:
+    """The examples loaded now against those the checkpoint `ckpt` trained on (before any
+    feature is computed); checkpoints from before this was recorded pass.
+
+    Raises:
+        RecipeError: they differ, so resuming would train some answers twice and skip others.
+    """
+    was = json.loads((ckpt / STATE_NAME).read_text()).get("examples") if ckpt else None
+    if was and was != fingerprint:
+        raise RecipeError(
+            f"the checkpoint {ckpt} trained on other examples than those loaded now (answers "
+            "added to or removed from data.output_dir, or another training.text_corpus "
+            "content, since it started): resuming would train some twice and skip others. "
+            "Rerun with the data it trained on, or start afresh with training.resume=never (it "
+            "overwrites this output) or another output.dir."
+        )
 
 
 def _lookup(tree: dict, key: str):

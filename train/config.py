@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -171,7 +172,7 @@ class TrainingConfig:
     # on the same data (train/feature_cache.py); None keeps them in memory for this run only
     feature_cache: str | None = None
     epochs: int = 1
-    max_steps: int | None = None  # optimizer steps; None: epochs decide
+    max_steps: int | None = None  # optimizer steps, over as many epochs as they take; None: epochs
     micro_batch_size: int = 8  # examples per process per forward
     gradient_accumulation_steps: int = 1
     learning_rate: float = 1e-3
@@ -416,16 +417,33 @@ def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
     if tp is int:
         if isinstance(value, int) and not isinstance(value, bool):
             return value
+        number = _yaml11_number(value)  # max_steps: 1e3
+        if number is not None and number.is_integer():
+            return int(number)
         raise wrong()
     if tp is float:
         if isinstance(value, (int, float)) and not isinstance(value, bool):
             return float(value)
+        number = _yaml11_number(value)  # learning_rate: 3e-4
+        if number is not None:
+            return number
         raise wrong()
     if tp is str:
         if isinstance(value, str):
             return value
         raise wrong()
     raise RecipeError(f"{where}: '{name}' has a type the schema cannot check: {tp!r}")
+
+
+def _yaml11_number(value: Any) -> float | None:
+    """A number in exponent form that YAML 1.1 left a string (`3e-4`, `1e3`), else None."""
+    if not isinstance(value, str) or "e" not in value.lower():
+        return None
+    try:
+        number = float(value)
+    except ValueError:
+        return None
+    return number if math.isfinite(number) else None
 
 
 def _field_type(path: list[str]) -> Any:
@@ -473,11 +491,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise RecipeError(f"override {item!r}: expected key=value (e.g. data.limit=100)")
     path = _resolve_path(key.strip())
     tp = _field_type(path)
-    if _accepts_str(tp) and text.strip().lower() not in ("null", "~", "none"):
-        value: Any = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
+    if text.strip().lower() in ("", "null", "~", "none"):
+        value: Any = None  # YAML reads `None` as the string "None"; here it means null
+    elif _accepts_str(tp):
+        value = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
     else:
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from e
     node = raw

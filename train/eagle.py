@@ -268,7 +268,10 @@ def training_function(recipe: Recipe) -> dict:
     aux_ids = []
     if spec.version == 3:
         aux_ids = spec.aux_layer_ids or EagleConfig.from_base(base.config).aux_layer_ids
-    train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator, aux_ids)
+    train_ds, eval_ds, data_identity = prepare_data(
+        recipe, base, tokenizer, accelerator, aux_ids, ckpt
+    )
+    identity |= data_identity
     draft = build_draft(recipe, base, train_ds, accelerator)
     model = EagleTrainee(base, draft, recipe)
     assert_trainable(model, draft.num_trainable_parameters(), accelerator)

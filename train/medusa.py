@@ -203,7 +203,8 @@ def training_function(recipe: Recipe) -> dict:
     base, tokenizer = load_frozen_base(recipe, accelerator, dtype)
     with stop_on_bad_input():  # other weights than the checkpoint's
         identity = base_identity(base, ckpt)
-    train_ds, eval_ds = prepare_data(recipe, base, tokenizer, accelerator)
+    train_ds, eval_ds, data_identity = prepare_data(recipe, base, tokenizer, accelerator, ckpt=ckpt)
+    identity |= data_identity
     heads = build_heads(recipe, base, train_ds, accelerator)
     lora_params = []
     if recipe.heads.lora_r > 0:  # Medusa-2

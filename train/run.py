@@ -29,8 +29,11 @@ from heads.lora import LORA_FOLDER, lora_probe
 from train.checkpoint import (
     TrainingDiverged,
     built_on_dtype,
+    check_same_examples,
     check_same_run,
     checkpoints_dir,
+    data_fingerprint,
+    examples_fingerprint,
     resolve_resume,
 )
 from train.config import Recipe, load_recipe, save_recipe
@@ -231,13 +234,25 @@ def gather_for_reading(*params: torch.nn.Parameter):
     return deepspeed.zero.GatheredParameters(list(params), modifier_rank=None)
 
 
-def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_layer_ids=()):
-    """(train dataset, held-out dataset); offline mode attaches the base's features."""
+def prepare_data(
+    recipe: Recipe,
+    base,
+    tokenizer,
+    accelerator: Accelerator,
+    aux_layer_ids=(),
+    ckpt: Path | None = None,
+):
+    """(train dataset, held-out dataset, what each checkpoint records of them); offline mode
+    attaches the base's features. A run resuming `ckpt` on other examples exits first."""
+    folder = data_fingerprint(recipe.data.output_dir)  # as loaded, not as it is at a later save
     with stop_on_bad_input():  # no distilled answers yet, a malformed shard, no chat template
         distilled, text = load_examples(recipe, tokenizer)
     # Held out from the distilled answers only: acceptance is measured on what the base writes.
     train, held_out = split_held_out(distilled, recipe.training.eval_fraction, recipe.training.seed)
     train += text
+    identity = {"data": folder, "examples": examples_fingerprint(train, held_out)}
+    with stop_on_bad_input():
+        check_same_examples(ckpt, identity["examples"])
     accelerator.print(
         f"examples: {len(train)} train ({len(text)} from the text corpus), {len(held_out)} held "
         f"out; {sum(sum(e['loss_mask']) for e in train)} train target tokens"
@@ -292,7 +307,7 @@ def prepare_data(recipe: Recipe, base, tokenizer, accelerator: Accelerator, aux_
                 tokenizer.pad_token_id,
                 disable_progress=not accelerator.is_main_process,
             )
-    return train_ds, eval_ds
+    return train_ds, eval_ds, identity
 
 
 def epoch_batches(
@@ -342,8 +357,8 @@ def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tu
     batches = len(epoch_batches(n_examples, recipe, 0, accelerator))
     per_epoch = batches // recipe.training.gradient_accumulation_steps
     total = per_epoch * recipe.training.epochs
-    if recipe.training.max_steps is not None:
-        total = min(total, recipe.training.max_steps)
+    if recipe.training.max_steps is not None:  # as HF's Trainer: it overrides epochs
+        total = recipe.training.max_steps
     if recipe.training.warmup_steps >= total:
         accelerator.print(
             f"warning: training.warmup_steps={recipe.training.warmup_steps} is not under the "

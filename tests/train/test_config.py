@@ -198,3 +198,43 @@ def test_a_warm_up_as_long_as_the_run_is_said(capsys):
     assert "warmup_steps=1 is not under the run's 1 optimizer steps" in capsys.readouterr().err
     assert count_steps(29, recipe, one) == (7, 7)
     assert capsys.readouterr().err == ""
+
+
+def test_exponent_floats_and_null_words_read_as_meant(tmp_path):
+    # YAML 1.1 leaves 3e-4 a string and reads None as the string "None": neither is what a user
+    # writing a learning rate or clearing a setting means
+    path = write(tmp_path, "training:\n  learning_rate: 2e-5\n")
+    assert load_recipe(path).training.learning_rate == 2e-5
+    recipe = load_recipe(
+        path,
+        [
+            "training.learning_rate=3e-4",
+            "training.max_steps=1e3",
+            "data.system_prompt=None",
+            "hub.repo_id=none",
+            "data.limit=None",
+        ],
+    )
+    assert recipe.training.learning_rate == 3e-4 and recipe.training.max_steps == 1000
+    assert recipe.data.system_prompt is None and recipe.hub.repo_id is None
+    assert recipe.data.limit is None
+    for bad in (
+        "training.learning_rate=3e",
+        "training.max_steps=1.5e0",
+        "training.max_steps=1e999",
+    ):
+        with pytest.raises(RecipeError, match="expects"):
+            load_recipe(None, [bad])
+
+
+def test_max_steps_overrides_epochs_as_in_hf_trainer():
+    from types import SimpleNamespace
+
+    from train.run import count_steps
+
+    one = SimpleNamespace(num_processes=1, process_index=0, print=print)
+    # 29 examples in micro-batches of 4: 7 steps an epoch
+    settings = ["training.micro_batch_size=4", "training.epochs=2"]
+    assert count_steps(29, load_recipe(None, settings), one) == (7, 14)
+    assert count_steps(29, load_recipe(None, [*settings, "training.max_steps=5"]), one) == (7, 5)
+    assert count_steps(29, load_recipe(None, [*settings, "training.max_steps=20"]), one) == (7, 20)

@@ -136,6 +136,18 @@ def test_medusa_run_writes_the_heads_and_keeps_the_base(medusa_run, tiny_task):
     )
 
 
+def test_max_steps_past_the_epochs_trains_on_into_the_next_epoch(tiny_task, tmp_path):
+    # 9 optimizer steps an epoch (the checkpoint above: step 10 is epoch 1's first); as in HF's
+    # Trainer, max_steps overrides epochs instead of being capped by them
+    out = tmp_path / "out"
+    settings = ["training.epochs=1", "training.max_steps=11", "training.save_every_steps=11"]
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *settings)
+    train_lines, _ = read_metrics(out)
+    assert sorted(train_lines) == list(range(1, 12))
+    state = json.loads((out / "checkpoints" / "step-00000011" / "trainer_state.json").read_text())
+    assert (state["step"], state["epoch"], state["batch_in_epoch"]) == (11, 1, 2)
+
+
 @pytest.mark.slow
 def test_medusa_loss_falls_on_a_learnable_task(medusa_run):
     train_lines, eval_lines = read_metrics(medusa_run[0])

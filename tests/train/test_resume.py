@@ -131,6 +131,52 @@ def test_a_kill_mid_save_resumes_from_the_checkpoint_before(tiny_task, tmp_path,
 
 
 @pytest.mark.slow
+def test_resume_refuses_examples_the_run_did_not_load(tiny_task, tmp_path, capsys):
+    """Answers distill added while the run trained, and a text corpus edited since: resumed, the
+    run would reshuffle over other examples, training some twice and skipping others."""
+    data = tmp_path / "data"
+    data.mkdir()
+    lines = next(tiny_task.data_dir.glob("*.jsonl")).read_text().splitlines(keepends=True)
+    (data / "shard-r000-00000.jsonl").write_text("".join(lines[:30]))
+    out = tmp_path / "out"
+    folder = [f"data.output_dir={data}", "training.save_every_steps=1"]
+    real = train.medusa.check_finite
+
+    def distill_adds_a_shard(loss, step, output_dir):
+        real(loss, step, output_dir)
+        if step == 1:
+            (data / "shard-r000-00001.jsonl").write_text("".join(lines[30:]))
+        if step == 3:
+            raise Interrupted(step)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train.medusa, "check_finite", distill_adds_a_shard)
+        with pytest.raises(Interrupted):
+            run(train.medusa, TINY_MEDUSA, tiny_task, out, *folder)
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:  # the checkpoint of step 2 names the 30 answers
+        run(train.medusa, TINY_MEDUSA, tiny_task, out, *folder)
+    assert exit_info.value.code == 2
+    assert "are not those it trained on" in capsys.readouterr().err
+
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.txt").write_text(" ".join(f"word{i}" for i in range(300)), encoding="utf-8")
+    settings = [f"training.text_corpus=[{corpus}]", "training.save_every_steps=1"]
+    out = tmp_path / "out2"
+    interrupted_run(train.medusa, TINY_MEDUSA, tiny_task, out, 3, *settings)
+    (corpus / "b.txt").write_text(" ".join(f"term{i}" for i in range(300)), encoding="utf-8")
+    capsys.readouterr()
+    with pytest.raises(SystemExit) as exit_info:
+        run(train.medusa, TINY_MEDUSA, tiny_task, out, *settings)
+    assert exit_info.value.code == 2
+    assert "trained on other examples than those loaded now" in capsys.readouterr().err
+    (corpus / "b.txt").unlink()  # the corpus as it trained on: the run continues
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *settings)
+    assert sorted(read_metrics(out)[0]) == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabulary(
     tiny_task, tmp_path, capsys
 ):
