@@ -147,7 +147,9 @@ class EagleConfig(HeadsConfig):
             rope_parameters=dict(base_config.rope_parameters),
             max_position_embeddings=base_config.max_position_embeddings,
             vocab_size=base_config.vocab_size,
-            draft_vocab_size=(draft_vocab_size or min(32000, base_config.vocab_size))
+            draft_vocab_size=(
+                min(32000, base_config.vocab_size) if draft_vocab_size is None else draft_vocab_size
+            )
             if version == 3
             else base_config.vocab_size,
             target_hidden_size=H,

@@ -154,6 +154,11 @@ class HeadsSpec:
             )
         if self.version not in (1, 3):
             raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise RecipeError(
+                f"need heads.draft_vocab_size >= 1 (the draft's most frequent tokens), or null "
+                f"for the default; got {self.draft_vocab_size}"
+            )
         ids = self.aux_layer_ids
         if ids is not None and not in_engine_order(ids, distinct=False):  # the base's size decides
             raise RecipeError(

@@ -290,7 +290,7 @@ def jsonl_records(path: Path):
             for lineno, raw in enumerate(f, 1):
                 where = f"{path}:{lineno}"
                 try:
-                    line = raw.decode("utf-8")
+                    line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")  # a BOM: Notepad's
                 except UnicodeDecodeError as e:
                     yield where, ValueError(f"not UTF-8 ({e.reason} at byte {e.start})")
                     continue
@@ -308,7 +308,7 @@ def _json_records(path: Path):
     """Records of a .json file; each located by the line its object starts on."""
     data = path.read_bytes()
     try:
-        text = data.decode("utf-8")
+        text = data.decode("utf-8-sig")
     except UnicodeDecodeError as e:
         line = data.count(b"\n", 0, e.start) + 1
         raise PromptSourceError(f"{path}:{line}: not UTF-8 ({e.reason}); save it as UTF-8") from e

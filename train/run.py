@@ -222,6 +222,14 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None
             attn_implementation=recipe.model.attn_implementation,
             prepack=False if zero3 else None,
         )
+    size, vocab = recipe.heads.draft_vocab_size, base.config.vocab_size
+    if size is not None and size > vocab:  # before any data or feature work
+        print(
+            f"error: heads.draft_vocab_size={size} is more than the base's vocabulary ({vocab} "
+            f"tokens): give at most {vocab}, or null for the default",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     return base, tokenizer
 
 

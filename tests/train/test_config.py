@@ -167,6 +167,7 @@ def test_a_new_section_is_just_a_dataclass_field(monkeypatch):
         ("training.weight_decay=-0.1", "weight_decay >= 0"),
         ("training.text_max_tokens=-1", r"text_max_tokens >= 0 \(0: all of the text corpus\)"),
         ("logging.log_every_steps=0", "log_every_steps >= 1, got 0"),
+        ("heads.draft_vocab_size=0", r"heads.draft_vocab_size >= 1 \(the draft's most frequent"),
     ],
 )
 def test_counts_that_would_break_a_run_are_refused_up_front(override, message):

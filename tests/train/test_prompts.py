@@ -114,6 +114,17 @@ def test_jsonl_malformed_lines_report_file_and_line(tmp_path):
         read_source(str(path), on_error="stop")
 
 
+def test_a_byte_order_mark_keeps_the_first_record(tmp_path):
+    # Windows editors start a UTF-8 file with one; json.loads refuses it
+    lines = tmp_path / "bom.jsonl"
+    lines.write_bytes(b'\xef\xbb\xbf{"prompt": "Say hi."}\n{"prompt": "Count to three."}\n')
+    prompts, skipped = read_source(str(lines), on_error="stop")
+    assert [p.messages[0]["content"] for p in prompts] == ["Say hi.", "Count to three."]
+    whole = tmp_path / "bom.json"
+    whole.write_bytes(b'\xef\xbb\xbf[{"prompt": "Say hi."}]')
+    assert read_source(str(whole), on_error="stop")[0][0].messages[0]["content"] == "Say hi."
+
+
 def test_json_array_records_carry_their_line(tmp_path):
     path = tmp_path / "p.json"
     path.write_text(

@@ -462,6 +462,24 @@ def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_pat
     assert "error: base model folder not found: ./nowhere" in capsys.readouterr().err
 
 
+def test_a_draft_vocabulary_past_the_bases_is_refused_before_the_data(
+    tiny_task, tmp_path, capsys, monkeypatch
+):
+    def no_data(*args, **kwargs):
+        raise AssertionError("the data was prepared before the check")
+
+    for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
+        monkeypatch.setattr(module, "prepare_data", no_data)
+        with pytest.raises(SystemExit) as exit_:
+            run(module, recipe, tiny_task, tmp_path / "out", "heads.draft_vocab_size=1000000")
+        assert exit_.value.code == 2
+        vocab = load_tiny_base(tiny_task).config.vocab_size
+        assert (
+            f"error: heads.draft_vocab_size=1000000 is more than the base's vocabulary ({vocab} "
+            in capsys.readouterr().err
+        )
+
+
 def test_heads_type_must_match_the_script(capsys):
     with pytest.raises(SystemExit) as exit_:
         train.eagle.main([str(TINY_MEDUSA)])
