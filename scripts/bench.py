@@ -25,6 +25,7 @@ import dataclasses
 import datetime
 import json
 import logging
+import math
 import platform
 import shlex
 import statistics
@@ -224,18 +225,22 @@ def run_bench(
                 record = _record(p, turn, m, inputs[m.name].shape[1], done[m.name], baseline)
                 baseline = baseline or record
                 records.append(record)
-                answer = tokenizer.decode(done[m.name][0][1].new_ids, skip_special_tokens=True)
+                answer = tokenizer.decode(record["_ids"], skip_special_tokens=True)
                 history[m.name].append({"role": "assistant", "content": answer.strip()})
     return records
 
 
 def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
-    """One (prompt, turn, method) record: time the median of the timed runs; tau and the
-    accepted-length histogram over every run's steps (an adaptive generator's trees may differ
-    from run to run); identical only when every run's tokens equal the baseline's."""
+    """One (prompt, turn, method) record: tokens, seconds and tokens/s of the timed run of
+    median tokens/s (the lower middle one of an even count); tau and the accepted-length
+    histogram over every run's steps (an adaptive generator's trees may differ from run to
+    run); identical only when every run's tokens equal the baseline's. Greedy runs repeat the
+    same tokens; sampled ones need not (the adaptive policy carries over from run to run), so
+    one run's tokens are never divided by another's time."""
     seconds = [s for s, _ in timed]
-    out = timed[0][1]  # greedy and seeded runs repeat the same tokens (checked below)
-    median = statistics.median(seconds)
+    rates = [len(r.new_ids) / s if s > 0 else math.inf for s, r in timed]
+    middle = sorted(range(len(timed)), key=rates.__getitem__)[(len(timed) - 1) // 2]
+    median, out = timed[middle]
     new = len(out.new_ids)
     record = {
         "prompt": p.index,
@@ -302,7 +307,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--turns", choices=("first", "all"), default="first", help="all: multi-turn, in context")
     add("--temperature", type=float, default=0.0, help="0 is greedy")
     add("--top-p", type=float, default=1.0)
-    add("--runs", type=int, default=1, help="timed repeats per prompt; medians are reported")
+    add(
+        "--runs",
+        type=int,
+        default=1,
+        help="timed repeats per prompt: each record is the run of median tokens/s",
+    )
     add("--seed", type=int, default=0)
     add(
         "--tree", default=None, help="fixed Medusa tree: preset or JSON choices (default: adaptive)"

@@ -50,3 +50,23 @@ def test_an_identical_share_below_one_never_reads_100():
     assert identical_share(1.0, 480) == "100%"
     assert identical_share(479 / 480, 480) == "99.7% (479/480)"
     assert identical_share(None, 3) == "n/a"
+
+
+def test_sampled_runs_of_other_lengths_keep_tokens_and_time_together():
+    """At temperature > 0 a method's timed runs may stop at other lengths: a record's tokens,
+    seconds and tokens/s all come from one run, the one of median tokens/s."""
+    from bench_methods import Method, Run
+
+    method = Method("eagle", "heads", lambda *a, **k: None, torch.device("cpu"), False)
+    timings = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 1.0}
+    # 22 tokens in 0.079 s (278/s), 14 in 0.042 s (333/s), 14 in 0.050 s (280/s)
+    timed = [
+        (0.079, Run(list(range(22)), [2] * 11, timings)),
+        (0.042, Run(list(range(14)), [2] * 7, timings)),
+        (0.050, Run(list(range(14)), [2] * 7, timings)),
+    ]
+    prompt = bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"])
+    record = bench._record(prompt, 0, method, 5, timed, None)
+    assert (record["new_tokens"], record["seconds"]) == (14, 0.050)
+    assert record["tokens_per_s"] == 14 / 0.050
+    assert record["seconds_runs"] == [0.079, 0.042, 0.050]
