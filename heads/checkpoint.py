@@ -278,7 +278,7 @@ def load_heads(
     The class is chosen from config.json (`model_type: medusa`; `LlamaForCausalLMEagle3`; a
     1-layer Llama = EAGLE-1). With `base`, the heads are checked against it (hidden size, vocab
     size, layer count must match what they were trained on), moved to its device and dtype, and
-    a shared Medusa lm_head is tied to the base's.
+    a shared Medusa lm_head is tied to the base's. Without `base`, in `dtype` or else as stored.
     """
     from heads.eagle import EagleDraft, check_vocab_map, t2d_from_d2t
     from heads.lora import warn_unless_merged
@@ -316,16 +316,16 @@ def load_heads(
     if base is not None:
         ref = next(base.parameters())
         module.to(device=device or ref.device, dtype=dtype or ref.dtype)
-        if isinstance(module, EagleDraft):  # rotary frequencies stay fp32, as in the base
-            module.rotary_emb = type(module.rotary_emb)(module.llama_config).to(
-                module.fc.weight.device
-            )
+    else:  # as stored, as transformers 5 loads (dtype="auto"): a bf16 folder saves bf16 again
+        stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
+        module.to(device=device, dtype=dtype or stored)
+    if isinstance(module, EagleDraft):  # rotary frequencies stay fp32, as in the base
+        module.rotary_emb = type(module.rotary_emb)(module.llama_config).to(module.fc.weight.device)
+    if base is not None:
         if isinstance(module, MedusaHeads) and config.original_lm_head and module.token_map is None:
             module.lm_head = base.get_output_embeddings()  # the base's module: one packed copy
         if any(isinstance(m, PackedLinear) for m in base.modules()):
             prepack_linear_weights(module)  # the draft runs every step too: same CPU fast path
-    elif device is not None or dtype is not None:
-        module.to(device=device, dtype=dtype)
     module.source_folder = folder  # a Medusa-2 adapter beside it is saved with the heads
     module.eval()
     return module

@@ -224,6 +224,25 @@ def test_where_the_heads_are_not_is_said(tiny_llama, tmp_path, monkeypatch):
         load_heads("someone/medusa")
 
 
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_loaded_without_a_base_heads_keep_their_stored_dtype(tiny_llama, tmp_path, kind):
+    # saved again (or pushed) as they came: a bf16 folder does not double into fp32; an EAGLE
+    # draft cast to bf16 keeps its rotary frequencies in fp32, as the base does
+    _all_heads(tiny_llama)[kind].save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    again = load_heads(tmp_path / "bf16")
+    assert {t.dtype for t in again.parameters()} == {torch.bfloat16}
+    again.save_pretrained(tmp_path / "again")
+    assert json.loads((tmp_path / "again" / "config.json").read_text())["torch_dtype"] == "bfloat16"
+    assert load_file(tmp_path / "again" / "model.safetensors").keys() == load_file(
+        tmp_path / "bf16" / "model.safetensors"
+    ).keys()
+    if kind == "eagle3":
+        _all_heads(tiny_llama)[kind].save_pretrained(tmp_path / "fp32")
+        cast = load_heads(tmp_path / "fp32", dtype=torch.bfloat16)
+        assert cast.fc.weight.dtype == torch.bfloat16
+        assert {b.dtype for b in cast.rotary_emb.buffers()} == {torch.float32}
+
+
 def test_config_of_wrong_types_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())
