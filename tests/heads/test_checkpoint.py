@@ -233,9 +233,10 @@ def test_loaded_without_a_base_heads_keep_their_stored_dtype(tiny_llama, tmp_pat
     assert {t.dtype for t in again.parameters()} == {torch.bfloat16}
     again.save_pretrained(tmp_path / "again")
     assert json.loads((tmp_path / "again" / "config.json").read_text())["torch_dtype"] == "bfloat16"
-    assert load_file(tmp_path / "again" / "model.safetensors").keys() == load_file(
-        tmp_path / "bf16" / "model.safetensors"
-    ).keys()
+    assert (
+        load_file(tmp_path / "again" / "model.safetensors").keys()
+        == load_file(tmp_path / "bf16" / "model.safetensors").keys()
+    )
     if kind == "eagle3":
         _all_heads(tiny_llama)[kind].save_pretrained(tmp_path / "fp32")
         cast = load_heads(tmp_path / "fp32", dtype=torch.bfloat16)
