@@ -135,6 +135,13 @@ class HeadsConfig:
         """Build from a config.json dict; keys this class does not know are ignored (engines
         add their own), a key of the wrong type is an error."""
         data = renamed_keys(data)
+        cls.check_types(data)
+        kinds = {f.name: f.type for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in kinds})
+
+    @classmethod
+    def check_types(cls, data: dict[str, Any]) -> None:
+        """A ValueError naming the first key of `data` whose value has the wrong type."""
         kinds = {f.name: f.type for f in dataclasses.fields(cls)}
         for key, value in data.items():
             allowed = _json_types(kinds.get(key, "Any"))
@@ -146,7 +153,6 @@ class HeadsConfig:
                     f"config.json: {key} is {value!r}, expected {kinds[key]}; is this a heads folder "
                     "written by another tool, or edited by hand?"
                 )
-        return cls(**{k: v for k, v in data.items() if k in kinds})
 
     def save(self, folder: str | Path) -> None:
         path = Path(folder) / "config.json"

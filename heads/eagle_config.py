@@ -32,13 +32,24 @@ def read_aux_ids(data: dict[str, Any]) -> list[int] | None:
     except in headstart folders of format 1, which wrote it in headstart's. None: neither."""
     top = data.get("eagle_aux_hidden_state_layer_ids")
     if top:
-        return [int(i) for i in top]
-    nested = (data.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+        return _layer_ids(top, "eagle_aux_hidden_state_layer_ids")
+    nested = data.get("eagle_config") or {}
+    if not isinstance(nested, dict):
+        raise ValueError(f"config.json: eagle_config is {nested!r}, expected an object")
+    nested = nested.get("eagle_aux_hidden_state_layer_ids")
     if not nested:
         return None
     written_in = data.get("headstart_format", HEADSTART_FORMAT)  # from_dict checks its type
     shift = 0 if isinstance(written_in, int) and written_in < 2 else 1
-    return [int(i) + shift for i in nested]
+    return [i + shift for i in _layer_ids(nested, "eagle_config.eagle_aux_hidden_state_layer_ids")]
+
+
+def _layer_ids(ids: Any, key: str) -> list[int]:
+    if not isinstance(ids, list) or not all(
+        isinstance(i, int) and not isinstance(i, bool) for i in ids
+    ):
+        raise ValueError(f"config.json: {key} is {ids!r}, expected a list of layer numbers")
+    return list(ids)
 
 
 def engine_refusal(config: EagleConfig, engine: str) -> str | None:
@@ -266,6 +277,15 @@ class EagleConfig(HeadsConfig):
         """From an engine config.json; `base_num_hidden_layers` supplies the default aux layers
         of third-party EAGLE-3 folders that name neither them nor their base."""
         data = renamed_keys(data)
+        if data.get("head_dim") is None:  # some trainers write null: hidden_size / heads
+            data.pop("head_dim", None)
+        cls.check_types(data)  # before anything below computes with them
+        missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in data]
+        if missing:
+            raise ValueError(
+                f"config.json lacks {', '.join(missing)}: not an EAGLE draft's config (is this a "
+                "heads folder written by another tool, or edited by hand?)"
+            )
         is_v3 = any("Eagle3" in a for a in data.get("architectures") or [])
         data["version"] = 3 if is_v3 else 1
         # variants some trainers write (and some engines build) that this layer does not compute
@@ -277,9 +297,14 @@ class EagleConfig(HeadsConfig):
             )
         if "rope_parameters" not in data:
             rope = dict(data.get("rope_scaling") or {"rope_type": "default"})
-            rope.setdefault("rope_theta", data.get("rope_theta", 10000.0))
+            theta = data.get("rope_theta")
+            if theta is not None and (
+                not isinstance(theta, (int, float)) or isinstance(theta, bool)
+            ):
+                raise ValueError(f"config.json: rope_theta is {theta!r}, expected a number")
+            rope.setdefault("rope_theta", 10000.0 if theta is None else theta)
             data["rope_parameters"] = rope
-        if "head_dim" not in data or data["head_dim"] is None:
+        if "head_dim" not in data:
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
         if is_v3:
             data["aux_layer_ids"] = read_aux_ids(data)

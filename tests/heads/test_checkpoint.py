@@ -258,6 +258,31 @@ def test_config_of_wrong_types_is_a_clear_error(tiny_llama, tmp_path):
         load_heads(tmp_path)
 
 
+def test_eagle_configs_missing_keys_or_of_wrong_types_are_clear_errors(tiny_llama, tmp_path):
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    nested = {"eagle_aux_hidden_state_layer_ids": [0, 0, 0]}  # SGLang's: layers 1, 1, 1
+    for change, message in (
+        ({"hidden_size": None}, "config.json lacks hidden_size: not an EAGLE draft's config"),
+        ({"vocab_size": None}, "config.json lacks vocab_size"),
+        ({"hidden_size": "64"}, "config.json: hidden_size is '64', expected int"),
+        ({"eagle_config": [1]}, "config.json: eagle_config is [1], expected an object"),
+        ({"eagle_aux_hidden_state_layer_ids": ["a", 1]}, "expected a list of layer numbers"),
+        ({"eagle_config": {"eagle_aux_hidden_state_layer_ids": "12"}}, "a list of layer numbers"),
+        ({"rope_parameters": None, "rope_theta": "1e4"}, "rope_theta is '1e4', expected a number"),
+    ):
+        edited = {k: v for k, v in {**config, **change}.items() if v is not None}
+        if "eagle_config" in change:
+            edited.pop("eagle_aux_hidden_state_layer_ids", None)
+        (tmp_path / "config.json").write_text(json.dumps(edited))
+        with pytest.raises(ValueError, match=re.escape(message)):
+            load_heads(tmp_path)
+    edited = {**config, "eagle_config": nested, "head_dim": None}
+    edited.pop("eagle_aux_hidden_state_layer_ids", None)
+    (tmp_path / "config.json").write_text(json.dumps(edited))
+    assert load_heads(tmp_path).config.head_dim == config["head_dim"]  # null: hidden / heads
+
+
 def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)
     data = (tmp_path / "model.safetensors").read_bytes()
