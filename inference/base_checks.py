@@ -6,9 +6,10 @@ from __future__ import annotations
 
 import copy
 import warnings
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
+import torch
 from torch import nn
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
@@ -21,6 +22,12 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
     cache keeps the accepted rows by absolute position: that needs sdpa or eager attention and
     full attention in every layer (a sliding-window layer keeps only its last keys).
     """
+    if hasattr(base, "peft_config") and hasattr(base, "merge_and_unload"):
+        raise ValueError(
+            f"the base is a peft {type(base).__name__} (an adapter not merged): the generator "
+            "runs the base's decoder itself; merge the adapter first, base = "
+            "base.merge_and_unload()"
+        )
     if not isinstance(getattr(base, "model", None), nn.Module):
         raise ValueError(
             f"{type(base).__name__} has no .model decoder: the generator runs Llama-style "
@@ -115,3 +122,43 @@ def warn_unapplied_logits_settings(base: PreTrainedModel) -> None:
             "Compare against base.generate() within inference.plain_generation(base).",
             stacklevel=3,
         )
+
+
+def base_logits(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]:
+    """The base's logits from its decoder's last hidden states, as its own forward computes
+    them: the output embeddings, then the scaling that Granite (divides by
+    `config.logits_scaling`) and Cohere (multiplies by `logit_scale`) apply after them; checked
+    against the base's forward on one token, so that a base that changes its logits another way
+    is refused, not sampled from another distribution.
+
+    Raises:
+        ValueError: the base's forward computes other logits.
+    """
+    head = base.get_output_embeddings()
+    model_type = str(getattr(base.config, "model_type", ""))
+    scaling = getattr(base.config, "logits_scaling", 1.0)
+    if model_type.startswith("granite") and scaling != 1.0:
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return head(hidden) / scaling
+
+    elif model_type == "cohere" and getattr(base, "logit_scale", 1.0) != 1.0:
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return head(hidden) * base.logit_scale
+
+    else:
+        logits = head
+    token = getattr(base.config, "bos_token_id", None)
+    token = token if isinstance(token, int) else 0
+    ids = torch.tensor([[token]], device=head.weight.device)
+    with torch.no_grad():
+        want = base(input_ids=ids).logits[0, -1].float()
+        got = logits(base.model(input_ids=ids).last_hidden_state[0, -1]).float()
+    if not torch.allclose(got, want, rtol=1e-3, atol=1e-3 * float(want.abs().max())):
+        raise ValueError(
+            f"the {type(base).__name__} base computes its logits otherwise than its output "
+            "embeddings do (a scaling or soft-capping after the lm_head that headstart does not "
+            "know): the verifier would not sample the base's own distribution"
+        )
+    return logits

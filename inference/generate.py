@@ -37,7 +37,11 @@ from inference.acceptance import (
     warp_probs,
 )
 from inference.adaptive import AdaptivePolicy
-from inference.base_checks import check_base_takes_trees, warn_unapplied_logits_settings
+from inference.base_checks import (
+    base_logits,
+    check_base_takes_trees,
+    warn_unapplied_logits_settings,
+)
 from inference.draft import Draft, Drafter, Sampling
 from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
@@ -97,8 +101,9 @@ class SpeculativeGenerator:
             so on a CPU for trees over `DENSE_LOGITS_MAX_NODES` nodes; True for every tree,
             False never.
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
-            measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`, a
-            list gives the arms; the default is on unless `drafter_options` fix the settings.
+            measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`
+            (with `drafter_options`: those settings and plain decoding), a list gives the arms;
+            the default is on unless `drafter_options` fix the settings.
             The measurements carry over from one generate call to the next (`.policy`; set it
             to None, or assign other `.arms`, to start afresh). Every arm is lossless; with
             sampling, the same seed reproduces the same text only with fixed settings (arm
@@ -127,7 +132,8 @@ class SpeculativeGenerator:
         self.base = base
         self.drafter = make_drafter(base, heads_or_drafter, **drafter_options)
         self._configured: dict | None = None  # the adaptive arm's options the drafter holds
-        self.lm_head: nn.Module = base.get_output_embeddings()
+        # the base's logits as its forward computes them (lm_head, and Granite's / Cohere's scale)
+        self.lm_head = base_logits(base)
         device = next(base.parameters()).device
         # Trees of more nodes than this verify row by row (lazily); None: never.
         self.dense_logits_max_nodes: int | None
@@ -146,7 +152,12 @@ class SpeculativeGenerator:
             adaptive = not drafter_options and not any(isinstance(m, Drafter) for m in members)
         self.arms = None
         if adaptive:
-            self.arms = self.drafter.default_arms(device) if adaptive is True else list(adaptive)
+            if adaptive is not True:
+                self.arms = list(adaptive)
+            elif drafter_options:  # the settings given, or plain decoding where they do not pay
+                self.arms = [None, {}]
+            else:
+                self.arms = self.drafter.default_arms(device)
             check_arms(self.arms)
         # Built at the first generation and kept: later calls start from what it measured.
         self.policy: AdaptivePolicy | None = None
@@ -156,16 +167,31 @@ class SpeculativeGenerator:
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
         """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None)."""
         aux_ids = self.drafter.aux_layer_ids
-        out = self.base.model(
-            input_ids=input_ids[None],
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            cache=cache,
-            use_cache=True,
-            output_hidden_states=bool(aux_ids),
-        )
+        # EAGLE-3's states entering layers aux_ids (HF's hidden_states[i]), and only those: all
+        # L + 1 of them over a long prompt would hold GBs
+        entering: dict[int, torch.Tensor] = {}
+
+        def keep(i: int):
+            def hook(module, args, kwargs):
+                entering[i] = args[0] if args else kwargs["hidden_states"]
+
+            return hook
+
+        layers = self.base.model.layers
+        hooks = [layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in aux_ids]
+        try:
+            out = self.base.model(
+                input_ids=input_ids[None],
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                cache=cache,
+                use_cache=True,
+            )
+        finally:
+            for hook in hooks:
+                hook.remove()
         hidden = out.last_hidden_state[0]
-        aux = torch.cat([out.hidden_states[i][0] for i in aux_ids], dim=-1) if aux_ids else None
+        aux = torch.cat([entering[i][0] for i in aux_ids], dim=-1) if aux_ids else None
         return hidden, aux
 
     def _verify(
@@ -252,8 +278,9 @@ class SpeculativeGenerator:
             stop_strings = [stop_strings]
         if stop_strings and tokenizer is None:
             raise ValueError("stop_strings need the tokenizer= to decode the generated text")
-        if not isinstance(max_new_tokens, int) or isinstance(max_new_tokens, bool):
+        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
             raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+        max_new_tokens = int(max_new_tokens)  # numpy's and torch's integers too
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         reals = (temperature, top_p)
@@ -347,16 +374,18 @@ class SpeculativeGenerator:
             prefix = cache.get_seq_length()
             arm = policy.choose() if policy else -1
             options = policy.arms[arm].options if policy else {}
-            if options and options is not self._configured:
+            reconfigured = bool(options) and options is not self._configured
+            if reconfigured:
                 self.drafter.configure(**options)
                 self._configured = options
             nodes = 1 if options is None else self.drafter.max_nodes
             if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
                 # the tree no longer fits the context but a token does: plain steps to the end
                 options, nodes, arm = None, 1, None
-            if options is not None and after_plain:
+            if options is not None and (after_plain or reconfigured):
                 # Feeding the plain steps' tokens to a drafter with its own cache costs more the
-                # longer the run of plain steps: not a cost of this step's setting.
+                # longer the run of plain steps: not a cost of this step's setting. So does a
+                # union member's, switched on again by this setting after steps without it.
                 t0 = time.perf_counter()
                 self.drafter.catch_up(sequence)
                 timings["draft"] += time.perf_counter() - t0

@@ -14,6 +14,7 @@ fed, then the draft is made (a tree's entries are cropped again after it).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -40,6 +41,10 @@ class ModelDrafter(Drafter):
         num_tokens: drafted tokens of a chain (the default: 4).
         choices: a static tree instead (paths of ranks such as `[(0,), (1,), (0, 0)]`, or a
             preset name of `inference.tree.PRESETS`); give one of num_tokens and choices.
+        vocab_size: the base's vocabulary size, where the draft model's embedding is padded to
+            fewer rows of the same tokenizer (Qwen2.5 0.5B-7B: 151,936; 14B-72B: 152,064): its
+            logits are padded to it with -inf. None: the draft model's own (make_drafter, and so
+            `SpeculativeGenerator(base, small_lm)`, gives the base's).
     """
 
     def __init__(
@@ -47,6 +52,7 @@ class ModelDrafter(Drafter):
         model: PreTrainedModel,
         num_tokens: int | None = None,
         choices: str | Sequence[Sequence[int]] | None = None,
+        vocab_size: int | None = None,
     ) -> None:
         if windowed := windowed_cache_layers(model.config):
             raise ValueError(
@@ -55,7 +61,14 @@ class ModelDrafter(Drafter):
                 "accepted tokens each step, which needs full attention in every layer; draft "
                 "with a model without a sliding window"
             )
+        own = model.config.vocab_size
+        if vocab_size is not None and vocab_size < own:
+            raise ValueError(
+                f"the draft model's vocabulary ({own} tokens) is larger than vocab_size="
+                f"{vocab_size}: it could propose tokens the base does not have"
+            )
         self.model = model
+        self.vocab_size = own if vocab_size is None else vocab_size
         if num_tokens is None and choices is None:
             num_tokens = 4
         self.configure(num_tokens, choices)
@@ -104,9 +117,20 @@ class ModelDrafter(Drafter):
 
     def _feed(self, tokens: list[int], device) -> torch.Tensor:
         ids = torch.tensor([tokens], device=device)
-        logits = self.model(input_ids=ids, cache=self.cache, use_cache=True).logits[0, -1]
+        # A base token past a padded draft's rows (padding, which a trained base does not write)
+        # has no embedding there: the draft reads token 0 instead, which only drafts worse.
+        ids[ids >= self.model.config.vocab_size] = 0
+        out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
         self._fed.extend(tokens)
-        return logits.float()
+        return self._padded(out.logits[0, -1].float())
+
+    def _padded(self, logits: torch.Tensor) -> torch.Tensor:
+        """(..., V_draft) -> (..., V_base): the base's tokens past the draft's rows get -inf."""
+        missing = self.vocab_size - logits.shape[-1]
+        if missing == 0:
+            return logits
+        pad = logits.new_full((*logits.shape[:-1], missing), -math.inf)
+        return torch.cat([logits, pad], dim=-1)
 
     def _sync(self, seq: list[int]) -> int:
         """Crop the cache to its common prefix with `seq`, short of the root (whose logits

@@ -19,7 +19,7 @@ from inference import (
     tree_from_parents,
 )
 from inference.acceptance import warp_probs
-from tests.conftest import make_tiny_llama
+from tests.conftest import TINY, make_tiny_llama
 
 V = 8
 SAMPLES = 1500
@@ -39,6 +39,20 @@ def peaky_tiny(seed=0):
     """A tiny Llama over 8 tokens whose next-token distributions are far from uniform."""
     base = make_tiny_llama(seed=seed, vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
     base.lm_head.weight.mul_(SCALE)
+    return base
+
+
+def peaky_granite(seed=0):
+    """peaky_tiny as a Granite, whose forward divides its logits by `logits_scaling` after the
+    lm_head: the law to match is the forward's."""
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    torch.manual_seed(seed)
+    overrides = dict(vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    config = GraniteConfig(**{**TINY, **overrides, "logits_scaling": 2.0})
+    config._attn_implementation = "sdpa"
+    base = GraniteForCausalLM(config).eval().requires_grad_(False)
+    base.lm_head.weight.mul_(SCALE * 2)
     return base
 
 
@@ -88,11 +102,21 @@ def _gen(kind, lazy_logits=None):
         return base, SpeculativeGenerator(
             base, heads, lazy_logits=lazy_logits, choices=[(0,), (1,), (0, 0), (1, 0)]
         )
+    if kind == "granite-medusa-topk":
+        base = peaky_granite()
+        heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+        return base, SpeculativeGenerator(base, heads, choices=[(0,), (1,), (0, 0), (1, 0)])
     if kind == "eagle-topk":
         draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
         return base, SpeculativeGenerator(base, draft, top_k=2, depth=2, total_tokens=5)
     if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
         return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
+    if kind == "draft-model-padded":  # a draft over the first 6 of the base's 8 tokens
+        draft = make_tiny_llama(
+            seed=3, vocab_size=6, bos_token_id=0, eos_token_id=0, pad_token_id=0
+        )
+        draft.lm_head.weight.mul_(SCALE)
+        return base, SpeculativeGenerator(base, draft, num_tokens=2)
     if kind == "draft-model-tree":  # point masses: the draft's ranked tokens on a static tree
         return base, SpeculativeGenerator(
             base, peaky_tiny(seed=3), choices=[(0,), (1,), (0, 0), (1, 0)]
@@ -124,6 +148,8 @@ def _gen(kind, lazy_logits=None):
         "draft-model-tree",
         "ngram-corpus",
         "union-sampled+topk",
+        "granite-medusa-topk",
+        "draft-model-padded",
     ],
 )
 def test_speculative_sampling_matches_base_law(kind):
