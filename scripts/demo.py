@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         "--per-category",
         type=int,
         default=None,
-        help="benchmark prompts per category (default: 2, 16 MT-bench questions; HumanEval, one "
-        "category: 16)",
+        help="benchmark prompts per category (default: 16 in all, e.g. 2 of each of MT-bench's "
+        "8 categories; 16 of HumanEval or of a file without categories)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="the report's folder (default: runs/demo)")
@@ -85,7 +85,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts and Path(args.prompts).exists():
         args.prompts = str(Path(args.prompts).resolve())
     prompts = args.prompts or default_prompts()
-    check_prompts(parser, prompts)  # before the stages' half hour, not after it
+    categories = check_prompts(parser, prompts)  # before the stages' half hour, not after it
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
         run_stage(name, [script, str(recipe), *cache], timings)
 
-    # as many prompts from HumanEval (one category) as from MT-bench's eight
-    per_category = args.per_category or (16 if prompts == "humaneval" else 2)
+    # 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
+    per_category = args.per_category or max(2, 16 // categories)
     bench_out = out / "bench"
     run_stage(
         "benchmark",
@@ -134,15 +134,16 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def check_prompts(parser: argparse.ArgumentParser, prompts: str) -> None:
-    """Read the benchmark's prompts as bench.py will (a missing or malformed file is an error)."""
+def check_prompts(parser: argparse.ArgumentParser, prompts: str) -> int:
+    """Read the benchmark's prompts as bench.py will (a missing or malformed file is an error);
+    returns how many categories they hold."""
     from bench import read_prompts  # imports torch: only once the flags are known good
     from bench_methods import BenchError
 
     from train.prompts import PromptSourceError
 
     try:
-        read_prompts(prompts, "first")
+        return len({p.category for p in read_prompts(prompts, "first")})
     except (BenchError, PromptSourceError, OSError) as e:
         parser.error(f"--prompts {prompts}: {e}")
 

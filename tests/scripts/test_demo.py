@@ -55,8 +55,10 @@ def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
     assert "stage 'distill' failed (exit 1" in message and "resumes" in message
 
 
-@pytest.mark.parametrize("prompts, per_category", [("humaneval", "16"), ("mt_bench.jsonl", "2")])
-def test_the_benchmark_takes_as_many_humaneval_problems_as_mt_bench_questions(
+@pytest.mark.parametrize(
+    "prompts, per_category", [("humaneval", "16"), ("mt_bench.jsonl", "2"), ("plain.jsonl", "16")]
+)
+def test_the_benchmark_takes_16_prompts_whatever_their_categories(
     tmp_path, monkeypatch, prompts, per_category
 ):
     stages = []
@@ -70,7 +72,9 @@ def test_the_benchmark_takes_as_many_humaneval_problems_as_mt_bench_questions(
 
     monkeypatch.setattr(demo, "run_stage", fake_stage)
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "mt_bench.jsonl").write_text(json.dumps({"turns": ["Hi?"], "category": "a"}) + "\n")
+    questions = [{"turns": [f"Hi {i}?"], "category": f"c{i % 8}"} for i in range(24)]
+    (tmp_path / "mt_bench.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    (tmp_path / "plain.jsonl").write_text("".join(f'{{"prompt": "Say {i}."}}\n' for i in range(20)))
     assert demo.main(["--prompts", prompts, "--out", "report"]) == 0
     bench = stages[-1]
     assert bench[bench.index("--per-category") + 1] == per_category
