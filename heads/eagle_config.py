@@ -277,8 +277,9 @@ class EagleConfig(HeadsConfig):
         """From an engine config.json; `base_num_hidden_layers` supplies the default aux layers
         of third-party EAGLE-3 folders that name neither them nor their base."""
         data = renamed_keys(data)
-        if data.get("head_dim") is None:  # some trainers write null: hidden_size / heads
-            data.pop("head_dim", None)
+        for key in ("head_dim", "draft_vocab_size", "target_hidden_size"):
+            if key in data and data[key] is None:  # null, as some trainers write: filled below
+                del data[key]
         cls.check_types(data)  # before anything below computes with them
         missing = [k for k in ("hidden_size", "num_attention_heads", "vocab_size") if k not in data]
         if missing:

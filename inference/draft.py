@@ -93,6 +93,11 @@ class Drafter:
         would do it too). The generator calls it, outside the adaptive policy's timing, for the
         first speculative step after plain ones, whose catch-up grows with the plain steps."""
 
+    def catch_up_switched_on(self, sequence: torch.Tensor) -> None:
+        """After `configure` switched on a part that sat out the steps before (a union's
+        member), bring that part up to `sequence`, outside the adaptive policy's timing, as
+        `catch_up` does after plain steps. Nothing for a drafter without parts."""
+
     def configure(self, **options) -> None:
         """Change the tree shape between steps (the adaptive policy's arms)."""
         raise NotImplementedError(f"{type(self).__name__} has no tree settings to adapt")

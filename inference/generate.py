@@ -387,7 +387,10 @@ class SpeculativeGenerator:
                 # longer the run of plain steps: not a cost of this step's setting. So does a
                 # union member's, switched on again by this setting after steps without it.
                 t0 = time.perf_counter()
-                self.drafter.catch_up(sequence)
+                if after_plain:
+                    self.drafter.catch_up(sequence)
+                else:
+                    self.drafter.catch_up_switched_on(sequence)
                 timings["draft"] += time.perf_counter() - t0
             after_plain = options is None
             t_step = t0 = time.perf_counter()

@@ -72,8 +72,8 @@ def main(argv: list[str] | None = None) -> int:
         "--per-category",
         type=int,
         default=None,
-        help="benchmark prompts per category (default: 16 in all, e.g. 2 of each of MT-bench's "
-        "8 categories; 16 of HumanEval or of a file without categories)",
+        help="benchmark prompts per category (default: about 16 in all, at least 2 of each: 2 of "
+        "each of MT-bench's 8 categories; 16 of HumanEval or of a file without categories)",
     )
     parser.add_argument("--max-new-tokens", type=int, default=128)
     parser.add_argument("--out", default=None, help="the report's folder (default: runs/demo)")
@@ -102,8 +102,8 @@ def main(argv: list[str] | None = None) -> int:
         cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
         run_stage(name, [script, str(recipe), *cache], timings)
 
-    # 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
-    per_category = args.per_category or max(2, 16 // categories)
+    # about 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
+    per_category = args.per_category or max(2, round(16 / categories))
     bench_out = out / "bench"
     run_stage(
         "benchmark",

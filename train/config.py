@@ -482,6 +482,12 @@ def _resolve_path(key: str) -> list[str]:
     raise _unknown_key(Recipe, key, "", "override")
 
 
+def _accepts_none(tp: Any) -> bool:
+    return typing.get_origin(tp) in (typing.Union, types.UnionType) and type(None) in (
+        typing.get_args(tp)
+    )
+
+
 def _accepts_str(tp: Any) -> bool:
     if tp is str:
         return True
@@ -496,13 +502,13 @@ def _apply_override(raw: dict[str, Any], item: str) -> None:
         raise RecipeError(f"override {item!r}: expected key=value (e.g. data.limit=100)")
     path = _resolve_path(key.strip())
     tp = _field_type(path)
-    if text.strip().lower() in ("", "null", "~", "none"):
+    if text.strip().lower() in ("null", "~", "none") and _accepts_none(tp):
         value: Any = None  # YAML reads `None` as the string "None"; here it means null
     elif _accepts_str(tp):
         value = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
     else:
         try:
-            value = yaml.safe_load(text)
+            value = yaml.safe_load(text) if text.strip() else None
         except yaml.YAMLError as e:
             raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from e
     node = raw

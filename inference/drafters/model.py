@@ -116,12 +116,14 @@ class ModelDrafter(Drafter):
         self._fed: list[int] = []  # tokens whose keys/values are in self.cache
 
     def _feed(self, tokens: list[int], device) -> torch.Tensor:
-        ids = torch.tensor([tokens], device=device)
-        # A base token past a padded draft's rows (padding, which a trained base does not write)
-        # has no embedding there: the draft reads token 0 instead, which only drafts worse.
-        ids[ids >= self.model.config.vocab_size] = 0
+        rows, read = self.model.config.vocab_size, tokens
+        if self.vocab_size > rows:
+            # A base token past a padded draft's rows (padding, which a trained base does not
+            # write) has no embedding there: the draft reads token 0, which only drafts worse.
+            read = [t if t < rows else 0 for t in tokens]
+        ids = torch.tensor([read], device=device)
         out = self.model(input_ids=ids, cache=self.cache, use_cache=True, logits_to_keep=1)
-        self._fed.extend(tokens)
+        self._fed.extend(tokens)  # as the sequence holds them: the cache follows it
         return self._padded(out.logits[0, -1].float())
 
     def _padded(self, logits: torch.Tensor) -> torch.Tensor:

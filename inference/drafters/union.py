@@ -42,6 +42,7 @@ class UnionDrafter(Drafter):
             raise ValueError("at most one drafter of a union may read the base's aux layers")
         self.aux_layer_ids = needing_aux[0].aux_layer_ids if needing_aux else ()
         self.enabled = [True] * len(self.drafters)
+        self.switched_on = [False] * len(self.drafters)  # by configure, since the last catch-up
 
     @property
     def max_nodes(self) -> int:
@@ -57,7 +58,12 @@ class UnionDrafter(Drafter):
         for drafter, options in zip(self.drafters, parts):
             if options:
                 drafter.configure(**options)
-        self.enabled = [p is not None for p in parts]
+        enabled = [p is not None for p in parts]
+        self.switched_on = [
+            now and (before or not was)
+            for now, was, before in zip(enabled, self.enabled, self.switched_on)
+        ]
+        self.enabled = enabled
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         """Plain decoding; each of the primary's settings with the others added; the others
@@ -82,6 +88,13 @@ class UnionDrafter(Drafter):
         for drafter, on in zip(self.drafters, self.enabled):
             if on:
                 drafter.catch_up(sequence)
+        self.switched_on = [False] * len(self.drafters)
+
+    def catch_up_switched_on(self, sequence: torch.Tensor) -> None:
+        for drafter, switched in zip(self.drafters, self.switched_on):
+            if switched:
+                drafter.catch_up(sequence)
+        self.switched_on = [False] * len(self.drafters)
 
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         drafts = [d.propose(sequence, sampling) for d, on in zip(self.drafters, self.enabled) if on]

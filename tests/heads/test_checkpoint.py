@@ -277,10 +277,19 @@ def test_eagle_configs_missing_keys_or_of_wrong_types_are_clear_errors(tiny_llam
         (tmp_path / "config.json").write_text(json.dumps(edited))
         with pytest.raises(ValueError, match=re.escape(message)):
             load_heads(tmp_path)
-    edited = {**config, "eagle_config": nested, "head_dim": None}
+    edited = {**config, "eagle_config": nested, "head_dim": None, "target_hidden_size": None}
     edited.pop("eagle_aux_hidden_state_layer_ids", None)
     (tmp_path / "config.json").write_text(json.dumps(edited))
     assert load_heads(tmp_path).config.head_dim == config["head_dim"]  # null: hidden / heads
+    # a draft over the whole vocabulary, its draft_vocab_size written null (the engines' reading)
+    EagleDraft(EagleConfig.from_base(tiny_llama.config, draft_vocab_size=256)).save_pretrained(
+        tmp_path / "whole"
+    )
+    config = json.loads((tmp_path / "whole" / "config.json").read_text())
+    (tmp_path / "whole" / "config.json").write_text(
+        json.dumps({**config, "draft_vocab_size": None})
+    )
+    assert load_heads(tmp_path / "whole").config.draft_vocab_size == 256
 
 
 def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):

@@ -149,3 +149,24 @@ def test_a_union_with_one_drafter_on_passes_its_draft_without_ranks():
     draft = union.propose(sequence, Sampling())
     assert alone.root_ranking is not None and draft.root_ranking is None
     assert torch.equal(draft.tokens, alone.tokens)
+
+
+def test_a_member_switched_back_on_catches_up_outside_the_step():
+    """After steps of the lookup alone, the arm that adds the draft model back first brings its
+    cache up to the sequence (the generator does it outside the step's timing); a member that
+    drafted all along is left to its step."""
+
+    small = ModelDrafter(make_tiny_llama(seed=1), num_tokens=2)
+    union = UnionDrafter([small, NgramDrafter(num_tokens=2)])
+    sequence = torch.tensor([1, 5, 9, 22, 7, 30, 31, 32])
+    union.propose(sequence[:4], Sampling(0.0, 0, 1.0, None))
+    assert small._fed[:4] == sequence[:4].tolist()
+    union.configure([None, {}])  # the lookup alone for a while
+    assert union.switched_on == [False, False]
+    union.configure([{"num_tokens": 3}, {}])
+    assert union.switched_on == [True, False]
+    union.catch_up_switched_on(sequence)
+    assert small._fed == sequence[:-1].tolist()  # all but the root, whose logits propose needs
+    assert union.switched_on == [False, False]
+    union.configure([{"num_tokens": 2}, {}])  # on before and on now: nothing to catch up
+    assert union.switched_on == [False, False]

@@ -70,3 +70,6 @@ def test_sampled_runs_of_other_lengths_keep_tokens_and_time_together():
     assert (record["new_tokens"], record["seconds"]) == (14, 0.050)
     assert record["tokens_per_s"] == 14 / 0.050
     assert record["seconds_runs"] == [0.079, 0.042, 0.050]
+    # an even count: the lower middle run (here the slower of two)
+    record = bench._record(prompt, 0, method, 5, timed[:2], None)
+    assert (record["new_tokens"], record["seconds"]) == (22, 0.079)

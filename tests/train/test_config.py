@@ -219,6 +219,9 @@ def test_exponent_floats_and_null_words_read_as_meant(tmp_path):
     assert recipe.training.learning_rate == 3e-4 and recipe.training.max_steps == 1000
     assert recipe.data.system_prompt is None and recipe.hub.repo_id is None
     assert recipe.data.limit is None
+    # where "none" or "" is a value, not null, they stay so
+    assert load_recipe(None, ["logging.report_to=none"]).logging.report_to == "none"
+    assert load_recipe(None, ["data.system_prompt="]).data.system_prompt == ""
     for bad in (
         "training.learning_rate=3e",
         "training.max_steps=1.5e0",
