@@ -15,7 +15,7 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import torch
@@ -273,6 +273,20 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
 
 
+def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:
+    """What the base's forward does to its lm_head's logits, as the same operation (so the same
+    numbers as HF's): Granite divides them by `config.logits_scaling`, Cohere multiplies them by
+    `logit_scale`; None for a base that returns them as they are."""
+    model_type = str(getattr(base.config, "model_type", ""))
+    divisor = getattr(base.config, "logits_scaling", 1.0)
+    if model_type.startswith("granite") and divisor != 1.0:
+        return lambda logits: logits / divisor
+    factor = getattr(base, "logit_scale", 1.0)
+    if model_type == "cohere" and factor != 1.0:
+        return lambda logits: logits * factor
+    return None
+
+
 @torch.no_grad()
 def read_hidden_states(
     model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: Sequence[int], **kwargs
@@ -283,4 +297,5 @@ def read_hidden_states(
     """
     out = model.model(input_ids=input_ids, output_hidden_states=True, **kwargs)
     last = out.last_hidden_state
-    return model.lm_head(last), last, [out.hidden_states[i] for i in layer_ids]
+    logits, scaling = model.lm_head(last), logits_scaling(model)
+    return scaling(logits) if scaling else logits, last, [out.hidden_states[i] for i in layer_ids]

@@ -14,6 +14,8 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
+from heads.base import logits_scaling
+
 
 def check_base_takes_trees(base: PreTrainedModel) -> None:
     """Refuse a base whose verification forward would not be the base's own computation.
@@ -134,21 +136,14 @@ def base_logits(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]
     Raises:
         ValueError: the base's forward computes other logits.
     """
-    head = base.get_output_embeddings()
-    model_type = str(getattr(base.config, "model_type", ""))
-    scaling = getattr(base.config, "logits_scaling", 1.0)
-    if model_type.startswith("granite") and scaling != 1.0:
-
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return head(hidden) / scaling
-
-    elif model_type == "cohere" and getattr(base, "logit_scale", 1.0) != 1.0:
-
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return head(hidden) * base.logit_scale
-
-    else:
+    head, scaling = base.get_output_embeddings(), logits_scaling(base)
+    if scaling is None:
         logits = head
+    else:
+
+        def logits(hidden: torch.Tensor) -> torch.Tensor:
+            return scaling(head(hidden))
+
     token = getattr(base.config, "bos_token_id", None)
     token = token if isinstance(token, int) else 0
     ids = torch.tensor([[token]], device=next(base.parameters()).device)  # as generate feeds

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
+from heads.base import logits_scaling
 from train.corpus import as_conversation, corpus_chunks
 from train.data import build_examples, pad_batch, read_distilled, tokenize_conversation
 from train.distilled import distilled_otherwise
@@ -282,14 +283,14 @@ def base_targets(
     the lm_head's weight directly: fine because "top" exists only in offline mode, which
     prepare_data refuses under DeepSpeed ZeRO-3 (a partitioned weight would need gathering).
     """
-    lm_head = base.get_output_embeddings()
+    lm_head, scaling = base.get_output_embeddings(), logits_scaling(base) or (lambda x: x)
     h = hidden.to(lm_head.weight.dtype)
     if top is not None and not full and not logits:
         return None, top, None
     if top is not None and draft_ids is not None and not full:
         bias = None if lm_head.bias is None else lm_head.bias[draft_ids]
-        return F.linear(h, lm_head.weight[draft_ids], bias), top, None
-    whole = lm_head(h)  # (n, V)
+        return scaling(F.linear(h, lm_head.weight[draft_ids], bias)), top, None
+    whole = scaling(lm_head(h))  # (n, V), as the base's forward returns them (Granite, Cohere)
     top = whole.argmax(-1) if top is None else top
     kept = None if not logits else whole if draft_ids is None else whole[:, draft_ids]
     return kept, top, whole if full else None

@@ -149,3 +149,26 @@ def test_init_from_base_names_what_the_base_layer_lacks():
     before = {k: v.clone() for k, v in v1.state_dict().items()}
     assert v1.init_from_base(base) == []  # EAGLE-1 stays as built
     assert all(torch.equal(before[k], v) for k, v in v1.state_dict().items())
+
+
+def test_training_reads_a_granites_logits_as_its_forward_returns_them():
+    # the soft targets are the base's distribution: Granite divides its logits after the lm_head
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from tests.conftest import TINY
+    from train.features import base_targets
+
+    torch.manual_seed(0)
+    config = GraniteConfig(**TINY, logits_scaling=8.0)
+    config._attn_implementation = "sdpa"
+    base = GraniteForCausalLM(config).eval().requires_grad_(False)
+    ids = torch.tensor([[1, 5, 9, 22, 7]])
+    want = base(input_ids=ids).logits
+    logits, last, _ = read_hidden_states(base, ids, [1])
+    torch.testing.assert_close(logits, want)
+    draft_ids = torch.arange(0, 256, 4)
+    kept, top, whole = base_targets(base, last[0], draft_ids, full=True)
+    torch.testing.assert_close(whole, want[0])
+    torch.testing.assert_close(kept, want[0][:, draft_ids])
+    sliced, _, _ = base_targets(base, last[0], draft_ids, top=top)  # the offline path
+    torch.testing.assert_close(sliced, want[0][:, draft_ids])
