@@ -99,7 +99,30 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
     if ckpt is None:
         clear_earlier_run(recipe.output.dir, accelerator)
+    else:
+        clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)
     return ckpt
+
+
+def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Accelerator) -> None:
+    """A run resumed from an earlier checkpoint than its latest (`training.resume=PATH`) goes
+    on from there: the later checkpoints, of the continuation it replaces, are removed (as its
+    metrics.jsonl lines past that step are), or a kill would resume one of them and keeping the
+    last checkpoints could remove the one resumed from."""
+    step = int(ckpt.name.split("-")[1]) if ckpt.name.startswith("step-") else None
+    root = checkpoints_dir(output_dir)
+    if not accelerator.is_main_process or step is None or ckpt.resolve().parent != root.resolve():
+        accelerator.wait_for_everyone()
+        return
+    later = [p for p in root.glob("step-*") if int(p.name.split("-")[1]) > step]
+    for path in later:
+        shutil.rmtree(path)
+    if later:
+        print(
+            f"resuming from {ckpt.name}: removed the {len(later)} later checkpoint(s) of the "
+            "run it replaces"
+        )
+    accelerator.wait_for_everyone()
 
 
 def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:

@@ -207,6 +207,37 @@ def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabul
     assert sorted(read_metrics(out)[0]) == [1, 2, 3]
 
 
+@pytest.mark.slow
+def test_resuming_an_earlier_checkpoint_replaces_the_later_ones(tiny_task, tmp_path, capsys):
+    """training.resume=PATH of step 2 of a finished 4-step run: the run goes on from step 2, the
+    checkpoints of steps 3-4 it replaces go (a kill would otherwise resume them), and it ends
+    as the uninterrupted run did."""
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    keep = ["training.save_every_steps=1", "training.keep_last_checkpoints=4"]
+    run(train.medusa, TINY_MEDUSA, tiny_task, reference, *keep)
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *keep)
+    capsys.readouterr()
+    earlier = out / "checkpoints" / "step-00000002"
+    real = train.medusa.check_finite
+
+    def kill_at_3(loss, step, output_dir):
+        real(loss, step, output_dir)
+        if step == 3:
+            raise Interrupted(step)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(train.medusa, "check_finite", kill_at_3)
+        with pytest.raises(Interrupted):
+            run(train.medusa, TINY_MEDUSA, tiny_task, out, *keep, f"training.resume={earlier}")
+    assert "removed the 2 later checkpoint(s)" in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == [
+        "step-00000001",
+        "step-00000002",
+    ]
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *keep)  # resume=auto: from step 2 again
+    assert_same_run(out, reference, 4)
+
+
 def test_eagle1_feature_noise_differs_per_micro_batch_and_repeats_on_resume(tiny_task, tmp_path):
     """Each micro-batch of a step (accumulation) draws its own noise; a fresh trainee at the
     same step draws the same again (what a resumed run does)."""
