@@ -17,6 +17,7 @@ from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
     InitProcessGroupKwargs,
+    gather_object,
     parse_flag_from_env,
     set_seed,
 )
@@ -282,6 +283,14 @@ def prepare_data(
     train, held_out = split_held_out(distilled, recipe.training.eval_fraction, recipe.training.seed)
     train += text
     identity = {"data": folder, "examples": examples_fingerprint(train, held_out)}
+    if accelerator.num_processes > 1 and len(set(gather_object([identity["examples"]]))) > 1:
+        # every process stops here together, where one stopping alone would hang the others
+        print(
+            f"error: the processes loaded different examples from {recipe.data.output_dir} "
+            "(was distill still writing there?): rerun once the data is complete",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     with stop_on_bad_input():
         check_same_examples(ckpt, identity["examples"])
     accelerator.print(

@@ -480,6 +480,21 @@ def test_a_draft_vocabulary_past_the_bases_is_refused_before_the_data(
         )
 
 
+def test_processes_that_loaded_different_examples_stop_together(
+    tiny_task, smollm2_tokenizer, tmp_path, capsys, monkeypatch
+):
+    import train.run
+
+    # as if another process had read the folder while distill was still writing to it
+    monkeypatch.setattr(train.run, "gather_object", lambda mine: [*mine, "another"])
+    two = SimpleNamespace(num_processes=2, process_index=0, print=print)
+    recipe = load_recipe(TINY_MEDUSA, tiny_task.overrides(tmp_path / "out"))
+    with pytest.raises(SystemExit) as exit_:
+        train.run.prepare_data(recipe, None, smollm2_tokenizer, two)
+    assert exit_.value.code == 2
+    assert "the processes loaded different examples from" in capsys.readouterr().err
+
+
 def test_heads_type_must_match_the_script(capsys):
     with pytest.raises(SystemExit) as exit_:
         train.eagle.main([str(TINY_MEDUSA)])
