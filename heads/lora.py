@@ -81,3 +81,20 @@ def warn_unless_merged(config, base: nn.Module, where: str) -> None:
             ".merge_and_unload()",
             stacklevel=3,
         )
+
+
+def with_heads_adapter(base: nn.Module, heads) -> nn.Module:
+    """`base` with the LoRA adapter that Medusa-2 `heads` (loaded from their folder) were trained
+    beside merged in (peft's merge_and_unload, which changes `base` in place), as they draft
+    when served; `base` as it is for other heads or a base that has it merged already."""
+    lora = getattr(heads.config, "base_lora", "")
+    if not lora or lora_merged(base, heads.config.base_lora_probe) is not False:
+        return base
+    from peft import PeftModel
+
+    from heads.cpu import repack_stale
+
+    merged = PeftModel.from_pretrained(base, str(heads.source_folder), subfolder=lora)
+    merged = merged.merge_and_unload()
+    repack_stale(merged)  # load_base's prepacked CPU weights: the merged ones, not the old
+    return merged

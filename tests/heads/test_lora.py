@@ -109,3 +109,28 @@ def test_medusa2_heads_keep_their_adapter_when_saved_again_pushed_or_exported(
     with pytest.raises(ExportError, match="'lora' folder, which .* lacks"):
         export_heads(tmp_path / "again", "vllm", tmp_path / "out")
     assert not (tmp_path / "out").exists()
+
+
+def test_medusa2_heads_are_given_the_base_with_their_adapter_merged(tmp_path):
+    # what eval_heads.py scores Medusa-2 heads on: the base as they are served, adapter merged
+    from heads import MedusaConfig, MedusaHeads, load_heads
+    from heads.lora import with_heads_adapter
+
+    plain = make_tiny_llama(seed=2)
+    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=0.05)
+    adapted.save_pretrained(tmp_path / "heads" / "lora")
+    config = MedusaConfig.from_base(
+        plain.config, num_heads=2, base_lora="lora", base_lora_probe=lora_probe(adapted)
+    )
+    MedusaHeads(config).init_from_base(plain).save_pretrained(tmp_path / "heads")
+    ids = torch.tensor([[1, 5, 9, 22]])
+    want = adapted(input_ids=ids).logits
+    base = with_heads_adapter(plain, load_heads(tmp_path / "heads"))
+    torch.testing.assert_close(base(input_ids=ids).logits, want)
+    assert with_heads_adapter(base, load_heads(tmp_path / "heads")) is base  # merged already
+    other = MedusaHeads(MedusaConfig.from_base(plain.config, num_heads=2))
+    assert with_heads_adapter(plain, other) is plain  # Medusa-1: the base as it is
