@@ -59,8 +59,9 @@ MAX_SEED_CHARS = 300
 
 
 def category_of(prompt: Prompt) -> str:
-    """ "embedded:math" for the embedded set; a file's name for a file (its line number cut)."""
-    return re.sub(r":\d+$", "", prompt.source)
+    """ "embedded:math" for the embedded set; a file's name for a file (its line number cut);
+    "hf:ORG/NAME:SPLIT" for a Hub dataset (its row number cut)."""
+    return re.sub(r"(:\d+| row \d+)$", "", prompt.source)
 
 
 def seed_pools(prompts: list[Prompt]) -> dict[str, list[str]]:

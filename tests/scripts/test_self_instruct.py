@@ -57,6 +57,13 @@ def test_pools_keep_one_line_single_turn_requests(tmp_path):
     pools = si.seed_pools(prompts)
     assert list(pools) == [str(tmp_path / "seeds.jsonl")]  # a file is one category
     assert len(pools[str(tmp_path / "seeds.jsonl")]) == 6
+    from train.prompts import Prompt
+
+    rows = [  # a Hub dataset is one category too, whatever its rows
+        Prompt(str(i), [{"role": "user", "content": f"Ask {i}."}], f"hf:org/set:train row {i}")
+        for i in range(12)
+    ]
+    assert {k: len(v) for k, v in si.seed_pools(rows).items()} == {"hf:org/set:train": 12}
     assert si.list_prompt(["Say hi.", "Count to 3."]) == (
         "Requests that users sent to an AI assistant:\n1. Say hi.\n2. Count to 3.\n3."
     )
