@@ -144,7 +144,10 @@ def transformers_writer(model, tokenizer, cfg: SelfInstructConfig, end: str | No
 
     @torch.no_grad()
     def write(texts: list[str]) -> list[tuple[str, bool]]:
-        rows = [tokenizer(t, add_special_tokens=False)["input_ids"] for t in texts]
+        # A magpie prefix is chat-template text, its BOS written in; a list is plain text, which
+        # the tokenizer starts as the model read its training text (Llama 3's, Gemma's BOS)
+        plain_text = cfg.method != MAGPIE
+        rows = [tokenizer(t, add_special_tokens=plain_text)["input_ids"] for t in texts]
         T = max(map(len, rows))
         ids = torch.full((len(rows), T), pad_id, dtype=torch.long)  # left padded
         mask = torch.zeros_like(ids)

@@ -284,3 +284,30 @@ def test_kept_prompts_holding_a_line_separator_read_back(tmp_path):
         path.write_text(json.dumps(records[1]) + "\n" + line, "utf-8")
         with pytest.raises(PromptSourceError, match=r"prompts.jsonl:2: not a \{\"prompt\""):
             si.read_kept(path)
+
+
+def test_a_list_prompt_starts_as_plain_text_does_a_magpie_prefix_as_written(smollm2_tokenizer):
+    # a base whose tokenizer starts text with BOS (Llama 3, Gemma) reads the list with it; a
+    # magpie prefix is chat-template text that writes its BOS itself
+    import copy
+
+    from tokenizers.processors import TemplateProcessing
+
+    tokenizer = copy.deepcopy(smollm2_tokenizer)
+    bos = tokenizer.convert_tokens_to_ids("<|im_start|>")  # standing in for a BOS token
+    tokenizer._tokenizer.post_processor = TemplateProcessing(
+        single="<|im_start|> $A", special_tokens=[("<|im_start|>", bos)]
+    )
+    model = make_tiny_llama(seed=1, vocab_size=len(tokenizer))
+    seen = []
+
+    def generate(input_ids, **kwargs):
+        seen.append(input_ids[0].tolist())
+        return input_ids
+
+    model.generate = generate
+    for method, starts_with_bos in (("list", True), ("magpie", False)):
+        cfg = load_recipe(None, [f"self_instruct.method={method}"]).self_instruct
+        write = si.transformers_writer(model, tokenizer, cfg, end="<|im_end|>")
+        write(["Requests that users sent to an AI assistant:\n1. Say hi.\n2."])
+        assert (seen[-1][0] == bos) is starts_with_bos, method
