@@ -44,11 +44,7 @@ import bench_methods  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
-from train.data import (  # noqa: E402
-    ChatTemplateError,
-    render_conversation,
-    resolve_chat_template,
-)
+from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
 from train.prompts import RECORD_FORMS, Message, PromptSourceError, read_source  # noqa: E402
 
@@ -388,9 +384,7 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [dataclasses.replace(p, system=system) for p in prompts]
         out = Path(args.out)  # made now: a folder that cannot be written loses no timings
         out.mkdir(parents=True, exist_ok=True)
-        base, tokenizer, methods = bench_methods.build_methods(names, args)
-        if args.chat_template:  # every prompt below is rendered with it
-            tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
+        base, tokenizer, methods = bench_methods.build_methods(names, args)  # --chat-template
         room = base.config.max_position_embeddings - args.max_new_tokens
         # every first turn rendered before anything is timed: a template error stops here
         first_turns = [first_turn_ids(p, tokenizer) for p in prompts]

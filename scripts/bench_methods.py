@@ -26,6 +26,7 @@ from inference import (
     plain_generation_config,
 )
 from inference.tree import PRESETS
+from train.data import resolve_chat_template, turn_end_token_id
 
 METHODS = (
     "baseline",
@@ -129,6 +130,8 @@ def parse_methods(
 def build_methods(names: list[str], args: argparse.Namespace):
     """Load the base (and heads, draft model); returns (base, tokenizer, methods)."""
     base, tokenizer = load_base(args.base, device=args.device)
+    if getattr(args, "chat_template", None):  # every prompt is rendered with it
+        tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     device = next(base.parameters()).device
     eos = _eos_ids(base, tokenizer)
     settings = dict(
@@ -350,7 +353,16 @@ def _eos_ids(base, tokenizer) -> list[int]:
             if base.config.eos_token_id is not None
             else tokenizer.eos_token_id
         )
-    return [eos] if isinstance(eos, int) else list(eos or [])
+    ids = [eos] if isinstance(eos, int) else list(eos or [])
+    # as distill ends the answers the heads learn from: also at the token the chat template
+    # closes a turn with, where a base's generation_config leaves it out
+    turn_end = None
+    if tokenizer.chat_template is not None:
+        try:
+            turn_end = turn_end_token_id(tokenizer)
+        except Exception:  # a probe: a template that wants a system turn may refuse it
+            turn_end = None
+    return ids + [turn_end] if turn_end is not None and turn_end not in ids else ids
 
 
 def _hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable[..., Run]:
