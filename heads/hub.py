@@ -176,9 +176,14 @@ def push_folder(
                 folder_path=str(staged), repo_id=repo_id, commit_message=commit_message
             )
         except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
+            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+            hint = (
+                "HF_HUB_OFFLINE is set: unset it to push"
+                if offline
+                else "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+            )
             raise HubPushError(
-                f"could not push {folder} to the Hub repo {repo_id}: {type(e).__name__}: {e}. "
-                "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+                f"could not push to the Hub repo {repo_id}: {type(e).__name__}: {e}. {hint}"
             ) from e
     return str(getattr(info, "commit_url", info))
 

@@ -122,7 +122,12 @@ def read_prompts(
             BenchPrompt(i, task_id, "humaneval", task_id, [], [HUMANEVAL_INSTRUCTION.format(**p)])
             for i, (task_id, p) in enumerate(problems)
         ]
-    prompts, skipped = read_source(spec, on_error="collect")
+    try:
+        prompts, skipped = read_source(spec, on_error="collect")
+    except PromptSourceError as e:
+        if "not found: expected" in str(e):  # the benchmark reads one more
+            raise PromptSourceError(f"{e}, or 'humaneval'") from None
+        raise
     if skipped:
         raise BenchError(
             "malformed prompt records (fix or remove them):\n"

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -291,10 +293,17 @@ def _union_method(
 
 def _lookup_corpus(args: argparse.Namespace, tokenizer, eos: list[int]) -> NgramTable:
     """The n-gram table of `--lookup-corpus` (answers in JSONL: a distill output folder)."""
+    print(f"building the n-gram table of {args.lookup_corpus} ...", file=sys.stderr, flush=True)
+    start = time.perf_counter()
     try:
         table = NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
     except (ValueError, OSError) as e:
         raise BenchError(f"--lookup-corpus: {e}") from e
+    print(
+        f"  {table.num_tokens:,} answer tokens, {table.num_contexts:,} contexts kept "
+        f"({time.perf_counter() - start:.0f} s)",
+        file=sys.stderr,
+    )
     if table.num_contexts == 0:
         raise BenchError(
             f"--lookup-corpus: {args.lookup_corpus} holds {table.num_tokens} answer tokens but no "
@@ -328,9 +337,11 @@ def _tree_choices(tree: str, flag: str = "--tree"):
 
 
 def _load_draft_model(name: str, base, tokenizer):
-    """The draft LM, refused unless its vocabulary is the base's, token for token."""
+    """The draft LM, refused unless its vocabulary is the base's, token for token (its
+    embedding may be padded to fewer rows: Qwen2.5-0.5B's 151,936 for Qwen2.5-72B's 152,064)."""
     model, draft_tokenizer = load_base(name, device=next(base.parameters()).device)
-    if model.config.vocab_size != base.config.vocab_size or (
+    rows = model.config.vocab_size
+    if not len(draft_tokenizer) <= rows <= base.config.vocab_size or (
         draft_tokenizer.get_vocab() != tokenizer.get_vocab()
     ):
         raise BenchError(

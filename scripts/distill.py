@@ -390,6 +390,12 @@ def main(argv: list[str] | None = None) -> int:
             f"{counts['too_long_skipped']} prompts too long, "
             f"{counts['malformed_skipped']} malformed records skipped)"
         )
+        if counts.get("turns_dropped_too_long"):
+            print(
+                f"{counts['turns_dropped_too_long']} later turns of multi-turn prompts were not "
+                f"answered: with the answers before them they pass data.max_length="
+                f"{recipe.data.max_length} (their records hold the turns that fit)"
+            )
     return 0
 
 

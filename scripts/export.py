@@ -9,7 +9,9 @@ TensorRT-LLM's Medusa converter takes the head and layer counts from its own fla
 from __future__ import annotations
 
 import argparse
+import json
 import sys
+from pathlib import Path
 
 from heads.export import TARGETS, ExportError, export_heads
 
@@ -34,6 +36,14 @@ def main(argv: list[str] | None = None) -> int:
         print(f"export failed: {e}", file=sys.stderr)
         return 2
     print(f"wrote {args.to} layout to {out}")
+    if args.to == "trtllm":  # its converter assumes 4 heads of 1 layer unless told
+        config = json.loads((Path(out) / "config.json").read_text())
+        heads, layers = config["medusa_num_heads"], config["medusa_num_layers"]
+        if (heads, layers) != (4, 1):
+            print(
+                "TensorRT-LLM's convert_checkpoint.py needs "
+                f"--num_medusa_heads {heads} --num_medusa_layers {layers} for these heads"
+            )
     return 0
 
 

@@ -201,7 +201,7 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
         else:
             raise PromptSourceError(
                 f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
-                "'embedded' or 'hf:ORG/NAME:SPLIT'"
+                "'embedded', 'embedded:CATEGORY', 'embedded:all' or 'hf:ORG/NAME:SPLIT'"
             )
     prompts, skipped = [], []
     for where, record in records:

@@ -39,6 +39,17 @@ def test_medusa_lm_head_layout(medusa_dir, tmp_path, target):
     assert cfg["medusa_num_heads"] == 2 and cfg["medusa_num_layers"] == 1
 
 
+@pytest.mark.filterwarnings("ignore:these heads record")
+def test_the_trtllm_export_says_the_converter_flags_of_other_counts(medusa_dir, tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import export  # scripts/export.py (scripts/ is not a package)
+
+    assert export.main([str(medusa_dir[0]), "--to", "trtllm", "--out", str(tmp_path / "t")]) == 0
+    assert "--num_medusa_heads 2 --num_medusa_layers 1" in capsys.readouterr().out
+    assert export.main([str(medusa_dir[0]), "--to", "tgi", "--out", str(tmp_path / "g")]) == 0
+    assert "--num_medusa_heads" not in capsys.readouterr().out
+
+
 def test_vllm_export_is_native_copy(medusa_dir, tmp_path):
     src, _ = medusa_dir
     export_heads(src, "vllm", tmp_path / "v")

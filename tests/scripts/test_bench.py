@@ -182,7 +182,7 @@ def test_summary_counts_steps_not_prompts():
 @pytest.mark.parametrize(
     "case, message",
     [
-        ("missing", "not found"),
+        ("missing", "'embedded:all' or 'hf:ORG/NAME:SPLIT', or 'humaneval'"),
         ("empty", "is empty"),
         ("malformed", "prompts.jsonl:3: invalid JSON"),
         ("other-base", "num_hidden_layers=3"),

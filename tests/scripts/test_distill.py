@@ -297,7 +297,7 @@ def test_a_sample_regenerated_on_resume_does_not_repeat_its_sibling(tmp_path, ti
     assert len(answers) == 2 and answers["0"] != answers["1"]
 
 
-def test_context_full_drops_later_turns(tmp_path, tiny_base):
+def test_context_full_drops_later_turns(tmp_path, tiny_base, capsys):
     prompts = tmp_path / "p.jsonl"
     prompts.write_text(json.dumps({"turns": ["short", "word " * 60]}) + "\n")
     out = tmp_path / "out"
@@ -307,6 +307,7 @@ def test_context_full_drops_later_turns(tmp_path, tiny_base):
     assert [t["from"] for t in record["conversations"]] == ["human", "gpt"]
     assert record["dropped_turns"] == 1
     assert json.loads((out / "manifest.json").read_text())["counts"]["turns_dropped_too_long"] == 1
+    assert "1 later turns of multi-turn prompts were not answered" in capsys.readouterr().out
 
 
 def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys, monkeypatch):
