@@ -152,7 +152,8 @@ def base_logits(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]
         got = logits(base.model(input_ids=ids).last_hidden_state[0, -1])
     # the same computation, but perhaps by another kernel (one row against a batch of one): as
     # far apart as a few roundings of the logits' dtype, where a scaling is far more
-    tolerance = max(1e-3, 4 * torch.finfo(want.dtype).eps) * float(want.float().abs().max())
+    eps = max(torch.finfo(want.dtype).eps, torch.finfo(got.dtype).eps)  # one may be upcast
+    tolerance = max(1e-3, 4 * eps) * float(want.float().abs().max())
     if float((got.float() - want.float()).abs().max()) > tolerance:
         raise ValueError(
             f"the {type(base).__name__} base computes its logits otherwise than its output "
