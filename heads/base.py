@@ -15,7 +15,8 @@ import logging
 import os
 import shutil
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -285,6 +286,30 @@ def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tens
     if model_type == "cohere" and factor != 1.0:
         return lambda logits: logits * factor
     return None
+
+
+@contextmanager
+def layer_inputs(
+    model: PreTrainedModel, layer_ids: Sequence[int]
+) -> Iterator[dict[int, torch.Tensor]]:
+    """Within it, each forward of `model`'s decoder puts the state entering layer i (transformers'
+    `hidden_states[i]`) at key i of the dict it yields, for the `layer_ids` only: no other layer's
+    state is kept (`output_hidden_states` keeps all L + 1, GBs over a long prompt)."""
+    entering: dict[int, torch.Tensor] = {}
+
+    def keep(i: int):
+        def hook(module, args, kwargs):
+            entering[i] = args[0] if args else kwargs["hidden_states"]
+
+        return hook
+
+    layers = model.model.layers
+    hooks = [layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in layer_ids]
+    try:
+        yield entering
+    finally:
+        for hook in hooks:
+            hook.remove()
 
 
 @torch.no_grad()

@@ -213,3 +213,14 @@ class AdaptivePolicy:
             }
             for i, a in enumerate(self.arms)
         ]
+
+
+def check_arms(arms: list[dict | None]) -> None:
+    """`{}` is the drafter as configured before any arm ran: no arm may have configured it."""
+    settings = [a for a in arms if a]
+    if {} in arms and settings:
+        raise ValueError(
+            f"adaptive arms mix {{}} (the drafter as it is configured) with settings {settings}: "
+            "once another arm has configured the drafter, {} no longer means its first "
+            "settings; name them instead"
+        )

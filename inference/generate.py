@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from heads.base import check_model
+from heads.base import check_model, layer_inputs
 from heads.cpu import repack_stale
 from inference.acceptance import (
     Acceptance,
@@ -36,7 +36,7 @@ from inference.acceptance import (
     verify_typical,
     warp_probs,
 )
-from inference.adaptive import AdaptivePolicy
+from inference.adaptive import AdaptivePolicy, check_arms
 from inference.base_checks import (
     base_logits,
     check_base_takes_trees,
@@ -74,17 +74,6 @@ class GenerationOutput:
     @property
     def num_steps(self) -> int:
         return len(self.accepted_lengths)
-
-
-def check_arms(arms: list[dict | None]) -> None:
-    """`{}` is the drafter as configured before any arm ran: no arm may have configured it."""
-    settings = [a for a in arms if a]
-    if {} in arms and settings:
-        raise ValueError(
-            f"adaptive arms mix {{}} (the drafter as it is configured) with settings {settings}: "
-            "once another arm has configured the drafter, {} no longer means its first "
-            "settings; name them instead"
-        )
 
 
 class SpeculativeGenerator:
@@ -167,19 +156,7 @@ class SpeculativeGenerator:
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
         """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None)."""
         aux_ids = self.drafter.aux_layer_ids
-        # EAGLE-3's states entering layers aux_ids (HF's hidden_states[i]), and only those: all
-        # L + 1 of them over a long prompt would hold GBs
-        entering: dict[int, torch.Tensor] = {}
-
-        def keep(i: int):
-            def hook(module, args, kwargs):
-                entering[i] = args[0] if args else kwargs["hidden_states"]
-
-            return hook
-
-        layers = self.base.model.layers
-        hooks = [layers[i].register_forward_pre_hook(keep(i), with_kwargs=True) for i in aux_ids]
-        try:
+        with layer_inputs(self.base, aux_ids) as entering:  # EAGLE-3's, and only those
             out = self.base.model(
                 input_ids=input_ids[None],
                 attention_mask=attention_mask,
@@ -187,9 +164,6 @@ class SpeculativeGenerator:
                 cache=cache,
                 use_cache=True,
             )
-        finally:
-            for hook in hooks:
-                hook.remove()
         hidden = out.last_hidden_state[0]
         aux = torch.cat([entering[i][0] for i in aux_ids], dim=-1) if aux_ids else None
         return hidden, aux

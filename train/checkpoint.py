@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 import yaml
-from accelerate import PartialState
+from accelerate import Accelerator, PartialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads.base import default_dtype
@@ -284,3 +284,43 @@ def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
         f"loss is {loss} at step {step}; training stopped ({kept}). Lower training.learning_rate "
         "or raise training.warmup_steps, then rerun: resume=auto continues from that checkpoint."
     )
+
+
+def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Accelerator) -> None:
+    """A run resumed from an earlier checkpoint than its latest (`training.resume=PATH`) goes
+    on from there: the later checkpoints, of the continuation it replaces, are removed (as its
+    metrics.jsonl lines past that step are), or a kill would resume one of them and keeping the
+    last checkpoints could remove the one resumed from."""
+    step = int(ckpt.name.split("-")[1]) if ckpt.name.startswith("step-") else None
+    root = checkpoints_dir(output_dir)
+    if not accelerator.is_main_process or step is None or ckpt.resolve().parent != root.resolve():
+        accelerator.wait_for_everyone()
+        return
+    later = [p for p in root.glob("step-*") if int(p.name.split("-")[1]) > step]
+    for path in later:
+        shutil.rmtree(path)
+    if later:
+        print(
+            f"resuming from {ckpt.name}: removed the {len(later)} later checkpoint(s) of the "
+            "run it replaces"
+        )
+    accelerator.wait_for_everyone()
+
+
+def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
+    """A run that starts afresh (training.resume=never over an earlier run's output) removes
+    that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
+    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
+    if accelerator.is_main_process:
+        output = Path(output_dir)
+        old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
+        for path in old:
+            shutil.rmtree(path)
+        removed = [f"{len(old)} checkpoint(s)"] if old else []
+        vocab = output / "draft_vocab.safetensors"
+        if vocab.is_file():
+            vocab.unlink()
+            removed.append(vocab.name)
+        if removed:
+            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
+    accelerator.wait_for_everyone()

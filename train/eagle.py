@@ -10,7 +10,7 @@ test (TTT) unrolls `ttt_steps` draft steps, step j feeding the draft's own outpu
 (as at inference) and the true token x_{t+1+j}; step j's query at t attends to step 0's keys
 at positions <= t and to its own chain's keys at t from steps 1..j. Loss: sum_j decay^j * soft CE
 over the draft vocabulary (the base's distribution restricted and renormalised), summed over
-the steps' tokens and divided by the target tokens (per token, as train.run.step_norms says). The draft vocabulary (d2t / t2d) is built once from the data
+the steps' tokens and divided by the target tokens (per token, as train.steps.step_norms says). The draft vocabulary (d2t / t2d) is built once from the data
 and saved before step 1; a resumed run reuses it.
 """
 
@@ -45,20 +45,17 @@ from train.run import (
     Trainee,
     assert_trainable,
     base_dtype_for_training,
-    count_steps,
-    epoch_batches,
     evaluate,
     find_resume,
     gather_for_reading,
     load_frozen_base,
     make_accelerator,
-    make_optimizer,
     prepare_data,
     run_training,
     save_final,
-    step_norms,
     stop_on_bad_input,
 )
+from train.steps import count_steps, epoch_batches, make_optimizer, step_norms
 
 
 def ttt_mask(T: int, step: int, key_pad: torch.Tensor, dtype) -> torch.Tensor:

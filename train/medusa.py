@@ -38,20 +38,17 @@ from train.run import (
     Trainee,
     assert_trainable,
     base_dtype_for_training,
-    count_steps,
-    epoch_batches,
     evaluate,
     find_resume,
     gather_for_reading,
     load_frozen_base,
     make_accelerator,
-    make_optimizer,
     prepare_data,
     run_training,
     save_final,
-    step_norms,
     stop_on_bad_input,
 )
+from train.steps import count_steps, epoch_batches, make_optimizer, step_norms
 
 
 class MedusaTrainee(Trainee):

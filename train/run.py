@@ -1,12 +1,12 @@
-"""What both recipes do around their loop: command line, accelerator, base, data, optimizer,
-metrics, final save and push. The loop itself stays in train/medusa.py and train/eagle.py."""
+"""What both recipes do around their loop: command line, accelerator, base, data, metrics,
+final save and push (the steps and optimizer: train/steps.py; checkpoints and resume:
+train/checkpoint.py). The loop itself stays in train/medusa.py and train/eagle.py."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import random
 import shutil
 import sys
 from contextlib import contextmanager, nullcontext
@@ -21,7 +21,6 @@ from accelerate.utils import (
     parse_flag_from_env,
     set_seed,
 )
-from transformers import get_cosine_schedule_with_warmup
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
@@ -32,7 +31,8 @@ from train.checkpoint import (
     built_on_dtype,
     check_same_examples,
     check_same_run,
-    checkpoints_dir,
+    clear_earlier_run,
+    clear_later_checkpoints,
     data_fingerprint,
     examples_fingerprint,
     resolve_resume,
@@ -103,46 +103,6 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     else:
         clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)
     return ckpt
-
-
-def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Accelerator) -> None:
-    """A run resumed from an earlier checkpoint than its latest (`training.resume=PATH`) goes
-    on from there: the later checkpoints, of the continuation it replaces, are removed (as its
-    metrics.jsonl lines past that step are), or a kill would resume one of them and keeping the
-    last checkpoints could remove the one resumed from."""
-    step = int(ckpt.name.split("-")[1]) if ckpt.name.startswith("step-") else None
-    root = checkpoints_dir(output_dir)
-    if not accelerator.is_main_process or step is None or ckpt.resolve().parent != root.resolve():
-        accelerator.wait_for_everyone()
-        return
-    later = [p for p in root.glob("step-*") if int(p.name.split("-")[1]) > step]
-    for path in later:
-        shutil.rmtree(path)
-    if later:
-        print(
-            f"resuming from {ckpt.name}: removed the {len(later)} later checkpoint(s) of the "
-            "run it replaces"
-        )
-    accelerator.wait_for_everyone()
-
-
-def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
-    """A run that starts afresh (training.resume=never over an earlier run's output) removes
-    that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
-    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
-    if accelerator.is_main_process:
-        output = Path(output_dir)
-        old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
-        for path in old:
-            shutil.rmtree(path)
-        removed = [f"{len(old)} checkpoint(s)"] if old else []
-        vocab = output / "draft_vocab.safetensors"
-        if vocab.is_file():
-            vocab.unlink()
-            removed.append(vocab.name)
-        if removed:
-            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
-    accelerator.wait_for_everyone()
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
@@ -348,65 +308,6 @@ def prepare_data(
                 disable_progress=not accelerator.is_main_process,
             )
     return train_ds, eval_ds, identity
-
-
-def epoch_batches(
-    n_examples: int, recipe: Recipe, epoch: int, accelerator: Accelerator
-) -> list[list[int]]:
-    """This process's batches of example indices for `epoch`: a permutation seeded by
-    (seed, epoch), split across processes, every process getting the same number of batches, a
-    whole number of optimizer steps (so a checkpoint always falls on a step boundary)."""
-    order = list(range(n_examples))
-    random.Random(recipe.training.seed * 100003 + epoch).shuffle(order)
-    mb, world = recipe.training.micro_batch_size, accelerator.num_processes
-    per_step = mb * world * recipe.training.gradient_accumulation_steps
-    usable = max(len(order) // per_step, 1) * per_step
-    order = (order * math.ceil(usable / len(order)))[:usable]
-    mine = order[accelerator.process_index :: world]
-    return [mine[i : i + mb] for i in range(0, len(mine), mb)]
-
-
-def step_norms(
-    dataset, batches: list[list[int]], recipe: Recipe, accelerator: Accelerator
-) -> list[float]:
-    """Each micro-batch's loss divisor: the mean target-token count of the micro-batches of its
-    optimizer step, over every process. A trainee divides its loss sum by it; accelerate's mean
-    over the accumulated micro-batches and DDP's over processes then give the step's loss per
-    target token, each token weighing the same (a mean per micro-batch weighs the tokens of a
-    batch of short answers more, the more so the smaller the micro-batches)."""
-    gas = recipe.training.gradient_accumulation_steps
-    # A trainee's targets: the rows whose next token is one (a first token has no row before it)
-    counts = [sum(sum(dataset.examples[i]["loss_mask"][1:]) for i in batch) for batch in batches]
-    per_step = torch.tensor(counts, dtype=torch.long, device=accelerator.device)
-    per_step = accelerator.reduce(per_step.view(-1, gas).sum(1), "sum").tolist()  # every process's
-    return [max(n / (gas * accelerator.num_processes), 1.0) for n in per_step for _ in range(gas)]
-
-
-def make_optimizer(recipe: Recipe, param_groups, steps_total: int):
-    optimizer = torch.optim.AdamW(
-        param_groups, lr=recipe.training.learning_rate, weight_decay=recipe.training.weight_decay
-    )
-    scheduler = get_cosine_schedule_with_warmup(
-        optimizer, recipe.training.warmup_steps, steps_total
-    )
-    return optimizer, scheduler
-
-
-def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tuple[int, int]:
-    """(optimizer steps per epoch, total optimizer steps)."""
-    batches = len(epoch_batches(n_examples, recipe, 0, accelerator))
-    per_epoch = batches // recipe.training.gradient_accumulation_steps
-    total = per_epoch * recipe.training.epochs
-    if recipe.training.max_steps is not None:  # as HF's Trainer: it overrides epochs
-        total = recipe.training.max_steps
-    if recipe.training.warmup_steps >= total:
-        accelerator.print(
-            f"warning: training.warmup_steps={recipe.training.warmup_steps} is not under the "
-            f"run's {total} optimizer steps: the learning rate never leaves its warm-up (give "
-            "more data or epochs, or fewer warm-up steps)",
-            file=sys.stderr,
-        )
-    return per_epoch, total
 
 
 def _logged_step(line: str) -> float:

@@ -372,91 +372,6 @@ def test_a_tokenizers_output_unpacks_into_generate():
         next(gen.stream(ids[None]))
 
 
-def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
-    from transformers import GPT2Config, GPT2LMHeadModel, MistralConfig, MistralForCausalLM
-
-    base = make_tiny_llama()
-    base.config._attn_implementation = "flash_attention_2"  # packs sequences by position ids
-    with pytest.raises(ValueError, match="attn_implementation='flash_attention_2'.*'sdpa'"):
-        SpeculativeGenerator(base)
-    sliding = MistralForCausalLM(
-        MistralConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=4,
-            num_key_value_heads=2,
-            sliding_window=8,
-        )
-    )
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers"):
-        SpeculativeGenerator(sliding)
-    from inference.drafters.model import ModelDrafter
-
-    with pytest.raises(ValueError, match="the draft model has DynamicSlidingWindowLayer cache"):
-        ModelDrafter(sliding)  # its cache is cropped to the accepted tokens too
-    sliding.config.sliding_window = sliding.config.max_position_embeddings  # never applies
-    SpeculativeGenerator(sliding)  # as Phi-3.5-mini's 256k window over 128k positions
-    gpt2 = GPT2LMHeadModel(GPT2Config(vocab_size=64, n_embd=32, n_layer=2, n_head=4))
-    with pytest.raises(ValueError, match="GPT2LMHeadModel has no .model decoder"):
-        SpeculativeGenerator(gpt2)
-
-
-def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
-    # Granite divides its logits by logits_scaling after the lm_head, Cohere multiplies them by
-    # logit_scale: the verifier computes them as the forward does (the sampling law is checked in
-    # test_sampling_generate.py); a transform it does not know is refused, not sampled around
-    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
-
-    from tests.conftest import TINY
-
-    prompt = torch.tensor([[1, 5, 9, 22, 7]])
-    for cls, config in (
-        (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=8.0)),
-        (CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.0625)),
-    ):
-        torch.manual_seed(0)
-        config._attn_implementation = "sdpa"
-        base = cls(config).eval().requires_grad_(False)
-        gen = SpeculativeGenerator(base, None, num_tokens=3, adaptive=False)
-        hidden = base.model(input_ids=prompt).last_hidden_state[0]
-        torch.testing.assert_close(gen.lm_head(hidden), base(input_ids=prompt).logits[0])
-        want = base.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
-        got = gen.generate(prompt, max_new_tokens=24, eos_token_id=[]).sequences
-        assert torch.equal(got, want), cls.__name__
-    capped = make_tiny_llama()
-    capped.lm_head.weight.mul_(8)
-    forward = capped.forward
-
-    def softcapped(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = torch.tanh(out.logits)
-        return out
-
-    capped.forward = softcapped
-    with pytest.raises(ValueError, match="computes its logits otherwise than its output embed"):
-        SpeculativeGenerator(capped)
-
-
-def test_a_draft_model_padded_to_fewer_rows_drafts_for_the_base():
-    # Qwen2.5 0.5B-7B pad the tokenizer's vocabulary to 151,936 rows, 14B-72B to 152,064: the
-    # small ones draft for the large ones (the sampling law: test_sampling_generate.py)
-    from inference import ModelDrafter
-
-    base, small = make_tiny_llama(), make_tiny_llama(seed=1, vocab_size=200)
-    prompt = torch.tensor([[1, 5, 9, 22, 7]])
-    want = base.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
-    for options in ({"num_tokens": 3}, {"choices": [[0], [1], [0, 0]]}):
-        got = SpeculativeGenerator(base, small, **options).generate(prompt, 24, eos_token_id=[])
-        assert torch.equal(got.sequences, want), options
-    with pytest.raises(ValueError, match=r"ModelDrafter\(model, ..., vocab_size=256\)"):
-        SpeculativeGenerator(base, ModelDrafter(small, num_tokens=3))
-    SpeculativeGenerator(base, ModelDrafter(small, num_tokens=3, vocab_size=256))
-    with pytest.raises(ValueError, match=r"vocabulary \(300 tokens\) is larger than the base's"):
-        SpeculativeGenerator(base, make_tiny_llama(seed=1, vocab_size=300))
-
-
 def test_eagle3_reads_the_states_entering_its_aux_layers_and_keeps_no_others():
     base = make_tiny_llama(num_hidden_layers=4)
     draft = EagleDraft(EagleConfig.from_base(base.config, version=3, aux_layer_ids=[0, 2, 3]))
@@ -468,23 +383,6 @@ def test_eagle3_reads_the_states_entering_its_aux_layers_and_keeps_no_others():
     states = [want.hidden_states[i][0] for i in (0, 2, 3)]  # HF's: the state entering layer i
     torch.testing.assert_close(aux, torch.cat(states, dim=-1), rtol=0, atol=0)
     assert all(not layer._forward_pre_hooks for layer in base.model.layers)  # none left behind
-
-
-def test_adaptive_with_options_numpy_counts_and_unmerged_adapters():
-    from peft import LoraConfig, get_peft_model
-
-    base = make_tiny_llama()
-    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
-    # adaptive=True with settings: those settings or plain decoding, not the default arms
-    gen = SpeculativeGenerator(base, heads, adaptive=True, choices=[[0], [1], [0, 0]])
-    assert gen.arms == [None, {}] and gen.drafter.tree.num_nodes == 4
-    prompt = torch.tensor([[1, 5, 9, 22, 7]])
-    out = gen.generate(prompt, max_new_tokens=np.int64(6), eos_token_id=[])  # as HF takes it
-    assert out.sequences.shape == (1, 11)
-    peft = get_peft_model(make_tiny_llama(), LoraConfig(r=2, target_modules=["q_proj"]))
-    with pytest.raises(ValueError, match=r"merge the adapter first, base = base.merge_and_unload"):
-        SpeculativeGenerator(peft)
-    SpeculativeGenerator(peft.merge_and_unload())
 
 
 def test_prompts_as_lists_and_eos_as_tensors_are_taken():

@@ -190,7 +190,7 @@ def test_aux_layers_out_of_order_are_refused_up_front():
 def test_a_warm_up_as_long_as_the_run_is_said(capsys):
     from types import SimpleNamespace
 
-    from train.run import count_steps
+    from train.steps import count_steps
 
     one = SimpleNamespace(num_processes=1, process_index=0, print=print)
     # 7 examples in micro-batches of 4: one optimizer step, all of it warm-up (lr 0)
@@ -234,7 +234,7 @@ def test_exponent_floats_and_null_words_read_as_meant(tmp_path):
 def test_max_steps_overrides_epochs_as_in_hf_trainer():
     from types import SimpleNamespace
 
-    from train.run import count_steps
+    from train.steps import count_steps
 
     one = SimpleNamespace(num_processes=1, process_index=0, print=print)
     # 29 examples in micro-batches of 4: 7 steps an epoch

@@ -21,7 +21,6 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import yaml
 from accelerate import Accelerator
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -416,94 +415,6 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(
     assert "error: loss is nan at step 3" in err and str(last_good) in err
     assert (last_good / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / "step-00000003").exists() and not (out / "heads").exists()
-
-
-def test_unknown_recipe_key_exits_2_listing_the_valid_keys(tmp_path, capsys):
-    with pytest.raises(SystemExit) as exit_:
-        train.medusa.main([str(TINY_MEDUSA), "training.lerning_rate=0.1"])
-    assert exit_.value.code == 2
-    err = capsys.readouterr().err
-    assert "unknown key 'training.lerning_rate'" in err and "Did you mean 'learning_rate'" in err
-    assert "Valid keys of 'training': mode, feature_cache, epochs, max_steps" in err
-
-    recipe = yaml.safe_load(TINY_EAGLE.read_text())
-    recipe["heads"]["ttt_step"] = 3
-    path = tmp_path / "typo.yaml"
-    path.write_text(yaml.safe_dump(recipe))
-    with pytest.raises(SystemExit) as exit_:
-        train.eagle.main([str(path)])
-    assert exit_.value.code == 2
-    assert "Valid keys of 'heads': type, num_heads" in capsys.readouterr().err
-
-
-def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_path, capsys):
-    for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
-        with pytest.raises(SystemExit) as exit_:
-            run(module, recipe, tiny_task, tmp_path / "out", f"data.output_dir={tmp_path}/none")
-        assert exit_.value.code == 2
-        assert f"error: {tmp_path}/none: no .jsonl shards (run scripts/distill.py first)" in (
-            capsys.readouterr().err
-        )
-    (tmp_path / "empty").mkdir()  # shards without a record (a distill killed at its start)
-    (tmp_path / "empty" / "shard-r000-00000.jsonl").write_text("\n")
-    with pytest.raises(SystemExit) as exit_:
-        run(
-            train.medusa,
-            TINY_MEDUSA,
-            tiny_task,
-            tmp_path / "out",
-            f"data.output_dir={tmp_path}/empty",
-        )
-    assert exit_.value.code == 2
-    assert f"error: {tmp_path}/empty: its .jsonl shards hold no answers" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:
-        run(train.medusa, TINY_MEDUSA, tiny_task, tmp_path / "out", "model.name_or_path=./nowhere")
-    assert exit_.value.code == 2
-    assert "error: base model folder not found: ./nowhere" in capsys.readouterr().err
-
-
-def test_a_draft_vocabulary_past_the_bases_is_refused_before_the_data(
-    tiny_task, tmp_path, capsys, monkeypatch
-):
-    def no_data(*args, **kwargs):
-        raise AssertionError("the data was prepared before the check")
-
-    for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
-        monkeypatch.setattr(module, "prepare_data", no_data)
-        with pytest.raises(SystemExit) as exit_:
-            run(module, recipe, tiny_task, tmp_path / "out", "heads.draft_vocab_size=1000000")
-        assert exit_.value.code == 2
-        vocab = load_tiny_base(tiny_task).config.vocab_size
-        assert (
-            f"error: heads.draft_vocab_size=1000000 is more than the base's vocabulary ({vocab} "
-            in capsys.readouterr().err
-        )
-
-
-def test_processes_that_loaded_different_examples_stop_together(
-    tiny_task, smollm2_tokenizer, tmp_path, capsys, monkeypatch
-):
-    import train.run
-
-    # as if another process had read the folder while distill was still writing to it
-    monkeypatch.setattr(train.run, "gather_object", lambda mine: [*mine, "another"])
-    two = SimpleNamespace(num_processes=2, process_index=0, print=print)
-    recipe = load_recipe(TINY_MEDUSA, tiny_task.overrides(tmp_path / "out"))
-    with pytest.raises(SystemExit) as exit_:
-        train.run.prepare_data(recipe, None, smollm2_tokenizer, two)
-    assert exit_.value.code == 2
-    assert "the processes loaded different examples from" in capsys.readouterr().err
-
-
-def test_heads_type_must_match_the_script(capsys):
-    with pytest.raises(SystemExit) as exit_:
-        train.eagle.main([str(TINY_MEDUSA)])
-    assert exit_.value.code == 2
-    assert "heads.type='medusa': run train/medusa.py" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as exit_:
-        train.medusa.main([str(TINY_EAGLE)])
-    assert exit_.value.code == 2
-    assert "run train/eagle.py" in capsys.readouterr().err
 
 
 def test_hard_labels_outside_a_reduced_draft_vocabulary_add_no_nan(tmp_path):

@@ -322,7 +322,7 @@ def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
     from types import SimpleNamespace
 
     from train.config import load_recipe
-    from train.run import step_norms
+    from train.steps import step_norms
 
     recipe = load_recipe(None, ["training.gradient_accumulation_steps=2"])
     masks = [[0] * 3 + [1] * n for n in (1, 2, 4)] + [[1] * 9]  # a text corpus: all targets
