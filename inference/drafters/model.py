@@ -42,7 +42,7 @@ class ModelDrafter(Drafter):
         choices: a static tree instead (paths of ranks such as `[(0,), (1,), (0, 0)]`, or a
             preset name of `inference.tree.PRESETS`); give one of num_tokens and choices.
         vocab_size: the base's vocabulary size, where the draft model's embedding is padded to
-            fewer rows of the same tokenizer (Qwen2.5 0.5B-7B: 151,936; 14B-72B: 152,064): its
+            fewer rows of the same tokenizer (Qwen2.5 0.5B-3B: 151,936; 7B-72B: 152,064): its
             logits are padded to it with -inf. None: the draft model's own (make_drafter, and so
             `SpeculativeGenerator(base, small_lm)`, gives the base's).
     """

@@ -79,7 +79,7 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
 
 
 def test_a_draft_model_padded_to_fewer_rows_drafts_for_the_base():
-    # Qwen2.5 0.5B-7B pad the tokenizer's vocabulary to 151,936 rows, 14B-72B to 152,064: the
+    # Qwen2.5 0.5B-3B pad the tokenizer's vocabulary to 151,936 rows, 7B-72B to 152,064: the
     # small ones draft for the large ones (the sampling law: test_sampling_generate.py)
     from inference import ModelDrafter
 
