@@ -21,7 +21,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-from heads.checkpoint import CONFIG_NAME, load_heads, resolve_folder
+from heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_heads, resolve_folder
 from heads.eagle_config import engine_refusal
 from heads.hub import model_card
 from heads.lora import LORA_FOLDER
@@ -54,6 +54,8 @@ def export_heads(
         raise ExportError("--out must differ from the source folder")
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file: give a folder to write the export into")
+    if out.is_dir():
+        clear_earlier_export(out)
     lora = getattr(heads.config, "base_lora", "")
     if lora and not (Path(src) / lora).is_dir():
         raise ExportError(
@@ -104,6 +106,28 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
             "with vLLM or SGLang"
         )
     _write_medusa_lm_head(heads, target, out, base_name)
+
+
+# Everything an export writes into its folder, of every target.
+EXPORT_NAMES = {CONFIG_NAME, WEIGHTS_NAME, "medusa_lm_head.safetensors", "README.md", LORA_FOLDER}
+
+
+def clear_earlier_export(out: Path) -> None:
+    """Remove an earlier export from the folder `out` before another is written there: one of
+    another target left its weights beside the new ones (an engine may read either). A folder
+    holding anything else is refused, untouched."""
+    present = {p.name: p for p in out.iterdir()}
+    other = sorted(set(present) - EXPORT_NAMES)
+    if other:
+        raise ExportError(
+            f"--out {out} holds files an export does not write ({', '.join(other[:5])}): give "
+            "an empty or new folder"
+        )
+    for path in present.values():
+        if path.is_dir():
+            shutil.rmtree(path)
+        else:
+            path.unlink()
 
 
 def _headstart_card(card: Path) -> bool:

@@ -50,6 +50,20 @@ def test_the_trtllm_export_says_the_converter_flags_of_other_counts(medusa_dir, 
     assert "--num_medusa_heads" not in capsys.readouterr().out
 
 
+@pytest.mark.filterwarnings("ignore:these heads record")
+def test_an_export_replaces_an_earlier_one_and_leaves_other_folders_alone(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    out = tmp_path / "out"
+    export_heads(src, "vllm", out)
+    export_heads(src, "tgi", out)  # the vllm export's model.safetensors must not stay beside it
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    export_heads(src, "tgi", out)  # the same command again
+    (out / "notes.txt").write_text("mine")
+    with pytest.raises(ExportError, match=r"holds files an export does not write \(notes.txt\)"):
+        export_heads(src, "vllm", out)
+    assert (out / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
+
+
 def test_vllm_export_is_native_copy(medusa_dir, tmp_path):
     src, _ = medusa_dir
     export_heads(src, "vllm", tmp_path / "v")
