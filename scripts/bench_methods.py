@@ -28,7 +28,8 @@ from inference import (
     plain_generation_config,
 )
 from inference.tree import PRESETS
-from train.data import resolve_chat_template, turn_end_token_id
+from train.answering import eos_token_ids
+from train.data import resolve_chat_template
 
 METHODS = (
     "baseline",
@@ -357,23 +358,14 @@ def _model_name(model) -> str:
 
 
 def _eos_ids(base, tokenizer) -> list[int]:
+    """The base's EOS ids (its generation_config's, else its config's), then those that end
+    distill's answers too (`eos_token_ids`: the tokenizer's, the chat template's end of turn)."""
     eos = getattr(base.generation_config, "eos_token_id", None)
     if eos is None:
-        eos = (
-            base.config.eos_token_id
-            if base.config.eos_token_id is not None
-            else tokenizer.eos_token_id
-        )
+        eos = base.config.eos_token_id
     ids = [eos] if isinstance(eos, int) else list(eos or [])
-    # as distill ends the answers the heads learn from: also at the token the chat template
-    # closes a turn with, where a base's generation_config leaves it out
-    turn_end = None
-    if tokenizer.chat_template is not None:
-        try:
-            turn_end = turn_end_token_id(tokenizer)
-        except Exception:  # a probe: a template that wants a system turn may refuse it
-            turn_end = None
-    return ids + [turn_end] if turn_end is not None and turn_end not in ids else ids
+    more = eos_token_ids(tokenizer, base.generation_config, tokenizer.chat_template)
+    return ids + [t for t in more if t not in ids]
 
 
 def _hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable[..., Run]:

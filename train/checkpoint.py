@@ -63,7 +63,12 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, or None."""
     done = [p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()]
-    return max(done, key=lambda p: int(p.name.split("-")[1]), default=None)
+    return max(done, key=checkpoint_step, default=None)
+
+
+def checkpoint_step(path: Path) -> int:
+    """The step of a checkpoint folder `step-XXXXXXXX`."""
+    return int(path.name.split("-")[1])
 
 
 def save_checkpoint(
@@ -291,12 +296,12 @@ def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Acc
     on from there: the later checkpoints, of the continuation it replaces, are removed (as its
     metrics.jsonl lines past that step are), or a kill would resume one of them and keeping the
     last checkpoints could remove the one resumed from."""
-    step = int(ckpt.name.split("-")[1]) if ckpt.name.startswith("step-") else None
+    step = checkpoint_step(ckpt) if ckpt.name.startswith("step-") else None
     root = checkpoints_dir(output_dir)
     if not accelerator.is_main_process or step is None or ckpt.resolve().parent != root.resolve():
         accelerator.wait_for_everyone()
         return
-    later = [p for p in root.glob("step-*") if int(p.name.split("-")[1]) > step]
+    later = [p for p in root.glob("step-*") if checkpoint_step(p) > step]
     for path in later:
         shutil.rmtree(path)
     if later:

@@ -81,14 +81,16 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                     f"the heads are on {where}, the base on {device}: move them with "
                     "heads.to(base.device) (load_heads(..., base=base) places them)"
                 )
-    if isinstance(heads_or_drafter, ModelDrafter):
-        check_draft_vocab(heads_or_drafter.model.config.vocab_size, base.config.vocab_size)
-        if heads_or_drafter.vocab_size != base.config.vocab_size:
-            raise ValueError(
-                f"this ModelDrafter pads the draft model's logits to {heads_or_drafter.vocab_size} "
-                f"tokens, the base has {base.config.vocab_size}: build it with "
-                f"ModelDrafter(model, ..., vocab_size={base.config.vocab_size})"
-            )
+    # a ModelDrafter checked its model's rows against its own vocab_size: it must be the base's
+    mismatch = isinstance(heads_or_drafter, ModelDrafter) and (
+        heads_or_drafter.vocab_size != base.config.vocab_size
+    )
+    if mismatch:
+        raise ValueError(
+            f"this ModelDrafter pads the draft model's logits to {heads_or_drafter.vocab_size} "
+            f"tokens, the base has {base.config.vocab_size}: build it with "
+            f"ModelDrafter(model, ..., vocab_size={base.config.vocab_size})"
+        )
     if isinstance(heads_or_drafter, Drafter):
         if options:
             name = type(heads_or_drafter).__name__
@@ -105,8 +107,7 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     if isinstance(heads_or_drafter, EagleDraft):
         return build(EagleDrafter, heads_or_drafter, base, **options)
     if isinstance(heads_or_drafter, PreTrainedModel):
-        check_draft_vocab(heads_or_drafter.config.vocab_size, base.config.vocab_size)
-        options.setdefault("vocab_size", base.config.vocab_size)
+        options.setdefault("vocab_size", base.config.vocab_size)  # more rows: refused there
         return build(ModelDrafter, heads_or_drafter, **options)
     if isinstance(heads_or_drafter, (str, os.PathLike)):
         raise TypeError(
@@ -116,13 +117,3 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     raise TypeError(
         f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
     )
-
-
-def check_draft_vocab(draft: int, base: int) -> None:
-    """A draft model's vocabulary may be the base's, or the same tokenizer's padded to fewer
-    rows; a larger one could propose tokens the base does not have."""
-    if draft > base:
-        raise ValueError(
-            f"the draft model's vocabulary ({draft} tokens) is larger than the base's ({base}): "
-            "a draft model must share the base's tokenizer"
-        )

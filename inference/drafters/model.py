@@ -64,8 +64,9 @@ class ModelDrafter(Drafter):
         own = model.config.vocab_size
         if vocab_size is not None and vocab_size < own:
             raise ValueError(
-                f"the draft model's vocabulary ({own} tokens) is larger than vocab_size="
-                f"{vocab_size}: it could propose tokens the base does not have"
+                f"the draft model's vocabulary ({own} tokens) is larger than the base's "
+                f"(vocab_size={vocab_size}): it could propose tokens the base does not have; a "
+                "draft model must share the base's tokenizer"
             )
         self.model = model
         self.vocab_size = own if vocab_size is None else vocab_size
