@@ -4,6 +4,7 @@ train/checkpoint.py). The loop itself stays in train/medusa.py and train/eagle.p
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -107,6 +108,16 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
 
 def make_accelerator(recipe: Recipe) -> Accelerator:
     log_with = None if recipe.logging.report_to == "none" else recipe.logging.report_to
+    packages = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX")}
+    if log_with is not None and not any(importlib.util.find_spec(p) for p in packages[log_with]):
+        # accelerate would only warn and log nothing, found out after the run.
+        extra = "'headstart[wandb]'" if log_with == "wandb" else "tensorboard"
+        print(
+            f"error: logging.report_to={log_with} needs the {log_with} package: "
+            f"pip install {extra}, or logging.report_to=none (metrics.jsonl is written either way)",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
     if log_with == "wandb":
         os.environ.setdefault(
             "WANDB_MODE", "online" if os.environ.get("WANDB_API_KEY") else "offline"

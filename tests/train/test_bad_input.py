@@ -98,3 +98,28 @@ def test_heads_type_must_match_the_script(capsys):
         train.medusa.main([str(TINY_EAGLE)])
     assert exit_.value.code == 2
     assert "run train/eagle.py" in capsys.readouterr().err
+
+
+def test_a_tracker_that_is_not_installed_is_refused_before_the_run(monkeypatch, capsys):
+    """accelerate only warns and logs nothing: an 8-GPU run would find out when it is over."""
+    import importlib.util
+
+    from train.run import make_accelerator
+
+    find_spec = importlib.util.find_spec
+    missing = {"wandb", "tensorboard", "tensorboardX"}
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name in missing else find_spec(name, *a),
+    )
+    for tracker, advice in (
+        ("wandb", "pip install 'headstart[wandb]'"),
+        ("tensorboard", "tensorboard"),
+    ):
+        with pytest.raises(SystemExit) as exit_:
+            make_accelerator(load_recipe(None, [f"logging.report_to={tracker}"]))
+        assert exit_.value.code == 2
+        err = capsys.readouterr().err
+        assert f"logging.report_to={tracker} needs the {tracker} package" in err
+        assert advice in err and "logging.report_to=none" in err
