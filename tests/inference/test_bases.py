@@ -111,3 +111,40 @@ def test_adaptive_with_options_numpy_counts_and_unmerged_adapters():
     with pytest.raises(ValueError, match=r"merge the adapter first, base = base.merge_and_unload"):
         SpeculativeGenerator(peft)
     SpeculativeGenerator(peft.merge_and_unload())
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3"])
+def test_other_llama_style_bases_decode_their_own_greedy_output(family):
+    # The README's "Your own model": bases of other families with full attention (Qwen2's
+    # attention biases, Qwen3's q/k norms, Phi-3's fused projections) decode with fresh Medusa
+    # heads and a fresh EAGLE-3 draft started from the base, token for token as their generate
+    import transformers
+
+    from heads import EagleConfig, EagleDraft
+
+    config_class, model_class = {
+        "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+        "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+        "mistral": ("MistralConfig", "MistralForCausalLM"),
+        "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+    }[family]
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    config = getattr(transformers, config_class)(**TINY)
+    config._attn_implementation = "sdpa"
+    base = getattr(transformers, model_class)(config).eval().requires_grad_(False)
+    base.config.name_or_path = f"tiny-{family}"
+    prompt = torch.tensor([[1, 5, 9, 22, 7]])
+    want = base.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+    medusa = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3))
+    left = eagle.init_from_base(base)
+    if family == "phi3":  # fused qkv_proj / gate_up_proj: the midlayer's stay as built
+        assert "midlayer.self_attn.q_proj.weight" in left and "midlayer.mlp.up_proj.weight" in left
+    else:
+        assert left == []
+    for heads in (medusa, eagle):
+        for options in ({}, {"adaptive": False}):
+            got = SpeculativeGenerator(base, heads, **options).generate(prompt, 24, eos_token_id=[])
+            assert torch.equal(got.sequences, want), (family, type(heads).__name__, options)
