@@ -8,6 +8,7 @@ verifier serves every drafter.
 
 from __future__ import annotations
 
+import copy
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,11 @@ class Drafter:
     def configure(self, **options) -> None:
         """Change the tree shape between steps (the adaptive policy's arms)."""
         raise NotImplementedError(f"{type(self).__name__} has no tree settings to adapt")
+
+    def check_options(self, **options) -> None:
+        """Raise as `configure(**options)` would, leaving this drafter's settings as they are
+        (on a shallow copy: `configure` only sets attributes)."""
+        copy.copy(self).configure(**options)
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         """Settings worth trying on `device`; None is plain decoding. Small trees on a CPU,

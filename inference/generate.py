@@ -63,13 +63,18 @@ class GenerationOutput:
 
     sequences: torch.Tensor  # (1, prompt + new) long
     accepted_lengths: list[int]  # tokens gained per verify step, bonus token included
-    timings: dict[str, float] = field(default_factory=dict)  # seconds: base, draft, other, total
+    # seconds: base, draft, other, total; prefill_base and prefill_draft, the parts of base and
+    # draft spent on the prompt (the prefill forward, the drafter's first pass over the prompt)
+    timings: dict[str, float] = field(default_factory=dict)
     finished: bool = False  # an EOS token or a stop string ended the generation
 
     @property
     def mean_accepted_length(self) -> float:
-        """tau, Spec-Bench's "mean accepted tokens" (plain decoding = 1.0)."""
-        return sum(self.accepted_lengths) / max(len(self.accepted_lengths), 1)
+        """tau, Spec-Bench's "mean accepted tokens" (plain decoding = 1.0; so is a generation
+        without a verify step: max_new_tokens=1, or an end of turn as the first token)."""
+        if not self.accepted_lengths:
+            return 1.0
+        return sum(self.accepted_lengths) / len(self.accepted_lengths)
 
     @property
     def num_steps(self) -> int:
@@ -148,6 +153,12 @@ class SpeculativeGenerator:
             else:
                 self.arms = self.drafter.default_arms(device)
             check_arms(self.arms)
+            for options in self.arms:  # now, not when the policy first tries the arm
+                if options:
+                    try:
+                        self.drafter.check_options(**options)
+                    except (TypeError, ValueError, NotImplementedError) as e:
+                        raise ValueError(f"adaptive arm {options}: {e}") from e
         # Built at the first generation and kept: later calls start from what it measured.
         self.policy: AdaptivePolicy | None = None
         self._root_only = tree_from_parents([-1], device=device)
@@ -285,7 +296,9 @@ class SpeculativeGenerator:
         sampling = Sampling(temperature, top_k, top_p, generator)
         stats = {} if stats is None else stats
         stats.update(accepted_lengths=[], finished=False)
-        timings = stats["timings"] = {"base": 0.0, "draft": 0.0, "other": 0.0, "total": 0.0}
+        timings = stats["timings"] = dict.fromkeys(
+            ("base", "draft", "other", "total", "prefill_base", "prefill_draft"), 0.0
+        )
         t_start = time.perf_counter()
 
         cache = DynamicCache(config=self.base.config)
@@ -297,6 +310,7 @@ class SpeculativeGenerator:
         self.drafter.reset()
         self.drafter.observe(ids, hidden, aux, root)
         timings["draft"] += time.perf_counter() - t0
+        timings["prefill_base"], timings["prefill_draft"] = timings["base"], timings["draft"]
         sequence = torch.cat([ids, ids.new_tensor([root])])
         generated: list[int] = []
         # A stop string may begin in the prompt (a chat prompt ends in "assistant\n": "\n\n"
@@ -344,6 +358,7 @@ class SpeculativeGenerator:
         self._configured = None
         paths_of = paths = tree_nodes = None  # the latest static tree's nodes as paths of ranks
         after_plain = True  # the prefill, like a plain step, leaves the drafter to catch up
+        drafted_yet = False
         while not done:
             prefix = cache.get_seq_length()
             arm = policy.choose() if policy else -1
@@ -365,7 +380,11 @@ class SpeculativeGenerator:
                     self.drafter.catch_up(sequence)
                 else:
                     self.drafter.catch_up_switched_on(sequence)
-                timings["draft"] += time.perf_counter() - t0
+                caught_up = time.perf_counter() - t0
+                timings["draft"] += caught_up
+                if not drafted_yet:  # the drafter's first pass over the prompt
+                    timings["prefill_draft"] += caught_up
+            drafted_yet = drafted_yet or options is not None
             after_plain = options is None
             t_step = t0 = time.perf_counter()
             if prefix + nodes + 1 > max_positions:

@@ -15,6 +15,7 @@ The verifier's per-child rule (inference/draft.py) is exact for any mix of such 
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -64,6 +65,11 @@ class UnionDrafter(Drafter):
             for now, was, before in zip(enabled, self.enabled, self.switched_on)
         ]
         self.enabled = enabled
+
+    def check_options(self, parts: Sequence[dict | None]) -> None:
+        trial = copy.copy(self)
+        trial.drafters = [copy.copy(d) for d in self.drafters]  # their configure sets theirs
+        trial.configure(parts)
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         """Plain decoding; each of the primary's settings with the others added; the others

@@ -439,3 +439,31 @@ def test_interleaved_streams_run_the_arm_the_policy_credits():
     for _ in range(3):
         next(a), next(b)
     assert ran == ["static", "dynamic"] * 3
+
+
+def test_arms_the_drafter_cannot_take_are_refused_when_the_generator_is_built():
+    # The policy tries its arms in turn, 4 steps each: a bad third arm would first fail in a
+    # later generate call, after tokens were produced (and yielded, streaming)
+    from inference import MedusaDrafter, NgramDrafter
+
+    base = make_tiny_llama()
+    medusa = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3))
+    deep = {"choices": [[0], [0, 0], [0, 0, 0]]}
+    with pytest.raises(ValueError, match=r"adaptive arm .*: tree depth 3 needs 3 heads"):
+        SpeculativeGenerator(base, medusa, adaptive=[None, {"choices": [[0]]}, deep])
+    with pytest.raises(
+        ValueError, match=r"adaptive arm .*unexpected keyword argument 'total_token'"
+    ):
+        SpeculativeGenerator(
+            base, eagle, adaptive=[None, {"top_k": 2, "depth": 2, "total_token": 4}]
+        )
+    with pytest.raises(ValueError, match=r"adaptive arm .*tree depth 3 needs 3 heads"):
+        SpeculativeGenerator(base, [medusa, None], adaptive=[None, {"parts": [deep, {}]}])
+    # checking leaves the drafters as configured: a union member keeps its settings too
+    drafter, lookup = MedusaDrafter(medusa, [[0], [1]]), NgramDrafter(num_tokens=2)
+    gen = SpeculativeGenerator(
+        base, [drafter, lookup], adaptive=[None, {"parts": [{"choices": [[0]]}, {"num_tokens": 5}]}]
+    )
+    assert gen.drafter.drafters[0].tree.num_nodes == 3 and lookup.num_tokens == 2
+    assert gen.drafter.enabled == [True, True]

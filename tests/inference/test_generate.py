@@ -2,6 +2,7 @@
 loop's contract (EOS, stop strings, streaming, stats, batch > 1), and KV-cache compaction."""
 
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -367,7 +368,9 @@ def test_a_tokenizers_output_unpacks_into_generate():
         gen.generate(ids, attention_mask=torch.ones(1, 6, dtype=torch.long))
     with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 2\) for 4 prompt tokens"):
         gen.generate(ids[:, :4], attention_mask=torch.ones(2, 2, dtype=torch.long))
-    gen.generate(ids[0], attention_mask=torch.ones(7, dtype=torch.long), max_new_tokens=1)
+    one = gen.generate(ids[0], attention_mask=torch.ones(7, dtype=torch.long), max_new_tokens=1)
+    # no verify step ran (the token is the prefill's): tau is plain decoding's, not 0
+    assert one.num_steps == 0 and one.mean_accepted_length == 1.0
     with pytest.raises(ValueError, match=r"must be \(1, T\) or \(T,\), got shape \(1, 1, 7\)"):
         next(gen.stream(ids[None]))
 
@@ -442,3 +445,27 @@ def test_logits_settings_of_the_generation_config_are_said_not_applied():
     assert torch.equal(out.sequences, neutral)
     penalised = base.generate(prompt, max_new_tokens=12, do_sample=False)
     assert not torch.equal(out.sequences, penalised)  # what the warning is about
+
+
+def test_timings_say_what_the_prompt_cost():
+    # scripts/bench_arms.py divides the steps' time by the steps: the prompt's prefill, and the
+    # drafter's first pass over the prompt, are given apart (they would weigh more on the
+    # settings of fewer steps)
+    base = make_tiny_llama()
+    eagle = EagleDraft(EagleConfig.from_base(base.config, version=3))
+    prompt = torch.randint(3, 256, (1, 300), generator=torch.Generator().manual_seed(0))
+    plain = SpeculativeGenerator(base, eagle, adaptive=[None]).generate(prompt, 16)
+    t = plain.timings
+    assert 0 < t["prefill_base"] < t["base"] and t["prefill_draft"] <= t["draft"]
+    tree = {"top_k": 2, "depth": 2, "total_tokens": 4}
+    gen = SpeculativeGenerator(base, eagle, adaptive=[tree])
+    catch_up = gen.drafter.catch_up
+
+    def slow_catch_up(sequence):  # the draft layer's pass over the prompt, made to show
+        time.sleep(0.05)
+        catch_up(sequence)
+
+    gen.drafter.catch_up = slow_catch_up
+    t = gen.generate(prompt, 16).timings
+    assert 0 < t["prefill_base"] < t["base"] and 0.05 <= t["prefill_draft"] < t["draft"]
+    assert t["total"] >= t["base"] + t["draft"] and t["other"] >= 0

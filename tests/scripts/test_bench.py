@@ -434,6 +434,15 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
     results = json.loads((out / "results.json").read_text())
     assert (results["prompts"]["count"], results["prompts"]["read"]) == (1, 2)
     assert "1 more read, skipped: past the base's context" in (out / "results.md").read_text()
+    # bench_arms likewise (it stopped with a traceback there, losing the prompts timed)
+    import bench_arms
+
+    arms = ["--heads", str(folders["medusa"]), "--arms", "[]", "--out", str(tmp_path / "arms")]
+    assert bench_arms.main([*argv_long, *arms, "--max-new-tokens", "4"]) == 0
+    assert "skipped (its 21" in capsys.readouterr().err
+    assert json.loads((tmp_path / "arms" / "arms.json").read_text())["prompts"]["count"] == 1
+    assert bench_arms.main([*argv, *arms, "--max-new-tokens", "2030"]) == 2
+    assert "every prompt passes the base's context" in capsys.readouterr().err
     for bad, message in (
         (["--temperature", "-1"], "need --temperature >= 0"),
         (["--top-p", "0"], "0 < --top-p <= 1"),
