@@ -315,7 +315,7 @@ def _shapes(text: str) -> list[tuple[int, int]]:
         if not (depth.isdigit() and width.isdigit()) or int(width) < 1:
             raise argparse.ArgumentTypeError(f"shape {item!r}: want DEPTHxWIDTH, e.g. 4x1")
         shapes.append((int(depth), int(width)))
-    return shapes
+    return list(dict.fromkeys(shapes))  # a shape given twice is timed once
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -338,8 +338,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--out", default="runs/bench-verify")
     args = parser.parse_args(argv)
-    if min(args.sizes, default=0) < 1 or min(args.repeats, args.prompts, args.prompt_tokens) < 1:
-        parser.error("--sizes, --repeats, --prompts and --prompt-tokens must be >= 1")
+    counts = (args.repeats, args.prompts, args.prompt_tokens, args.prefix_tokens)
+    if min(args.sizes, default=0) < 1 or min(*counts, args.max_new_tokens) < 1:
+        parser.error(
+            "--sizes, --repeats, --prompts, --prompt-tokens, --prefix-tokens and "
+            "--max-new-tokens must be >= 1"
+        )
     if 1 not in args.sizes:
         parser.error("--sizes must include 1: the other sizes' costs are given relative to it")
     return args
@@ -357,6 +361,18 @@ def main(argv: list[str] | None = None) -> int:
         ["python", "scripts/bench_verify.py", *(sys.argv[1:] if argv is None else argv)]
     )
     model = build_base(args.base, dtype, device, args.attn)
+    positions = model.config.max_position_embeddings
+    for need, what in (
+        (args.prefix_tokens + max(args.sizes), "--prefix-tokens plus the largest of --sizes"),
+        (args.prompt_tokens + args.max_new_tokens, "--prompt-tokens plus --max-new-tokens"),
+    ):
+        if need > positions:
+            print(
+                f"bench_verify failed: {what} ({need}) pass the base's context of {positions} "
+                "positions; lower them",
+                file=sys.stderr,
+            )
+            return 2
     results = {
         "format": FORMAT,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),

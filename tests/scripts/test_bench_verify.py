@@ -18,7 +18,7 @@ def test_bench_verify_writes_costs_and_exact_oracle_runs(tmp_path):
     argv = ["--base", "random:tiny", "--device", "cpu", "--dtype", "fp32", "--sizes", "1,3,9"]
     argv += ["--repeats", "2", "--prompts", "2"]
     # 31 new tokens: the prefill's token, then 30 = 10 steps of 3, 6 of 5, or 30 of 1.
-    argv += ["--shapes", "0x1,2x1,4x3", "--max-new-tokens", "31", "--out", str(out)]
+    argv += ["--shapes", "0x1,2x1,4x3,2x1", "--max-new-tokens", "31", "--out", str(out)]
     assert bench_verify.main(argv) == 0
     results = json.loads((out / "verify.json").read_text())
     assert [c["nodes"] for c in results["cost"]] == [1, 3, 9]
@@ -27,7 +27,27 @@ def test_bench_verify_writes_costs_and_exact_oracle_runs(tmp_path):
     assert hf["method"] == "HF generate" and hf["tokens_per_s"] > 0
     assert [(r["nodes"], r["tau"]) for r in ours] == [(1, 1.0), (3, 3.0), (13, 5.0)]
     assert all(r["identical"] == 1.0 and r["parting_gaps"] == [] for r in ours)
-    assert "| oracle 4x3 | 13 |" in (out / "verify.md").read_text()
+    assert "| oracle 4x3 | 13 |" in (out / "verify.md").read_text()  # 2x1 given twice, run once
+
+
+def test_bench_verify_refuses_runs_past_the_context_before_timing(tmp_path, capsys):
+    import pytest
+
+    base = ["--base", "random:tiny", "--device", "cpu", "--out", str(tmp_path / "v")]
+    positions = 8192  # random:SHAPE's context
+    for flags, message in (
+        (["--prompt-tokens", str(positions - 4), "--max-new-tokens", "20"], "--max-new-tokens"),
+        (["--prefix-tokens", str(positions), "--sizes", "1,2"], "largest of --sizes"),
+    ):
+        assert bench_verify.main([*base, *flags]) == 2
+        assert f"{message} ({positions + 16 if 'max' in message else positions + 2})" in (
+            capsys.readouterr().err
+        )
+    assert not (tmp_path / "v").exists()
+    for flag in ("--prefix-tokens", "--max-new-tokens"):
+        with pytest.raises(SystemExit) as stop:
+            bench_verify.main([*base, flag, "0"])
+        assert stop.value.code == 2 and "must be >= 1" in capsys.readouterr().err
 
 
 def test_measure_parting_gives_the_logit_gap_where_outputs_first_differ():
