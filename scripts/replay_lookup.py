@@ -43,7 +43,8 @@ def replay_tau(answers: list[tuple[list[int], list[int]]], drafter: NgramDrafter
                     break
                 accepted += 1
             steps += 1
-            gained += accepted + 1
+            # the bonus token too, within the answer: past its end the generator keeps none
+            gained += min(accepted + 1, len(sequence) - 1 - t)
             t += accepted + 1
     return gained / steps if steps else 1.0
 
@@ -76,19 +77,28 @@ def main(argv: list[str] | None = None) -> int:
     add("--out", default="runs/replay-lookup")
     args = parser.parse_args(argv)
     chain_lengths = parse_chain_lengths(args.num_tokens)
+    counts = (args.limit, args.per_category, args.max_new_tokens)
+    if min((n for n in counts if n is not None), default=1) < 1:
+        parser.error("--limit, --per-category and --max-new-tokens must be >= 1")
 
-    base, tokenizer = load_base(args.base)
-    base.generation_config = plain_generation_config(base)  # greedy from its own logits
-    prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
-    table = None
-    if args.corpus:
-        table = NgramTable.from_jsonl(
-            args.corpus,
-            tokenizer,
-            tokenizer.eos_token_id,
-            min_count=args.min_count,
-            min_share=args.min_share,
-        )
+    try:  # what can be wrong with the input, before the minutes of answers
+        prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
+        if not prompts:
+            raise ValueError(f"no prompts selected from {args.prompts}")
+        base, tokenizer = load_base(args.base)
+        base.generation_config = plain_generation_config(base)  # greedy from its own logits
+        table = None
+        if args.corpus:
+            table = NgramTable.from_jsonl(
+                args.corpus,
+                tokenizer,
+                tokenizer.eos_token_id,
+                min_count=args.min_count,
+                min_share=args.min_share,
+            )
+    except (OSError, ValueError) as e:  # PromptSourceError is a ValueError
+        print(f"replay_lookup failed: {e}", file=sys.stderr)
+        return 2
     by_category: dict[str, list[tuple[list[int], list[int]]]] = {}
     for p in tqdm(prompts, desc="greedy answers", unit="prompt"):
         ids = prompt_ids([*p.system, {"role": "user", "content": p.users[0]}], tokenizer)

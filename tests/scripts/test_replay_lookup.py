@@ -25,6 +25,23 @@ def test_replay_counts_matching_draft_tokens_plus_the_bonus():
     # A wrong first guess: nothing accepted, 3 steps of one token.
     wrong = NgramTable([[4, 8, 8], [5, 8, 8], [6, 8, 8]], min_count=1)
     assert replay_lookup.replay_tau(answers, NgramDrafter(num_tokens=2, corpus=wrong)) == 1.0
+    # A draft right to the answer's end: its 2 tokens, no bonus past the end (the generator
+    # keeps none there)
+    short = [([1, 2, 3], [4, 5, 6])]
+    assert replay_lookup.replay_tau(short, NgramDrafter(num_tokens=3, corpus=corpus)) == 2.0
+
+
+def test_bad_input_stops_with_its_message_before_the_base_loads(tmp_path, capsys, monkeypatch):
+    monkeypatch.setattr(replay_lookup, "load_base", lambda *a, **k: pytest.fail("loaded"))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    for source in (str(tmp_path / "missing.jsonl"), str(empty)):
+        assert replay_lookup.main(["--prompts", source, "--out", str(tmp_path / "o")]) == 2
+        assert "replay_lookup failed: prompt source" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as stop:
+        replay_lookup.main(["--prompts", str(empty), "--limit", "0"])
+    assert stop.value.code == 2 and "must be >= 1" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()
 
 
 def test_main_writes_replay_rows(tmp_path, smollm2_tokenizer):
