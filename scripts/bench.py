@@ -457,10 +457,14 @@ def first_turn_ids(prompt: BenchPrompt, tokenizer) -> torch.Tensor:
 
 
 def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -> None:
-    """One untimed short generation per method (first-call allocations, lazy inits)."""
+    """One untimed short generation per method (first-call allocations, lazy inits). An adaptive
+    generator then starts afresh: the timed prompts pay for trying its arms, as a user's do."""
     ids = first_turn_ids(prompt, tokenizer)
     for m in methods:
         m.generate(ids.to(m.device), seed, max_new_tokens=16)
+        generator = getattr(m.generate, "generator", None)
+        if generator is not None:
+            generator.policy = None
 
 
 if __name__ == "__main__":

@@ -407,4 +407,5 @@ def _spec_runner(gen: SpeculativeGenerator, settings: dict) -> Callable[..., Run
             out.sequences[0, input_ids.shape[1] :].tolist(), out.accepted_lengths, out.timings
         )
 
+    run.generator = gen  # bench's warm-up forgets what its policy measured there
     return run
