@@ -1,6 +1,6 @@
 """Writing heads in other engines' layouts.
 
-vLLM and SGLang read headstart's native EAGLE-3 folders as they are (README, Export; the aux
+vLLM and SGLang read headstart's native EAGLE-3 folders as they are (docs/formats.md; the aux
 layer ids are written in each engine's meaning), and vLLM its Medusa and EAGLE-1 folders, so
 exporting to them writes the loaded heads in that layout (a checked copy of a native folder);
 SGLang wants EAGLE-1 under its own architecture name with an fc bias, which the export rewrites.
