@@ -7,7 +7,7 @@
 #   bash scripts/gpu_check.sh [OUT_DIR]     # default: $OUT, else runs/gpu-check
 #
 # Writes OUT_DIR/check.log and OUT_DIR/NAME/verify.{json,md} per benchmark. Run it from the
-# repository root after `pip install -e .[dev]` (or with PYTHONPATH=. where torch with CUDA,
+# repository root after `pip install -e '.[dev]'` (or with PYTHONPATH=. where torch with CUDA,
 # transformers 5.x and pytest are already installed); nothing is downloaded (random weights).
 set -uo pipefail
 if [[ ${1:-} == -h || ${1:-} == --help ]]; then
