@@ -96,8 +96,9 @@ class SpeculativeGenerator:
             False never.
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`
-            (with `drafter_options`: those settings and plain decoding), a list gives the arms;
-            the default is on unless `drafter_options` fix the settings.
+            (with `drafter_options` or a drafter object: those settings and plain decoding), a
+            list gives the arms; the default is on unless options or drafter objects fix the
+            settings.
             The measurements carry over from one generate call to the next (`.policy`; set it
             to None, or assign other `.arms`, to start afresh). Every arm is lossless; with
             sampling, the same seed reproduces the same text only with fixed settings (arm
@@ -137,18 +138,17 @@ class SpeculativeGenerator:
             self.dense_logits_max_nodes = 1 if lazy_logits else None
         # Adaptive by default, unless the caller fixed the drafter's settings (options, or a
         # drafter object built by the caller).
+        members = (
+            heads_or_drafter if isinstance(heads_or_drafter, (list, tuple)) else [heads_or_drafter]
+        )
+        settings_given = bool(drafter_options) or any(isinstance(m, Drafter) for m in members)
         if adaptive is None:
-            members = (
-                heads_or_drafter
-                if isinstance(heads_or_drafter, (list, tuple))
-                else [heads_or_drafter]
-            )
-            adaptive = not drafter_options and not any(isinstance(m, Drafter) for m in members)
+            adaptive = not settings_given
         self.arms = None
         if adaptive:
             if adaptive is not True:
                 self.arms = list(adaptive)
-            elif drafter_options:  # the settings given, or plain decoding where they do not pay
+            elif settings_given:  # those settings, or plain decoding where they do not pay
                 self.arms = [None, {}]
             else:
                 self.arms = self.drafter.default_arms(device)
