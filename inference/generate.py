@@ -145,23 +145,33 @@ class SpeculativeGenerator:
         if adaptive is None:
             adaptive = not settings_given
         self.arms = None
-        if adaptive:
-            if adaptive is not True:
-                self.arms = list(adaptive)
-            elif settings_given:  # those settings, or plain decoding where they do not pay
-                self.arms = [None, {}]
-            else:
-                self.arms = self.drafter.default_arms(device)
-            check_arms(self.arms)
-            for options in self.arms:  # now, not when the policy first tries the arm
+        if adaptive is True:
+            # those settings, or plain decoding where they do not pay
+            self.arms = [None, {}] if settings_given else self.drafter.default_arms(device)
+        elif adaptive:
+            self.arms = adaptive
+        # Built at the first generation and kept: later calls start from what it measured.
+        self.policy: AdaptivePolicy | None = None
+        self._root_only = tree_from_parents([-1], device=device)
+
+    @property
+    def arms(self) -> list[dict | None] | None:
+        """The adaptive policy's settings (None: plain decoding; `{}`: the drafter as built), or
+        None for fixed settings. Assigning others starts the measurements afresh."""
+        return self._arms
+
+    @arms.setter
+    def arms(self, arms: Sequence[dict | None] | None) -> None:
+        if arms is not None:
+            arms = list(arms)
+            check_arms(arms)
+            for options in arms:  # now, not when the policy first tries the arm
                 if options:
                     try:
                         self.drafter.check_options(**options)
                     except (TypeError, ValueError, NotImplementedError) as e:
                         raise ValueError(f"adaptive arm {options}: {e}") from e
-        # Built at the first generation and kept: later calls start from what it measured.
-        self.policy: AdaptivePolicy | None = None
-        self._root_only = tree_from_parents([-1], device=device)
+        self._arms = arms
 
     # -- one forward of the base --------------------------------------------------------------
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):

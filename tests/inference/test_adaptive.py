@@ -467,3 +467,8 @@ def test_arms_the_drafter_cannot_take_are_refused_when_the_generator_is_built():
     )
     assert gen.drafter.drafters[0].tree.num_nodes == 3 and lookup.num_tokens == 2
     assert gen.drafter.enabled == [True, True]
+    # and so are arms assigned afterwards (which start the measurements afresh)
+    with pytest.raises(ValueError, match=r"adaptive arm .*tree depth 3 needs 3 heads"):
+        gen.arms = [None, {"parts": [deep, {}]}]
+    with pytest.raises(ValueError, match=r"adaptive arms mix \{\}"):
+        gen.arms = [None, {}, {"parts": [{"choices": [[0]]}, {}]}]
