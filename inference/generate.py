@@ -14,8 +14,6 @@ This is the only module that calls the base model in a loop. Per step:
 
 from __future__ import annotations
 
-import math
-import numbers
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -37,6 +35,7 @@ from inference.acceptance import (
     warp_probs,
 )
 from inference.adaptive import AdaptivePolicy, check_arms
+from inference.arguments import check_generation_arguments, eos_ids
 from inference.base_checks import (
     base_logits,
     check_base_takes_trees,
@@ -262,35 +261,9 @@ class SpeculativeGenerator:
         concurrent stream its own generator.
         """
         ids = prompt_ids(input_ids, attention_mask)
-        if acceptance not in ("lossless", "typical"):
-            raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
-        if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
-            raise ValueError(
-                "acceptance='typical' accepts from the temperature-scaled distribution, without "
-                "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
-            )
-        if isinstance(stop_strings, str):  # one string, as HF takes it
-            stop_strings = [stop_strings]
-        if stop_strings and tokenizer is None:
-            raise ValueError("stop_strings need the tokenizer= to decode the generated text")
-        if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
-            raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
-        max_new_tokens = int(max_new_tokens)  # numpy's and torch's integers too
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        reals = (temperature, top_p)
-        if not all(isinstance(x, numbers.Real) for x in reals) or (
-            not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool)
-        ):
-            raise TypeError(
-                f"temperature and top_p must be numbers and top_k an int; got "
-                f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
-            )
-        if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
-            raise ValueError(
-                f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
-                f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
-            )
+        max_new_tokens, stop_strings = check_generation_arguments(
+            max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer
+        )
         max_positions = self.base.config.max_position_embeddings
         if len(ids) > max_positions:
             raise ValueError(
@@ -299,7 +272,7 @@ class SpeculativeGenerator:
             )
         device = next(self.base.parameters()).device
         ids = ids.to(device)
-        eos = self._eos_ids(eos_token_id)
+        eos = eos_ids(self.base, eos_token_id)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)
@@ -507,15 +480,3 @@ class SpeculativeGenerator:
         return GenerationOutput(
             sequences, stats["accepted_lengths"], stats["timings"], stats["finished"]
         )
-
-    def _eos_ids(self, eos_token_id) -> set[int]:
-        if eos_token_id is None:  # HF's: the generation config's, else the model config's
-            gen_cfg = getattr(self.base, "generation_config", None)
-            holder = gen_cfg if gen_cfg is not None else self.base.config
-            eos_token_id = getattr(holder, "eos_token_id", None)
-        if eos_token_id is None:
-            return set()
-        # an int, a list or set of them, or a tensor / numpy value of either
-        if isinstance(eos_token_id, (set, frozenset)):
-            eos_token_id = sorted(eos_token_id)
-        return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}

@@ -21,7 +21,10 @@ def test_eos_stop_strings_streaming_and_stats():
     assert sum(steps, []) == ref and steps[0] == ref[:1]
     full = gen.generate(prompt, max_new_tokens=20, eos_token_id=[])
     assert not full.finished and full.sequences.shape[1] == 26
-    assert set(full.timings) == {"base", "draft", "other", "total"} and full.timings["total"] > 0
+    assert (
+        set(full.timings) == {"base", "draft", "other", "total", "prefill_base", "prefill_draft"}
+        and full.timings["total"] > 0
+    )
 
     class Tok:  # a tokenizer whose text is the token ids
         def decode(self, ids):

@@ -1,0 +1,68 @@
+"""`generate`'s arguments, checked and normalised before any work: a clear error for each
+value it cannot take, and HF's defaults where it has them."""
+
+from __future__ import annotations
+
+import math
+import numbers
+from collections.abc import Sequence
+
+import torch
+
+
+def check_generation_arguments(
+    max_new_tokens,
+    temperature,
+    top_k,
+    top_p,
+    acceptance: str,
+    stop_strings: str | Sequence[str] | None,
+    tokenizer,
+) -> tuple[int, list[str] | None]:
+    """Raise for a value `generate` cannot take; return max_new_tokens as an int (numpy's and
+    torch's integers too) and stop_strings as a list (one string, as HF takes it)."""
+    if acceptance not in ("lossless", "typical"):
+        raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
+    if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
+        raise ValueError(
+            "acceptance='typical' accepts from the temperature-scaled distribution, without "
+            "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
+        )
+    if isinstance(stop_strings, str):  # one string, as HF takes it
+        stop_strings = [stop_strings]
+    if stop_strings and tokenizer is None:
+        raise ValueError("stop_strings need the tokenizer= to decode the generated text")
+    if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
+        raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
+    max_new_tokens = int(max_new_tokens)  # numpy's and torch's integers too
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    reals = (temperature, top_p)
+    if not all(isinstance(x, numbers.Real) for x in reals) or (
+        not isinstance(top_k, numbers.Integral) or isinstance(top_k, bool)
+    ):
+        raise TypeError(
+            f"temperature and top_p must be numbers and top_k an int; got "
+            f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
+        )
+    if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
+        raise ValueError(
+            f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
+            f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
+        )
+    return max_new_tokens, stop_strings
+
+
+def eos_ids(base, eos_token_id) -> set[int]:
+    """The EOS ids to stop at: `eos_token_id` as given (an int, a list or set of them, or a
+    tensor / numpy value of either), else HF's default."""
+    if eos_token_id is None:  # HF's: the generation config's, else the model config's
+        gen_cfg = getattr(base, "generation_config", None)
+        holder = gen_cfg if gen_cfg is not None else base.config
+        eos_token_id = getattr(holder, "eos_token_id", None)
+    if eos_token_id is None:
+        return set()
+    # an int, a list or set of them, or a tensor / numpy value of either
+    if isinstance(eos_token_id, (set, frozenset)):
+        eos_token_id = sorted(eos_token_id)
+    return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}
