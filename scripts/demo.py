@@ -85,6 +85,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.prompts and Path(args.prompts).exists():
         args.prompts = str(Path(args.prompts).resolve())
     prompts = args.prompts or default_prompts()
+    if prompts == "humaneval" and not args.prompts:
+        print(
+            "demo: no mt_bench.jsonl in the repository (nor HEADSTART_MT_BENCH=FILE): benchmarking "
+            "HumanEval's first problems instead (the README says where to get MT-bench's file)",
+            file=sys.stderr,
+        )
     categories = check_prompts(parser, prompts)  # before the stages' half hour, not after it
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}

@@ -93,3 +93,20 @@ def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys)
         with pytest.raises(SystemExit) as stop:
             demo.main(argv)
         assert stop.value.code == 2 and message in capsys.readouterr().err, argv
+
+
+def test_without_mt_bench_the_demo_says_it_benchmarks_humaneval(tmp_path, monkeypatch, capsys):
+    stages = []
+
+    def fake_stage(name, args, timings):
+        stages.append(args)
+        if name == "benchmark":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "results.md").write_text("")
+
+    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    monkeypatch.setattr(demo, "MT_BENCH_CANDIDATES", [str(tmp_path / "none.jsonl")])
+    assert demo.main(["--out", str(tmp_path / "report")]) == 0
+    assert stages[-1][stages[-1].index("--prompts") + 1] == "humaneval"
+    assert "no mt_bench.jsonl in the repository" in capsys.readouterr().err
