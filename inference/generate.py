@@ -95,9 +95,9 @@ class SpeculativeGenerator:
             False never.
         adaptive: choose, step by step, the drafter setting or plain decoding with the most
             measured tokens/s (`inference.adaptive`). True uses the drafter's `default_arms`
-            (with `drafter_options` or a drafter object: those settings and plain decoding), a
-            list gives the arms; the default is on unless options or drafter objects fix the
-            settings.
+            (with `drafter_options`: those settings and plain decoding), a list gives the arms
+            (`[None, {}]`: a drafter object's settings and plain decoding); the default is on
+            unless options or drafter objects fix the settings.
             The measurements carry over from one generate call to the next (`.policy`; set it
             to None, or assign other `.arms`, to start afresh). Every arm is lossless; with
             sampling, the same seed reproduces the same text only with fixed settings (arm
@@ -137,16 +137,19 @@ class SpeculativeGenerator:
             self.dense_logits_max_nodes = 1 if lazy_logits else None
         # Adaptive by default, unless the caller fixed the drafter's settings (options, or a
         # drafter object built by the caller).
-        members = (
-            heads_or_drafter if isinstance(heads_or_drafter, (list, tuple)) else [heads_or_drafter]
-        )
-        settings_given = bool(drafter_options) or any(isinstance(m, Drafter) for m in members)
         if adaptive is None:
-            adaptive = not settings_given
+            members = (
+                heads_or_drafter
+                if isinstance(heads_or_drafter, (list, tuple))
+                else [heads_or_drafter]
+            )
+            adaptive = not drafter_options and not any(isinstance(m, Drafter) for m in members)
         self.arms = None
         if adaptive is True:
-            # those settings, or plain decoding where they do not pay
-            self.arms = [None, {}] if settings_given else self.drafter.default_arms(device)
+            # with options: those settings, or plain decoding where they do not pay. A drafter
+            # object takes the drafter's own arms: it may be built for what options cannot say
+            # (an n-gram drafter's corpus)
+            self.arms = [None, {}] if drafter_options else self.drafter.default_arms(device)
         elif adaptive:
             self.arms = adaptive
         # Built at the first generation and kept: later calls start from what it measured.
