@@ -364,7 +364,10 @@ def main(argv: list[str] | None = None) -> int:
     positions = model.config.max_position_embeddings
     for need, what in (
         (args.prefix_tokens + max(args.sizes), "--prefix-tokens plus the largest of --sizes"),
-        (args.prompt_tokens + args.max_new_tokens, "--prompt-tokens plus --max-new-tokens"),
+        (  # the largest oracle tree (and its root) still fits at the last step
+            args.prompt_tokens + args.max_new_tokens + max(d * w for d, w in args.shapes) + 1,
+            "--prompt-tokens plus --max-new-tokens plus the largest tree of --shapes",
+        ),
     ):
         if need > positions:
             print(

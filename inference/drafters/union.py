@@ -15,7 +15,6 @@ The verifier's per-child rule (inference/draft.py) is exact for any mix of such 
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 from collections.abc import Sequence
 
@@ -50,12 +49,15 @@ class UnionDrafter(Drafter):
         """The root plus every enabled drafter's candidates (before merging shared ones)."""
         return 1 + sum(d.max_nodes - 1 for d, on in zip(self.drafters, self.enabled) if on)
 
-    def configure(self, parts: Sequence[dict | None]) -> None:
-        """`parts[i]`: options for drafter i (`{}` keeps its settings), or None to leave it out."""
+    def _check_parts(self, parts: Sequence[dict | None]) -> None:
         if len(parts) != len(self.drafters):
             raise ValueError(f"parts has {len(parts)} entries for {len(self.drafters)} drafters")
         if all(p is None for p in parts):
             raise ValueError("a union needs at least one drafter enabled (None for all is plain)")
+
+    def configure(self, parts: Sequence[dict | None]) -> None:
+        """`parts[i]`: options for drafter i (`{}` keeps its settings), or None to leave it out."""
+        self._check_parts(parts)
         for drafter, options in zip(self.drafters, parts):
             if options:
                 drafter.configure(**options)
@@ -67,9 +69,10 @@ class UnionDrafter(Drafter):
         self.enabled = enabled
 
     def check_options(self, parts: Sequence[dict | None]) -> None:
-        trial = copy.copy(self)
-        trial.drafters = [copy.copy(d) for d in self.drafters]  # their configure sets theirs
-        trial.configure(parts)
+        self._check_parts(parts)
+        for drafter, options in zip(self.drafters, parts):  # each its own way (a union nested)
+            if options:
+                drafter.check_options(**options)
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
         """Plain decoding; each of the primary's settings with the others added; the others

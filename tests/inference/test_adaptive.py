@@ -467,6 +467,12 @@ def test_arms_the_drafter_cannot_take_are_refused_when_the_generator_is_built():
     )
     assert gen.drafter.drafters[0].tree.num_nodes == 3 and lookup.num_tokens == 2
     assert gen.drafter.enabled == [True, True]
+    from inference import UnionDrafter  # a union in a union: its members untouched as well
+
+    inner = UnionDrafter([drafter, lookup])
+    nested = {"parts": [{"parts": [{"choices": [[0]]}, {"num_tokens": 7}]}, {}]}
+    SpeculativeGenerator(base, [inner, NgramDrafter(num_tokens=3)], adaptive=[None, nested])
+    assert drafter.tree.num_nodes == 3 and lookup.num_tokens == 2
     # and so are arms assigned afterwards (which start the measurements afresh)
     with pytest.raises(ValueError, match=r"adaptive arm .*tree depth 3 needs 3 heads"):
         gen.arms = [None, {"parts": [deep, {}]}]

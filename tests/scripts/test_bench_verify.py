@@ -35,14 +35,19 @@ def test_bench_verify_refuses_runs_past_the_context_before_timing(tmp_path, caps
 
     base = ["--base", "random:tiny", "--device", "cpu", "--out", str(tmp_path / "v")]
     positions = 8192  # random:SHAPE's context
-    for flags, message in (
-        (["--prompt-tokens", str(positions - 4), "--max-new-tokens", "20"], "--max-new-tokens"),
-        (["--prefix-tokens", str(positions), "--sizes", "1,2"], "largest of --sizes"),
+    # the default shapes' largest tree is 6x10: 60 nodes past the root; near the end of the
+    # context the generator would decode plainly, and the oracle's tau would not be measured
+    room = ["--prompt-tokens", str(positions - 128 - 60), "--max-new-tokens", "128"]
+    for flags, message, need in (
+        (room, "largest tree of --shapes", positions + 1),
+        (
+            ["--prefix-tokens", str(positions), "--sizes", "1,2"],
+            "largest of --sizes",
+            positions + 2,
+        ),
     ):
         assert bench_verify.main([*base, *flags]) == 2
-        assert f"{message} ({positions + 16 if 'max' in message else positions + 2})" in (
-            capsys.readouterr().err
-        )
+        assert f"{message} ({need}) pass the base's context" in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
     for flag in ("--prefix-tokens", "--max-new-tokens"):
         with pytest.raises(SystemExit) as stop:
