@@ -14,6 +14,22 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import demo  # noqa: E402  (scripts/ is not a package)
 
 
+def record_stages(monkeypatch) -> list[list[str]]:
+    """Stand in for the stages: each one's command line is recorded, the benchmark writes an
+    empty table."""
+    stages: list[list[str]] = []
+
+    def fake_stage(name, args, timings):
+        stages.append(args)
+        if name == "benchmark":
+            out = Path(args[args.index("--out") + 1])
+            out.mkdir(parents=True)
+            (out / "results.md").write_text("")
+
+    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    return stages
+
+
 def test_demo_runs_its_stages_in_order_and_writes_the_report(tmp_path, monkeypatch, capsys):
     stages = []
 
@@ -61,16 +77,7 @@ def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
 def test_the_benchmark_takes_16_prompts_whatever_their_categories(
     tmp_path, monkeypatch, prompts, per_category
 ):
-    stages = []
-
-    def fake_stage(name, args, timings):
-        stages.append(args)
-        if name == "benchmark":
-            out = Path(args[args.index("--out") + 1])
-            out.mkdir(parents=True)
-            (out / "results.md").write_text("")
-
-    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    stages = record_stages(monkeypatch)
     monkeypatch.chdir(tmp_path)
     questions = [{"turns": [f"Hi {i}?"], "category": f"c{i % 8}"} for i in range(24)]
     (tmp_path / "mt_bench.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
@@ -96,16 +103,7 @@ def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys)
 
 
 def test_without_mt_bench_the_demo_says_it_benchmarks_humaneval(tmp_path, monkeypatch, capsys):
-    stages = []
-
-    def fake_stage(name, args, timings):
-        stages.append(args)
-        if name == "benchmark":
-            out = Path(args[args.index("--out") + 1])
-            out.mkdir(parents=True)
-            (out / "results.md").write_text("")
-
-    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    stages = record_stages(monkeypatch)
     monkeypatch.setattr(demo, "MT_BENCH_CANDIDATES", [str(tmp_path / "none.jsonl")])
     assert demo.main(["--out", str(tmp_path / "report")]) == 0
     assert stages[-1][stages[-1].index("--prompts") + 1] == "humaneval"
