@@ -1,5 +1,5 @@
-"""scripts/bench.py's records and report: what a method's timed runs add up to, and how the
-identical share reads."""
+"""scripts/bench.py's records and report: what a method's timed runs add up to (and what its
+untimed warm-up leaves them), and how the identical share reads."""
 
 import sys
 from pathlib import Path
@@ -73,3 +73,27 @@ def test_sampled_runs_of_other_lengths_keep_tokens_and_time_together():
     # an even count: the lower middle run (here the slower of two)
     record = bench._record(prompt, 0, method, 5, timed[:2], None)
     assert (record["new_tokens"], record["seconds"]) == (22, 0.079)
+
+
+def test_the_warm_up_leaves_no_measurements_in_an_adaptive_policy(smollm2_tokenizer):
+    # bench_arms does the same: what the policy measured while untimed must not steer the timed
+    # prompts (they pay for trying the arms, as a user's first prompts do)
+    import bench_methods
+
+    from heads import MedusaConfig, MedusaHeads
+    from inference import SpeculativeGenerator
+    from tests.conftest import make_tiny_llama
+
+    tok = smollm2_tokenizer
+    base = make_tiny_llama(vocab_size=len(tok), eos_token_id=tok.eos_token_id)
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    gen = SpeculativeGenerator(base, heads)
+    settings = {"max_new_tokens": 32, "temperature": 0.0, "top_p": 1.0, "eos": []}
+    method = bench_methods.Method(
+        "medusa", "medusa", bench_methods._spec_runner(gen, settings), torch.device("cpu"), True
+    )
+    prompt = bench.BenchPrompt(0, 0, "writing", "test", [], ["Write a poem."])
+    bench._warm_up(prompt, [method], tok, seed=0)
+    assert gen.policy is None
+    method.generate(bench.first_turn_ids(prompt, tok), 0)
+    assert sum(a["steps"] for a in gen.policy.summary()) > 0  # kept from prompt to prompt
