@@ -54,12 +54,14 @@ def format_arm(arm: Arm) -> str:
 
 
 def check_arms(base, heads, arms: list[Arm]) -> None:
-    """Raise ValueError naming the first setting these heads cannot take (before any timing)."""
+    """Raise ValueError naming the first setting these heads cannot take (before any timing),
+    in the form --arms gave it: the drafter's own check, which the generator makes too."""
+    drafter = make_drafter(base, heads)
     for arm in arms:
         for options in arm if isinstance(arm, list) else [arm]:
             if isinstance(options, dict):
                 try:
-                    make_drafter(base, heads).configure(**options)
+                    drafter.check_options(**options)
                 except (ValueError, TypeError) as e:
                     raise ValueError(f"setting {format_arm(options)}: {e}") from e
 
