@@ -59,7 +59,7 @@ def check_arms(base, heads, arms: list[Arm]) -> None:
     drafter = make_drafter(base, heads)
     for arm in arms:
         for options in arm if isinstance(arm, list) else [arm]:
-            if isinstance(options, dict):
+            if isinstance(options, dict) and options:  # {}: the drafter as configured
                 try:
                     drafter.check_options(**options)
                 except (ValueError, TypeError) as e:
@@ -86,7 +86,8 @@ def time_arms(
     "arms" (the fixed settings) and "prompts" (per prompt, per setting, its steps as [position,
     tokens, seconds, drafted, accepted, static]; drafted / accepted are paths of ranks on a
     greedy step, a static tree's nodes or (static false) a dynamic tree's root ranking, else
-    null / [])."""
+    null / []) and "lengths" (per prompt, the tokens the generation kept: a last step may gain
+    more than max_new_tokens leaves)."""
     if not arms or arms[0] is not None:
         raise ValueError("the first setting must be null (plain decoding): the reference")
     gens = [build_generator(base, heads, arm) for arm in arms]
@@ -99,7 +100,7 @@ def time_arms(
             if arm is None or isinstance(arm, dict):
                 gens[i].policy = AdaptivePolicy.from_options(gens[i].arms)  # kept by generate
                 logs[i] = _record_steps(gens[i].policy)
-        record.update(arms=[arms[i] for i in logs], prompts=[])
+        record.update(arms=[arms[i] for i in logs], prompts=[], lengths=[])
     rows = [
         {"arm": arm, "tokens": 0, "steps": 0, "base_s": 0.0, "draft_s": 0.0, "total_s": 0.0}
         for arm in arms
@@ -107,12 +108,13 @@ def time_arms(
     same = [0] * len(arms)
     rates: list[list[float]] = [[] for _ in arms]  # tokens/s per prompt
     for x in tqdm(ids, desc="arms", unit="prompt"):
-        reference = None
+        reference = kept = None
         for i, (gen, row) in enumerate(zip(gens, rows)):
             out = gen.generate(x, max_new_tokens=max_new_tokens)
             reference = out.sequences if reference is None else reference
             same[i] += int(torch.equal(out.sequences, reference))
-            tokens = sum(out.accepted_lengths)
+            tokens = sum(out.accepted_lengths)  # the tokens kept (a last step may gain more)
+            kept = tokens if kept is None else kept
             row["tokens"] += tokens
             row["steps"] += out.num_steps
             # a step's cost: the prompt's prefill (and the drafter's pass over it) left out,
@@ -123,6 +125,7 @@ def time_arms(
             rates[i].append(tokens / out.timings["total"] if out.timings["total"] else 0.0)
         if record is not None:
             record["prompts"].append([list(log) for log in logs.values()])
+            record["lengths"].append(kept)  # plain decoding's, which every setting matches
             for log in logs.values():
                 log.clear()
     plain_rate = rows[0]["tokens"] / rows[0]["total_s"] if rows[0]["total_s"] else 0.0

@@ -13,7 +13,8 @@ records, made before commit eeb0b09, hold static trees' only). A policy decodes 
 again: at each step the setting it chooses gives its recorded step that covers the current
 position (a step that began earlier counts its tokens from here on and its whole time, which
 penalises switching, and feeds no paths), so text that one setting drafts well pays every
-setting that tries there. Rates count the steps' time only (no prefill or catch-up), unlike the
+setting that tries there; tokens a last step gained past the generation's end (max_new_tokens,
+EOS) are not counted. Rates count the steps' time only (no prefill or catch-up), unlike the
 tokens/s of arms.json. Prompts run in `--orders` shuffled orders (the policy kept across
 prompts, as in a generator's life); reported per subset of the settings (indices into the
 record's settings; the default is all of them): each setting's rate fixed and each policy's mean
@@ -48,11 +49,23 @@ POLICIES: dict[str, tuple[Callable[[list], AdaptivePolicy], bool]] = {
 }
 
 
+def lengths(record: dict) -> list[int]:
+    """Tokens each prompt's generation kept. A step's tokens are recorded as the step gained
+    them, and a generation's last step may gain more than max_new_tokens (or an EOS) leaves:
+    records made since 2026-12-06 hold the kept length; for older ones, the fewest tokens any
+    setting recorded (exact where one of them is plain decoding, which gains one at a time)."""
+    if "lengths" in record:
+        return list(record["lengths"])
+    return [min(sum(s[1] for s in steps) for steps in per_arm) for per_arm in record["prompts"]]
+
+
 def fixed_rate(record: dict, arm: int) -> float:
-    """Tokens per second of setting `arm` fixed over every recorded prompt."""
-    steps = [s for per_arm in record["prompts"] for s in per_arm[arm]]
-    seconds = sum(s[2] for s in steps)
-    return sum(s[1] for s in steps) / seconds if seconds else 0.0
+    """Tokens per second of setting `arm` fixed over every recorded prompt (the tokens kept)."""
+    tokens = seconds = 0.0
+    for per_arm, length in zip(record["prompts"], lengths(record)):
+        tokens += min(sum(s[1] for s in per_arm[arm]), length)
+        seconds += sum(s[2] for s in per_arm[arm])
+    return tokens / seconds if seconds else 0.0
 
 
 def replay(
@@ -68,11 +81,12 @@ def replay(
     second prompt takes `busy` times its recorded seconds."""
     policy.greedy = True
     tokens = seconds = 0.0
+    kept = lengths(record)
     for position_in_order, p in enumerate(order):
         slow = busy if position_in_order == 1 else 1.0
         per_arm = [record["prompts"][p][i] for i in subset]
         starts = [[s[0] for s in steps] for steps in per_arm]
-        end = min(sum(s[1] for s in steps) for steps in per_arm)  # the last step may be cut
+        end = kept[p]
         position = 0
         while position < end:
             k = policy.choose()
@@ -83,12 +97,14 @@ def replay(
             if start == position and drafted is not None and (static or dynamic_paths):
                 paths = [tuple(c) for c in drafted]
             # A step that began earlier: its tokens from here on, its whole time; its paths say
-            # nothing of a step beginning here.
+            # nothing of a step beginning here. The policy is told what the step gained (as the
+            # generator tells it); the rate counts only the tokens the generation keeps.
             n = max(1, n - (position - start))
+            kept_n = min(n, end - position)
             s *= slow
             policy.update(k, n, s, paths, tuple(accepted) if paths is not None else (), static)
-            position += n
-            tokens += n
+            position += kept_n
+            tokens += kept_n
             seconds += s
     return tokens / seconds if seconds else 0.0
 
@@ -158,6 +174,8 @@ def main(argv: list[str] | None = None) -> int:
         n = len(record["arms"])
         if not record["prompts"]:
             raise ValueError("it holds no prompts")
+        if len(record.get("lengths", record["prompts"])) != len(record["prompts"]):
+            raise ValueError("its lengths and prompts differ in number")
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(
             f"replay_policy failed: {args.record} is not a record of `scripts/bench_arms.py "

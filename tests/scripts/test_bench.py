@@ -330,6 +330,9 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     record = json.loads((out / "steps.json").read_text())
     assert record["arms"] == [None, {"choices": "chain-2"}]
     assert len(record["prompts"]) == len(MT_BENCH)
+    # the tokens each generation kept: plain decoding's steps, at most --max-new-tokens
+    assert record["lengths"] == [len(p[0]) for p in record["prompts"]]
+    assert all(0 < n <= 8 for n in record["lengths"])
     for i in (0, 1):  # every timed step once, the untimed warm-up's none
         assert sum(len(p[i]) for p in record["prompts"]) == rows[i]["steps"]
     for plain, chain in record["prompts"]:
@@ -357,6 +360,12 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
     capsys.readouterr()
     assert replay_policy.main([str(out / "steps.json"), "--orders", "2"]) == 0
     assert "static trees' steps only" in capsys.readouterr().out
+
+    # {} is the drafter as it is configured (the library takes it): timed, not refused.
+    out = tmp_path / "as-configured"
+    assert bench_arms.main([*argv, *medusa, "--arms", "[{}, [null, {}]]", "--out", str(out)]) == 0
+    rows = json.loads((out / "arms.json").read_text())["arms"]
+    assert [r["arm"] for r in rows] == [None, {}, [None, {}]]
 
     # A setting the heads cannot take fails before any timing, naming it; nothing is written.
     capsys.readouterr()

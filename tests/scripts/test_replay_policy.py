@@ -73,6 +73,27 @@ def test_busy_replays_every_setting_slower_on_each_orders_second_prompt(tmp_path
     assert "with the second prompt 2x slower:" in out and out.count("settings [0, 1]:") == 2
 
 
+def test_tokens_a_last_step_gains_past_the_kept_length_are_not_counted():
+    """A generation of 5 tokens: plain decoding's 5 steps, a chain's steps of 3 and 3 (its last
+    step gained a token that max_new_tokens cut). Fixed or replayed, the chain makes 5 tokens in
+    its 2 s, with the length recorded or (older records) read from plain decoding's steps."""
+    chain = [[0], [0, 0]]
+    per_prompt = [steps([1] * 5, 1.0), steps([3, 3], 1.0, chain)]
+    old = {"arms": [None, {"choices": chain}], "prompts": [per_prompt]}
+    new = {**old, "lengths": [5]}
+    for rec in (old, new):
+        assert replay_policy.lengths(rec) == [5]
+        assert replay_policy.fixed_rate(rec, 1) == pytest.approx(5 / 2)
+        make, _ = replay_policy.POLICIES["shared path rates (default)"]
+        assert replay_policy.replay(rec, make([{"choices": chain}]), [1], [0]) == pytest.approx(
+            5 / 2
+        )
+    # the record's length wins over the settings' steps (here no setting ended exactly)
+    only_chain = {"arms": [{"choices": chain}], "prompts": [[per_prompt[1]]]}
+    assert replay_policy.fixed_rate(only_chain, 0) == pytest.approx(6 / 2)
+    assert replay_policy.fixed_rate({**only_chain, "lengths": [5]}, 0) == pytest.approx(5 / 2)
+
+
 def test_a_dynamic_trees_ranked_paths_feed_the_shared_rates_only_when_told():
     """Steps recorded with `static` false (a dynamic tree's root ranking) feed the path rates,
     never the arm's shape; the variant without them feeds nothing."""
@@ -99,6 +120,9 @@ def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
     assert replay_policy.main([str(path)]) == 2
     assert "not a record of `scripts/bench_arms.py --record`" in capsys.readouterr().err
     assert replay_policy.main([str(tmp_path / "missing.json")]) == 2
+    path.write_text(json.dumps({**record(1), "lengths": [80, 80]}))
+    assert replay_policy.main([str(path)]) == 2
+    assert "its lengths and prompts differ in number" in capsys.readouterr().err
     path.write_text(json.dumps(record(1)))
     for bad, message in [
         (["--subset", "0,2"], "--subset indices must be in 0..1"),
