@@ -108,10 +108,12 @@ def verify_sampling_batch(
     draft_probs: torch.Tensor | None,
     sampled: torch.Tensor,
     generator: torch.Generator | None = None,
+    q_rows: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Lossless tree verification for B sequences sharing one tree shape; see `verify_sampling`.
 
-    tokens: (B, N); target_probs, draft_probs: (B, N, V); sampled: (B, N) or (N,) bool.
+    tokens: (B, N); target_probs: (B, N, V); draft_probs: (B, N, V), or (B, R, V) with `q_rows`
+    (N,) naming each sampled node's row; sampled: (B, N) or (N,) bool.
     Returns the last accepted node (B,) and the bonus token (B,). No host sync except the final
     check that every sampled token had q > 0. `generator` must live on the inputs' device.
     """
@@ -123,6 +125,7 @@ def verify_sampling_batch(
     cur = torch.zeros(b, dtype=torch.long, device=tokens.device)
     r = target_probs[:, 0].float()  # (B, V) residual at cur, unnormalised
     bad_q = torch.zeros(b, dtype=torch.bool, device=tokens.device)
+    q_row = tree.parents.tolist() if q_rows is None else q_rows.tolist()
     # Children of a node are tried in index order, and a node's children come after it, so one
     # pass over c = 1..N-1 lets every sequence sitting at parents[c] try c, in the right order.
     for c, parent in enumerate(tree.parents.tolist()[1:], start=1):
@@ -135,7 +138,7 @@ def verify_sampling_batch(
         rejected = r.scatter(1, x, 0.0)
         if draft_probs is not None:
             # Sampled from q: accept w.p. min(1, r(x) / q(x)), else r <- max(0, r - q).
-            q = draft_probs[:, parent].float()  # (B, V)
+            q = draft_probs[:, q_row[c]].float()  # (B, V): the q that c was drawn from
             qx = q.gather(1, x).squeeze(1)
             s = sampled[:, c]
             bad_q |= active & s & (qx <= 0)
@@ -151,7 +154,9 @@ def verify_sampling_batch(
         )
         cur = torch.where(accept, c, cur)
     if bool(bad_q.any()):
-        raise ValueError("a child marked sampled has q(token) == 0 under its parent's draft_probs")
+        raise ValueError(
+            "a child marked sampled has q(token) == 0 in the draft_probs row it was drawn from"
+        )
     bonus = torch.multinomial(r, 1, generator=generator).squeeze(1)
     return cur, bonus
 
@@ -163,6 +168,7 @@ def verify_sampling(
     draft_probs: torch.Tensor | None,
     sampled: torch.Tensor,
     generator: torch.Generator | None = None,
+    q_rows: torch.Tensor | None = None,
 ) -> Acceptance:
     """Lossless speculative sampling over a token tree (SpecInfer, Miao et al. 2024; Leviathan
     et al. 2023; Chen et al. 2023).
@@ -172,14 +178,17 @@ def verify_sampling(
 
     - `sampled[c]` False: c's token x was chosen deterministically (top-k, static tree, n-gram).
       Accept with probability r(x) (r normalised); else r(x) <- 0 and renormalise.
-    - `sampled[c]` True: x was drawn from q = `draft_probs[parent of c]`. Accept with
-      probability min(1, r(x) / q(x)); else r <- normalise(max(0, r - q)).
+    - `sampled[c]` True: x was drawn from q = `draft_probs[parent of c]` (or the row
+      `q_rows[c]`). Accept with probability min(1, r(x) / q(x)); else r <- normalise(max(0,
+      r - q)). Siblings drawn independently from different qs (a union of two sampling
+      drafters) are exact too: after a rejection r is the law of the base's token given that
+      rejection, whatever q the next sibling came from.
 
     On acceptance move to c with r = p[c]; when every child fails, or the node is a leaf, the
     bonus token is drawn from r. The point-mass rule is the q rule with q = one-hot(x); applying
     the q rule to tokens that were not sampled from q is NOT lossless. A residual that empties
     (only through rounding: it needs a rejection of probability 0) falls back to p at that node.
-    tokens, sampled: (N,); target_probs, draft_probs: (N, V).
+    tokens, sampled: (N,); target_probs: (N, V); draft_probs: (N, V), or (R, V) with `q_rows`.
     """
     last, bonus = verify_sampling_batch(
         tokens[None],
@@ -188,6 +197,7 @@ def verify_sampling(
         None if draft_probs is None else draft_probs[None],
         sampled,
         generator,
+        q_rows,
     )
     return Acceptance(_path_to(tree, int(last[0])), int(bonus[0]))
 
@@ -228,6 +238,7 @@ def verify_sampling_walk(
     draft_probs: torch.Tensor | None,
     sampled: torch.Tensor,
     generator: torch.Generator | None = None,
+    q_rows: torch.Tensor | None = None,
 ) -> Acceptance:
     """`verify_sampling` reading only the visited rows: `row(i)` -> the (V,) warped target
     probabilities after node i. Same rule, same random draws (so the same outcome for the same
@@ -237,6 +248,7 @@ def verify_sampling_walk(
         raise ValueError("sampled children need draft_probs (the q they were drawn from)")
     u = torch.rand(1, n, generator=generator, device=tokens.device)[0]
     kids, toks, is_sampled = _children(tree), tokens.tolist(), sampled.tolist()
+    q_row = tree.parents.tolist() if q_rows is None else q_rows.tolist()
     path, cur = [0], 0
     r = row(0).float()
     while True:
@@ -244,10 +256,10 @@ def verify_sampling_walk(
             r = r / r.sum()
             x = toks[c]
             if is_sampled[c]:
-                q = draft_probs[cur].float()
+                q = draft_probs[q_row[c]].float()
                 if float(q[x]) <= 0:
                     raise ValueError(
-                        "a child marked sampled has q(token) == 0 under its parent's draft_probs"
+                        "a child marked sampled has q(token) == 0 in the draft_probs row it was drawn from"
                     )
                 accept_p, rejected = (r[x] / q[x]).clamp(max=1.0), (r - q).clamp(min=0.0)
             else:

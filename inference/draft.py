@@ -21,9 +21,14 @@ class Draft:
     """A proposed token tree.
 
     tokens: (N,) base token ids, tokens[0] = the root.
-    sampled: (N,) bool, True where the node's token was drawn from q = draft_probs[parent].
+    sampled: (N,) bool, True where the node's token was drawn from q = draft_probs[parent]
+        (or the row `q_rows` names).
     draft_probs: (N, V) the drafter's distribution after each node, or None when every node is
         a point mass.
+    q_rows: (N,) long, for each sampled node the row of draft_probs (R, V) its token was drawn
+        from, where that is not its parent's row: a union of drafters that each sample (two
+        draft models' chains), whose first tokens hang under one root but come from two qs.
+        None (every single drafter's draft): the parent's row.
     root_ranking: (k,) a dynamic tree's drafter's top tokens at the root, best first, whether or
         not the tree holds them (None for other drafts). Under greedy verification the base's
         token at the root says which of them would have been accepted: the adaptive policy's
@@ -35,6 +40,7 @@ class Draft:
     sampled: torch.Tensor
     draft_probs: torch.Tensor | None = None
     root_ranking: torch.Tensor | None = None
+    q_rows: torch.Tensor | None = None
 
     @classmethod
     def chain(cls, root: int, continuation: list[int], device) -> Draft:

@@ -216,7 +216,13 @@ class SpeculativeGenerator:
             if sampling.greedy:
                 return verify_greedy_walk(tokens, tree, row)
             return verify_sampling_walk(
-                tokens, tree, row, draft.draft_probs, draft.sampled, sampling.generator
+                tokens,
+                tree,
+                row,
+                draft.draft_probs,
+                draft.sampled,
+                sampling.generator,
+                draft.q_rows,
             )
         logits = self.lm_head(hidden)
         if sampling.greedy:
@@ -228,6 +234,7 @@ class SpeculativeGenerator:
             draft.draft_probs,
             draft.sampled,
             sampling.generator,
+            draft.q_rows,
         )
 
     @staticmethod

@@ -7,10 +7,10 @@ little, the trained heads and n-gram prompt lookup add up: the heads guess new t
 copies text the prompt or the answer already holds (extraction, code edits, long lists).
 
 Lossless at every temperature: point-mass nodes (top-k, static trees, n-gram) are merged freely;
-sampled nodes (a draft model's chain at temperature > 0) come from one drafter only, which goes
-first, and are never merged with another drafter's node, so each sampled node keeps the q it was
-drawn from.
-The verifier's per-child rule (inference/draft.py) is exact for any mix of such children.
+sampled nodes (a draft model's chain at temperature > 0) are never merged with another node, and
+each keeps the q it was drawn from (`Draft.q_rows`: two draft models' first tokens hang under one
+root, drawn from two qs). The verifier's per-child rule (inference/acceptance.py) is exact for
+any mix of such children.
 """
 
 from __future__ import annotations
@@ -120,20 +120,22 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
     """One trie holding every draft's paths; all drafts share the root.
 
     Point-mass nodes with the same parent and token become one node. Sampled nodes keep their
-    own node and their draft's `draft_probs` row; only one draft may have them.
+    own node and the q they were drawn from: the merged `draft_probs` stacks the sampling
+    drafts' tables, and `q_rows` gives each sampled node its row there. Sampling drafts go
+    first, so their children are tried before the point masses under a shared parent.
     """
-    sampled_drafts = [i for i, d in enumerate(drafts) if bool(d.sampled.any())]
-    if len(sampled_drafts) > 1:
-        raise ValueError("only one drafter of a union may sample its tokens from q")
-    if sampled_drafts:  # the sampling draft first: its nodes keep their rows
-        first = sampled_drafts[0]
-        drafts = [drafts[first]] + [d for i, d in enumerate(drafts) if i != first]
+    sampling = [bool(d.sampled.any()) for d in drafts]
+    drafts = [d for d, s in zip(drafts, sampling) if s] + [
+        d for d, s in zip(drafts, sampling) if not s
+    ]
     root = int(drafts[0].tokens[0])
     if any(int(d.tokens[0]) != root for d in drafts):
         raise ValueError("the drafts of a union must share the root token")
-    tokens, parents, sampled, rows = [root], [-1], [False], [0]
+    tokens, parents, sampled, q_rows = [root], [-1], [False], [0]
+    tables: list[torch.Tensor] = []  # the sampling drafts' draft_probs, stacked in this order
+    offset = 0  # rows of the tables before this draft's
     point_mass_child: dict[tuple[int, int], int] = {}  # (merged parent, token) -> merged node
-    for d, draft in enumerate(drafts):
+    for draft in drafts:
         merged = [0] * draft.tokens.numel()  # the draft's node -> merged node
         draft_parents, draft_tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
         draft_sampled = draft.sampled.tolist()
@@ -149,18 +151,18 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
             tokens.append(token)
             parents.append(parent)
             sampled.append(draft_sampled[i])
-            rows.append(i if d == 0 else -1)  # the row of draft_probs after this node
+            # the row of the q this node was drawn from: its parent's row in its own draft
+            q_rows.append(offset + draft_parents[i] if draft_sampled[i] else 0)
+        if any(draft_sampled):
+            if draft.draft_probs is None:
+                raise ValueError("a draft with sampled nodes needs draft_probs (their q)")
+            tables.append(draft.draft_probs)
+            offset += draft.draft_probs.shape[0]
     device = drafts[0].tokens.device
-    probs = None
-    if sampled_drafts:  # rows of the sampling draft; zeros where no sampled child hangs
-        source = drafts[0].draft_probs
-        probs = torch.zeros(len(tokens), source.shape[-1], dtype=source.dtype, device=device)
-        rows_t = torch.tensor(rows, device=device)
-        has = rows_t >= 0
-        probs[has] = source[rows_t[has]]
     return Draft(
         tree_from_parents(parents, device=device),
         torch.tensor(tokens, dtype=torch.long, device=device),
         torch.tensor(sampled, dtype=torch.bool, device=device),
-        probs,
+        torch.cat(tables) if tables else None,
+        q_rows=torch.tensor(q_rows, dtype=torch.long, device=device) if tables else None,
     )

@@ -136,6 +136,12 @@ def _gen(kind, lazy_logits=None):
             NgramDrafter(num_tokens=2),
         ]
         return base, SpeculativeGenerator(base, drafters, lazy_logits=lazy_logits)
+    if kind == "union-two-sampled":  # two draft models' chains: siblings from two qs
+        drafters = [
+            ModelDrafter(peaky_tiny(seed=3), num_tokens=2),
+            ModelDrafter(peaky_tiny(seed=4), num_tokens=1),
+        ]
+        return base, SpeculativeGenerator(base, drafters, lazy_logits=lazy_logits)
     raise ValueError(kind)
 
 
@@ -148,6 +154,7 @@ def _gen(kind, lazy_logits=None):
         "draft-model-tree",
         "ngram-corpus",
         "union-sampled+topk",
+        "union-two-sampled",
         "granite-medusa-topk",
         "draft-model-padded",
     ],
@@ -158,7 +165,7 @@ def test_speculative_sampling_matches_base_law(kind):
     assert stat < critical, (kind, stat, critical)
 
 
-@pytest.mark.parametrize("kind", ["medusa-topk", "union-sampled+topk"])
+@pytest.mark.parametrize("kind", ["medusa-topk", "union-sampled+topk", "union-two-sampled"])
 def test_speculative_sampling_matches_base_law_row_by_row(kind):
     """The verifier that computes only the lm_head rows it visits (the CPU default for trees
     over 16 nodes; these small trees take it when forced)."""

@@ -59,17 +59,29 @@ def test_sampled_nodes_keep_their_node_and_row():
     assert _paths(merged) == _paths(point) | _paths(sampled)
     toks, smp = merged.tokens.tolist(), merged.sampled.tolist()
     assert sum(smp) == 2 and smp[:3] == [False, True, True]
-    assert torch.equal(merged.draft_probs[:3], probs)  # the sampling draft's rows, in place
-    assert toks[3:] == [1, 4] and float(merged.draft_probs[3:].abs().sum()) == 0.0
+    assert torch.equal(merged.draft_probs, probs)  # the sampling draft's table
+    assert merged.q_rows.tolist()[1:3] == [0, 1]  # each drawn from q after its parent
+    assert toks[3:] == [1, 4]
 
 
-def test_merge_refuses_two_sampling_drafts_and_different_roots():
-    probs = torch.rand(2, 5)
-    s = _draft([-1, 0], [9, 1], [False, True], probs)
-    with pytest.raises(ValueError, match="only one drafter"):
-        merge_drafts([s, s])
+def test_two_sampling_drafts_keep_each_nodes_own_q():
+    """Two draft models' chains under one root: their first tokens were drawn from two qs, so
+    each sampled node names its row in the stacked tables, and equal tokens are not merged."""
+    V = 5
+    p1, p2 = torch.rand(3, V), torch.rand(2, V)
+    a = _draft([-1, 0, 1], [9, 1, 2], [False, True, True], p1)
+    b = _draft([-1, 0], [9, 1], [False, True], p2)  # the same first token, drawn from p2[0]
+    point = _draft([-1, 0], [9, 3])
+    merged = merge_drafts([point, a, b])
+    assert merged.tokens.tolist() == [9, 1, 2, 1, 3]  # sampling drafts first, in their order
+    assert merged.tree.parents.tolist() == [-1, 0, 1, 0, 0]
+    assert merged.sampled.tolist() == [False, True, True, True, False]
+    assert torch.equal(merged.draft_probs, torch.cat([p1, p2]))
+    assert merged.q_rows.tolist()[1:4] == [0, 1, 3]  # a's root row, a's node-1 row, b's root
     with pytest.raises(ValueError, match="share the root"):
         merge_drafts([_draft([-1, 0], [9, 1]), _draft([-1, 0], [8, 1])])
+    with pytest.raises(ValueError, match="needs draft_probs"):
+        merge_drafts([point, _draft([-1, 0], [9, 1], [False, True])])
 
 
 def test_union_settings_arms_and_refusals():
