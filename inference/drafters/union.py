@@ -28,7 +28,8 @@ class UnionDrafter(Drafter):
     """Proposes the union of its drafters' trees.
 
     Args:
-        drafters: two or more drafters; at most one may need the base's aux layers (EAGLE-3).
+        drafters: two or more drafters; those that read the base's aux layers (EAGLE-3) must
+            read the same ones (the base's forward gives one set of them).
             The first is the primary: `default_arms` adapts its settings and keeps the others
             as configured.
     """
@@ -37,10 +38,13 @@ class UnionDrafter(Drafter):
         self.drafters = list(drafters)
         if len(self.drafters) < 2:
             raise ValueError("a UnionDrafter needs at least two drafters")
-        needing_aux = [d for d in self.drafters if d.aux_layer_ids]
-        if len(needing_aux) > 1:
-            raise ValueError("at most one drafter of a union may read the base's aux layers")
-        self.aux_layer_ids = needing_aux[0].aux_layer_ids if needing_aux else ()
+        aux = sorted({tuple(d.aux_layer_ids) for d in self.drafters if d.aux_layer_ids})
+        if len(aux) > 1:
+            raise ValueError(
+                f"the drafters of a union read different aux layers of the base ({aux}): "
+                "EAGLE-3 drafts in one union must be trained on the same aux_layer_ids"
+            )
+        self.aux_layer_ids = aux[0] if aux else ()
         self.enabled = [True] * len(self.drafters)
         self.switched_on = [False] * len(self.drafters)  # by configure, since the last catch-up
 

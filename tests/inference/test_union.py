@@ -103,8 +103,23 @@ def test_union_settings_arms_and_refusals():
         UnionDrafter([NgramDrafter()])
     eagle3 = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=64))
     eagle3.set_vocab_map(torch.arange(0, 256, 4))
-    with pytest.raises(ValueError, match="aux layers"):
-        SpeculativeGenerator(base, [eagle3, eagle3])
+    # Two EAGLE-3 drafts reading the same aux layers share the base's one set of them (the
+    # same draft twice: two drafters, each with its own cache); other layers are refused.
+    twin = SpeculativeGenerator(base, [eagle3, eagle3, None])
+    assert twin.drafter.aux_layer_ids == tuple(eagle3.config.aux_layer_ids)
+    prompt = torch.tensor([[5, 6, 7, 8]])
+    for arms in (None, [{"parts": [{}, {}, {}]}]):  # adaptive, and all three drafting each step
+        if arms:
+            twin.arms = arms
+        out = twin.generate(prompt, max_new_tokens=12, eos_token_id=[])
+        ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+        assert torch.equal(out.sequences, ref)
+    other = EagleDraft(
+        EagleConfig.from_base(base.config, version=3, draft_vocab_size=64, aux_layer_ids=[0, 1, 1])
+    )
+    other.set_vocab_map(torch.arange(0, 256, 4))
+    with pytest.raises(ValueError, match="different aux layers"):
+        SpeculativeGenerator(base, [eagle3, other])
     with pytest.raises(ValueError, match="ambiguous"):
         SpeculativeGenerator(base, [heads, None], choices="cpu-8")
     gen = SpeculativeGenerator(base, [eagle3, None])
