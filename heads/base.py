@@ -234,6 +234,15 @@ def load_base(
     return model, tokenizer
 
 
+def input_device(model: torch.nn.Module) -> torch.device:
+    """The device a model takes its inputs on: under accelerate's hooks (a model dispatched with
+    a `device_map`, or offloaded, whose weights may wait on the "meta" device) its input
+    embedding's execution device; otherwise that embedding's own device."""
+    embed = model.get_input_embeddings()
+    device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None)
+    return torch.device(device) if device is not None else embed.weight.device
+
+
 def check_model(base) -> None:
     """A clear error where load_base's (model, tokenizer) pair is passed for the model."""
     if isinstance(base, tuple):

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import check_model, is_repo_id
+from heads.base import check_model, input_device, is_repo_id
 from heads.cpu import PackedLinear, prepack_linear_weights
 
 WEIGHTS_NAME = "model.safetensors"
@@ -314,8 +314,8 @@ def load_heads(
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)
     if base is not None:
-        ref = next(base.parameters())
-        module.to(device=device or ref.device, dtype=dtype or ref.dtype)
+        ref = next(base.parameters())  # its dtype (a weight offloaded to 'meta' keeps it)
+        module.to(device=device or input_device(base), dtype=dtype or ref.dtype)
     else:  # as stored, as transformers 5 loads (dtype="auto"): a bf16 folder saves bf16 again
         stored = next((t.dtype for t in tensors.values() if t.is_floating_point()), None)
         module.to(device=device, dtype=dtype or stored)

@@ -201,7 +201,8 @@ class EagleDraft(PretrainedHeads):
         if self.config.version == 1:
             if base_lm_head is None:
                 raise ValueError("EAGLE-1 shares the base lm_head: pass base.lm_head")
-            return base_lm_head(hidden.to(base_lm_head.weight.dtype))
+            # on the draft's device, where a dispatched base keeps its lm_head on another one
+            return base_lm_head(hidden.to(base_lm_head.weight.dtype)).to(hidden.device)
         return self.lm_head(self.norm(hidden))
 
     def to_base_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:

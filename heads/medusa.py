@@ -169,7 +169,8 @@ class MedusaHeads(PretrainedHeads):
         lm_head = self.head_lm(k)
         own = next(self.blocks[k].parameters(), lm_head.weight)  # 0 layers: the lm_head's dtype
         x = self.blocks[k](hidden.to(own.dtype))
-        return lm_head(x.to(lm_head.weight.dtype))
+        # on the heads' device, where a dispatched base keeps a shared lm_head on another one
+        return lm_head(x.to(lm_head.weight.dtype)).to(hidden.device)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         """hidden (B,T,H) -> logits (K,B,T,V_draft)."""

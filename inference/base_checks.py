@@ -14,7 +14,7 @@ from torch import nn
 from transformers import DynamicCache, GenerationConfig, PreTrainedModel
 from transformers.cache_utils import DynamicLayer
 
-from heads.base import logits_scaling
+from heads.base import input_device, logits_scaling
 
 
 def check_base_takes_trees(base: PreTrainedModel) -> None:
@@ -137,19 +137,18 @@ def base_logits(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]
         ValueError: the base's forward computes other logits.
     """
     head, scaling = base.get_output_embeddings(), logits_scaling(base)
-    if scaling is None:
-        logits = head
-    else:
 
-        def logits(hidden: torch.Tensor) -> torch.Tensor:
-            return scaling(head(hidden))
+    def logits(hidden: torch.Tensor) -> torch.Tensor:
+        # on the states' device, where a dispatched base keeps its lm_head on another one
+        out = head(hidden)
+        return (scaling(out) if scaling else out).to(hidden.device)
 
     token = getattr(base.config, "bos_token_id", None)
     token = token if isinstance(token, int) else 0
-    ids = torch.tensor([[token]], device=next(base.parameters()).device)  # as generate feeds
+    ids = torch.tensor([[token]], device=input_device(base))  # as generate feeds
     with torch.no_grad():
         want = base(input_ids=ids).logits[0, -1]
-        got = logits(base.model(input_ids=ids).last_hidden_state[0, -1])
+        got = logits(base.model(input_ids=ids).last_hidden_state[0, -1]).to(want.device)
     # the same computation, but perhaps by another kernel (one row against a batch of one): as
     # far apart as a few roundings of the logits' dtype, where a scaling is far more
     eps = max(torch.finfo(want.dtype).eps, torch.finfo(got.dtype).eps)  # one may be upcast

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from transformers import DynamicCache, PreTrainedModel
 
-from heads.base import check_model, layer_inputs
+from heads.base import check_model, input_device, layer_inputs
 from heads.cpu import repack_stale
 from inference.acceptance import (
     Acceptance,
@@ -128,7 +128,7 @@ class SpeculativeGenerator:
         self._configured: dict | None = None  # the adaptive arm's options the drafter holds
         # the base's logits as its forward computes them (lm_head, and Granite's / Cohere's scale)
         self.lm_head = base_logits(base)
-        device = next(base.parameters()).device
+        device = self._device = input_device(base)
         # Trees of more nodes than this verify row by row (lazily); None: never.
         self.dense_logits_max_nodes: int | None
         if lazy_logits is None:
@@ -187,8 +187,14 @@ class SpeculativeGenerator:
                 cache=cache,
                 use_cache=True,
             )
-        hidden = out.last_hidden_state[0]
-        aux = torch.cat([entering[i][0] for i in aux_ids], dim=-1) if aux_ids else None
+        # a base dispatched over devices (accelerate's device_map) gives each layer's states
+        # on its layer's device: the loop and the drafter work on the device of its inputs
+        hidden = out.last_hidden_state[0].to(self._device)
+        aux = (
+            torch.cat([entering[i][0].to(self._device) for i in aux_ids], dim=-1)
+            if aux_ids
+            else None
+        )
         return hidden, aux
 
     def _verify(
@@ -280,7 +286,7 @@ class SpeculativeGenerator:
                 f"the prompt has {len(ids)} tokens, more than the base's context of "
                 f"{max_positions} positions: shorten it"
             )
-        device = next(self.base.parameters()).device
+        device = self._device
         ids = ids.to(device)
         eos = eos_ids(self.base, eos_token_id)
         generator = None
@@ -479,7 +485,7 @@ class SpeculativeGenerator:
             attention_mask,
         ):
             new.extend(step)
-        device = next(self.base.parameters()).device
+        device = self._device
         sequences = torch.cat(
             [
                 prompt.reshape(1, -1).to(device),

@@ -20,9 +20,11 @@ def keep_accepted(cache: Cache, prefix_len: int, nodes: torch.Tensor) -> None:
     rows = prefix_len + nodes.to(torch.long)
     in_place = bool((nodes == torch.arange(nodes.numel(), device=nodes.device)).all())
     for layer in [] if in_place else cache.layers:  # a chain's accepted rows already sit in place
-        # (B, heads, T, head_dim): copy the accepted rows right after the prefix, then crop.
-        layer.keys[..., prefix_len : prefix_len + rows.numel(), :] = layer.keys[..., rows, :]
-        layer.values[..., prefix_len : prefix_len + rows.numel(), :] = layer.values[..., rows, :]
+        # (B, heads, T, head_dim): copy the accepted rows right after the prefix, then crop. A
+        # base dispatched over devices keeps each layer's cache on that layer's device.
+        at = rows.to(layer.keys.device)
+        layer.keys[..., prefix_len : prefix_len + at.numel(), :] = layer.keys[..., at, :]
+        layer.values[..., prefix_len : prefix_len + at.numel(), :] = layer.values[..., at, :]
     drop = n_tree - nodes.numel()
     if drop > 0:
         cache.crop(-drop)

@@ -53,6 +53,7 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     draft model; None gives the n-gram drafter; a list or tuple of these gives the union of
     their trees (`UnionDrafter`). `options` go to the drafter (not to a union: configure its
     members as drafter objects)."""
+    from heads.base import input_device
     from heads.eagle import EagleDraft
     from heads.medusa import MedusaHeads
     from inference.drafters.eagle import EagleDrafter
@@ -71,7 +72,7 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
         return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
     # Heads of another base, given as they are or inside their drafter: say so now.
     inner = [getattr(heads_or_drafter, name, None) for name in ("heads", "draft")]
-    device = next(base.parameters()).device
+    device = input_device(base)
     for heads in (heads_or_drafter, *inner):  # MedusaDrafter.heads, EagleDrafter.draft
         if isinstance(heads, (MedusaHeads, EagleDraft)):
             heads.config.check_base(base.config)

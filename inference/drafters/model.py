@@ -20,6 +20,7 @@ from collections.abc import Sequence
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
+from heads.base import input_device
 from inference.acceptance import warp_probs
 from inference.base_checks import windowed_cache_layers
 from inference.draft import Draft, Drafter, Sampling
@@ -92,7 +93,7 @@ class ModelDrafter(Drafter):
                     f"one runs {self.model.config._attn_implementation!r}: load it with "
                     "attn_implementation='sdpa', or draft a chain (num_tokens)"
                 )
-            device = self.model.get_input_embeddings().weight.device
+            device = input_device(self.model)
             self.static = StaticTree.build(choices, device=device)
             check_ranks(self.static.tree, self.model.config.vocab_size, "the draft model")
             self.num_tokens, self.max_nodes = None, self.static.tree.num_nodes

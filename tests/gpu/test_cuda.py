@@ -91,6 +91,33 @@ def test_greedy_equals_base_greedy_on_cuda(name, attn):
     test_generate.check_greedy_equals_base(base, heads, options, name, attn == "eager")
 
 
+@pytest.mark.parametrize(
+    "name", ["medusa", "medusa-shared", "eagle1", "eagle3", "draft-model", "eagle3+ngram"]
+)
+def test_greedy_on_a_base_split_over_the_gpu_and_the_cpu(name):
+    """A base dispatched by accelerate over two devices (embeddings and layer 0 on the GPU,
+    layer 1, the final norm and the lm_head computed on the CPU): the states, the logits and
+    each layer's cache stay where their layers are, the loop and the heads work on the GPU."""
+    from accelerate import dispatch_model
+
+    from heads.base import input_device
+
+    base = make_tiny_llama()
+    heads, options = test_generate._drafter(base, name)
+    prompts = [torch.tensor([[5, 6, 7, 8, 5, 6, 7, 8]]), torch.tensor([[9, 3, 9, 3, 9]])]
+    refs = [
+        base.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=None) for p in prompts
+    ]
+    on_gpu = ("model.embed_tokens", "model.rotary_emb", "model.layers.0")
+    device_map = {m: 0 for m in on_gpu} | {m: "cpu" for m in ("model.layers.1", "model.norm")}
+    base = dispatch_model(base, device_map={**device_map, "lm_head": "cpu"}, main_device="cpu")
+    assert base.lm_head.weight.device.type == "cpu" and input_device(base).type == "cuda"
+    gen = SpeculativeGenerator(base, heads, **options)
+    for prompt, ref in zip(prompts, refs):
+        out = gen.generate(prompt, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(out.sequences.cpu(), ref.cpu()), name
+
+
 @pytest.mark.parametrize("kind", ["medusa-topk", "union-sampled+topk"])
 def test_speculative_sampling_matches_base_law_on_cuda(kind):
     base, gen = test_sampling_generate._gen(kind)
