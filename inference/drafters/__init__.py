@@ -79,8 +79,8 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
             where = next(heads.parameters()).device
             if where != device:
                 raise ValueError(
-                    f"the heads are on {where}, the base on {device}: move them with "
-                    "heads.to(base.device) (load_heads(..., base=base) places them)"
+                    f"the heads are on {where}, the base takes its inputs on {device}: move "
+                    f"them with heads.to('{device}') (load_heads(..., base=base) places them)"
                 )
     # a ModelDrafter checked its model's rows against its own vocab_size: it must be the base's
     mismatch = isinstance(heads_or_drafter, ModelDrafter) and (
