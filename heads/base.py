@@ -182,6 +182,7 @@ def load_base(
     attn_implementation: str = "sdpa",
     frozen: bool = True,
     prepack: bool | None = None,
+    device_map: str | dict | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """Load a causal LM and its tokenizer, frozen and in eval mode.
 
@@ -197,10 +198,15 @@ def load_base(
             makes multi-token forwards nearly as cheap as one-token ones on CPU: fp32 ones, and
             bf16 ones where oneDNN computes bf16. Defaults to on for a frozen model on CPU;
             costs one more copy of the linear weights.
+        device_map: instead of `device`, accelerate's placement as `from_pretrained` takes it
+            (`"auto"`: over every GPU, then the CPU) for a base larger than one device; the
+            default dtype is then the first GPU's (bf16), or fp32 without one.
 
     Returns:
         (model, tokenizer). `model.config.name_or_path` is the name heads record as their base.
     """
+    if device_map is not None and device is not None:
+        raise ValueError("give device or device_map, not both (device_map places every module)")
     device = torch.device(device) if device is not None else _default_device()
     if isinstance(dtype, str):
         named = None if dtype == "auto" else getattr(torch, dtype, None)
@@ -215,8 +221,10 @@ def load_base(
     try:
         tokenizer = _load_tokenizer(path)
         model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation
-        ).to(device)
+            path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map
+        )
+        if device_map is None:
+            model = model.to(device)
     except OSError as e:  # transformers' own message may not name it: no such repo, no network
         raise BaseNotFoundError(
             f"base model '{name_or_path}' could not be loaded: {e}{_name_hint(str(name_or_path))}"
@@ -225,8 +233,8 @@ def load_base(
     model.eval()
     if frozen:
         model.requires_grad_(False)
-    if prepack is None:
-        prepack = frozen and device.type == "cpu"  # packs only the dtypes oneDNN takes
+    if prepack is None:  # packs only the dtypes oneDNN takes; not under accelerate's hooks
+        prepack = frozen and device_map is None and device.type == "cpu"
     if prepack:
         prepack_linear_weights(model)
     if tokenizer.pad_token is None:

@@ -50,6 +50,12 @@ def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_token
     smollm2_tokenizer.save_pretrained(tmp_path)
     model, _ = load_base(str(tmp_path), dtype="auto", device="cpu")
     assert model.dtype == torch.float32
+    # accelerate's placement instead of a device (on this machine: the CPU, hooks or not)
+    placed, _ = load_base(str(tmp_path), device_map={"": "cpu"})
+    assert placed.lm_head.weight.device.type == "cpu" and placed.dtype == torch.float32
+    assert torch.equal(placed.lm_head.weight, model.lm_head.weight)
+    with pytest.raises(ValueError, match="give device or device_map, not both"):
+        load_base(str(tmp_path), device="cpu", device_map="auto")
     with pytest.raises(ValueError, match="dtype='fp32' is no torch dtype"):
         load_base(str(tmp_path), dtype="fp32", device="cpu")
     with pytest.raises(ValueError, match="dtype='Tensor' is no torch dtype"):
