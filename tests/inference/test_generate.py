@@ -343,7 +343,9 @@ def test_bad_input_is_clear():
         gen.generate(
             torch.ones(1, 3, dtype=torch.long), temperature=0.7, top_p=0.9, acceptance="typical"
         )
-    with pytest.raises(ValueError, match="the heads are on meta, the base takes its inputs on cpu: move them"):
+    with pytest.raises(
+        ValueError, match="the heads are on meta, the base takes its inputs on cpu: move them"
+    ):
         SpeculativeGenerator(base, MedusaHeads(MedusaConfig.from_base(base.config)).to("meta"))
     with pytest.raises(ValueError, match=r"mix \{\} \(the drafter as it is configured\)"):
         SpeculativeGenerator(base, heads, adaptive=[None, {}, {"choices": "cpu-8"}])
