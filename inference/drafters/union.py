@@ -143,6 +143,9 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
         merged = [0] * draft.tokens.numel()  # the draft's node -> merged node
         draft_parents, draft_tokens = draft.tree.parents.tolist(), draft.tokens.tolist()
         draft_sampled = draft.sampled.tolist()
+        # the row each sampled node was drawn from in this draft's table (a union's own merge
+        # names it; a drafter's draft: its parent's)
+        own_rows = draft_parents if draft.q_rows is None else draft.q_rows.tolist()
         for i in range(1, len(draft_tokens)):
             parent, token = merged[draft_parents[i]], draft_tokens[i]
             key = (parent, token)
@@ -155,8 +158,7 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
             tokens.append(token)
             parents.append(parent)
             sampled.append(draft_sampled[i])
-            # the row of the q this node was drawn from: its parent's row in its own draft
-            q_rows.append(offset + draft_parents[i] if draft_sampled[i] else 0)
+            q_rows.append(offset + own_rows[i] if draft_sampled[i] else 0)
         if any(draft_sampled):
             if draft.draft_probs is None:
                 raise ValueError("a draft with sampled nodes needs draft_probs (their q)")

@@ -16,6 +16,7 @@ from inference import (
     NgramDrafter,
     NgramTable,
     SpeculativeGenerator,
+    UnionDrafter,
     tree_from_parents,
 )
 from inference.acceptance import warp_probs
@@ -139,8 +140,15 @@ def _gen(kind, lazy_logits=None):
     if kind == "union-two-sampled":  # two draft models' chains: siblings from two qs
         drafters = [
             ModelDrafter(peaky_tiny(seed=3), num_tokens=2),
-            ModelDrafter(peaky_tiny(seed=4), num_tokens=1),
+            ModelDrafter(peaky_tiny(seed=4), num_tokens=2),
         ]
+        return base, SpeculativeGenerator(base, drafters, lazy_logits=lazy_logits)
+    if kind == "union-nested-sampled":  # the same as a union inside a union, with a lookup
+        inner = [
+            ModelDrafter(peaky_tiny(seed=3), num_tokens=2),
+            ModelDrafter(peaky_tiny(seed=4), num_tokens=2),
+        ]
+        drafters = [UnionDrafter(inner), NgramDrafter(num_tokens=2)]
         return base, SpeculativeGenerator(base, drafters, lazy_logits=lazy_logits)
     raise ValueError(kind)
 
@@ -155,6 +163,7 @@ def _gen(kind, lazy_logits=None):
         "ngram-corpus",
         "union-sampled+topk",
         "union-two-sampled",
+        "union-nested-sampled",
         "granite-medusa-topk",
         "draft-model-padded",
     ],

@@ -78,6 +78,14 @@ def test_two_sampling_drafts_keep_each_nodes_own_q():
     assert merged.sampled.tolist() == [False, True, True, True, False]
     assert torch.equal(merged.draft_probs, torch.cat([p1, p2]))
     assert merged.q_rows.tolist()[1:4] == [0, 1, 3]  # a's root row, a's node-1 row, b's root
+    # a union inside a union: the inner merge's rows are kept, shifted, not its nodes' parents
+    b2 = _draft([-1, 0, 1], [9, 4, 5], [False, True, True], torch.rand(3, V))
+    inner = merge_drafts([a, b2])
+    assert inner.q_rows.tolist()[1:] == [0, 1, 3, 4]
+    outer = merge_drafts([point, inner, b])
+    assert outer.tokens.tolist() == [9, 1, 2, 4, 5, 1, 3]
+    assert torch.equal(outer.draft_probs, torch.cat([p1, b2.draft_probs, p2]))
+    assert outer.q_rows.tolist()[1:6] == [0, 1, 3, 4, 6]
     with pytest.raises(ValueError, match="share the root"):
         merge_drafts([_draft([-1, 0], [9, 1]), _draft([-1, 0], [8, 1])])
     with pytest.raises(ValueError, match="needs draft_probs"):
