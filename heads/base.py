@@ -200,7 +200,8 @@ def load_base(
             costs one more copy of the linear weights.
         device_map: instead of `device`, accelerate's placement as `from_pretrained` takes it
             (`"auto"`: over every GPU, then the CPU) for a base larger than one device; the
-            default dtype is then the first GPU's (bf16), or fp32 without one.
+            default dtype is then bf16 where there is a GPU, fp32 on the CPU alone. Its
+            weights are not prepacked.
 
     Returns:
         (model, tokenizer). `model.config.name_or_path` is the name heads record as their base.
@@ -216,7 +217,10 @@ def load_base(
                 "'float16', or 'auto' (fp32 on a CPU, bf16 on a GPU)"
             )
         dtype = named
-    dtype = dtype or default_dtype(device)
+    placed_on_cpu = isinstance(device_map, (str, dict)) and set(
+        device_map.values() if isinstance(device_map, dict) else [device_map]
+    ) <= {"cpu", "disk"}
+    dtype = dtype or default_dtype("cpu" if placed_on_cpu else device)
     path, recorded_name = resolve_base_path(name_or_path)
     try:
         tokenizer = _load_tokenizer(path)
@@ -242,13 +246,34 @@ def load_base(
     return model, tokenizer
 
 
+def _hooks(module: torch.nn.Module) -> list:
+    """accelerate's hooks on a module (several where they were chained), or none."""
+    hook = getattr(module, "_hf_hook", None)
+    return [] if hook is None else list(getattr(hook, "hooks", [hook]))
+
+
 def input_device(model: torch.nn.Module) -> torch.device:
     """The device a model takes its inputs on: under accelerate's hooks (a model dispatched with
     a `device_map`, or offloaded, whose weights may wait on the "meta" device) its input
     embedding's execution device; otherwise that embedding's own device."""
     embed = model.get_input_embeddings()
-    device = getattr(getattr(embed, "_hf_hook", None), "execution_device", None)
-    return torch.device(device) if device is not None else embed.weight.device
+    for hook in _hooks(embed):
+        if getattr(hook, "execution_device", None) is not None:
+            return torch.device(hook.execution_device)
+    return embed.weight.device
+
+
+def parameter_values(model: torch.nn.Module, name: str) -> torch.Tensor:
+    """A parameter of `model` by name, as its forward computes with it: under accelerate's CPU
+    or disk offload the parameter waits on "meta" and its module's hook holds the values."""
+    parameter = model.get_parameter(name)
+    if parameter.is_meta:
+        module_name, _, attribute = name.rpartition(".")
+        for hook in _hooks(model.get_submodule(module_name)):
+            weights = getattr(hook, "weights_map", None)
+            if weights is not None and attribute in weights:
+                return weights[attribute]
+    return parameter
 
 
 def check_model(base) -> None:

@@ -18,7 +18,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import check_model, input_device, is_repo_id
+from heads.base import check_model, input_device, is_repo_id, parameter_values
 from heads.cpu import PackedLinear, prepack_linear_weights
 
 WEIGHTS_NAME = "model.safetensors"
@@ -303,7 +303,8 @@ def load_heads(
             optional = ("lm_head.weight",)
         missing_head = "lm_head.weight" not in tensors and "token_map" in tensors
         if module.token_map is not None and missing_head and base is not None:
-            weight = base.get_output_embeddings().weight
+            head = next(n for n, m in base.named_modules() if m is base.get_output_embeddings())
+            weight = parameter_values(base, f"{head}.weight")  # an offloaded one from its hook
             tensors["lm_head.weight"] = weight[tensors["token_map"].to(weight.device)].cpu()
     whole_vocab = isinstance(module, EagleDraft) and config.draft_vocab_size == config.vocab_size
     if whole_vocab and config.version == 3:

@@ -16,6 +16,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from heads.base import parameter_values
+
 LORA_FOLDER = "lora"  # the adapter's subfolder of a heads folder (peft's save_pretrained)
 
 
@@ -56,8 +58,8 @@ def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
         return True
     if not probe or probe["plain"] == probe["merged"]:
         return None
-    try:
-        weight = base.get_parameter(probe["weight"])  # a tied weight too
+    try:  # a tied weight too; an offloaded one from its hook
+        weight = parameter_values(base, probe["weight"])
     except AttributeError:
         return None
     if weight.numel() <= max(probe["index"]):

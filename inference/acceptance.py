@@ -114,8 +114,8 @@ def verify_sampling_batch(
 
     tokens: (B, N); target_probs: (B, N, V); draft_probs: (B, N, V), or (B, R, V) with `q_rows`
     (N,) naming each sampled node's row; sampled: (B, N) or (N,) bool.
-    Returns the last accepted node (B,) and the bonus token (B,). No host sync except the final
-    check that every sampled token had q > 0. `generator` must live on the inputs' device.
+    Returns the last accepted node (B,) and the bonus token (B,). No host sync except reading
+    the tree's parents (and `q_rows`) and the final check that every sampled token had q > 0. `generator` must live on the inputs' device.
     """
     b, n = tokens.shape
     sampled = sampled.to(tokens.device).expand(b, n)

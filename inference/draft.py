@@ -2,8 +2,8 @@
 
 A `Draft` is a tree (node 0 = the root, the token the base chose last step) with a token per
 node and, per child, how it was chosen: deterministically (top-k, a static tree, n-gram; a
-point mass) or sampled from the drafter's distribution q at its parent (`draft_probs`). One
-verifier serves every drafter.
+point mass) or sampled from the drafter's distribution q at its parent (`draft_probs`; a union's
+merged draft names each sampled node's row, `q_rows`). One verifier serves every drafter.
 """
 
 from __future__ import annotations
@@ -23,8 +23,9 @@ class Draft:
     tokens: (N,) base token ids, tokens[0] = the root.
     sampled: (N,) bool, True where the node's token was drawn from q = draft_probs[parent]
         (or the row `q_rows` names).
-    draft_probs: (N, V) the drafter's distribution after each node, or None when every node is
-        a point mass.
+    draft_probs: (N, V) the drafter's distribution after each node (with `q_rows`: (R, V), the
+        tables of a union's sampling drafters stacked), or None when every node is a point
+        mass.
     q_rows: (N,) long, for each sampled node the row of draft_probs (R, V) its token was drawn
         from, where that is not its parent's row: a union of drafters that each sample (two
         draft models' chains), whose first tokens hang under one root but come from two qs.

@@ -7,7 +7,8 @@ python scripts/bench_arms.py --heads DIR --prompts mt_bench.jsonl [--per-categor
 Per prompt, in turn, every setting decodes with `SpeculativeGenerator(base, heads,
 adaptive=[setting])`: plain decoding through our loop (the reference, always first), then each
 drafter setting fixed. `--arms` is a JSON list whose items are drafter options (Medusa
-`{"choices": "cpu-8"}`, EAGLE `{"top_k": 4, "depth": 2, "total_tokens": 6}`), a list of options
+`{"choices": "cpu-8"}`, EAGLE `{"top_k": 4, "depth": 2, "total_tokens": 6}`; `{}`: the drafter
+as loaded, with its default settings), a list of options
 (null for plain decoding) for an adaptive generator over just those, or `"adaptive"` for the
 generator's default (adaptive over the drafter's own `default_arms`). Without `--arms`: each of
 the drafter's `default_arms` for this device fixed, then `"adaptive"`. Reported per setting: tau,

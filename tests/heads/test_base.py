@@ -53,6 +53,8 @@ def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_token
     # accelerate's placement instead of a device (on this machine: the CPU, hooks or not)
     placed, _ = load_base(str(tmp_path), device_map={"": "cpu"})
     assert placed.lm_head.weight.device.type == "cpu" and placed.dtype == torch.float32
+    assert not any(isinstance(m, PackedLinear) for m in placed.modules())  # not under hooks
+    assert any(isinstance(m, PackedLinear) for m in model.modules()) or not can_prepack()
     assert torch.equal(placed.lm_head.weight, model.lm_head.weight)
     with pytest.raises(ValueError, match="give device or device_map, not both"):
         load_base(str(tmp_path), device="cpu", device_map="auto")

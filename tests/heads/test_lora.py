@@ -3,6 +3,7 @@ import shutil
 from pathlib import Path
 
 import torch
+from accelerate import cpu_offload
 from peft import LoraConfig, get_peft_model
 
 from heads.lora import lora_merged, lora_probe
@@ -24,6 +25,9 @@ def test_the_probe_tells_a_base_with_the_adapter_merged_from_the_plain_one():
     assert lora_merged(plain, probe) is False
     merged = adapted.merge_and_unload()
     assert lora_merged(merged, probe) is True
+    # offloaded by accelerate (its weights on "meta", the values in the hooks): read the same
+    assert lora_merged(cpu_offload(copy.deepcopy(merged), torch.device("cpu")), probe) is True
+    assert lora_merged(cpu_offload(copy.deepcopy(plain), torch.device("cpu")), probe) is False
     assert lora_merged(merged.to(torch.bfloat16), probe) is True  # served in another dtype
     assert (
         lora_merged(make_tiny_llama(seed=2, num_hidden_layers=1), {**probe, "weight": "x"}) is None

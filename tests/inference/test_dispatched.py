@@ -7,6 +7,7 @@ tests/gpu.)"""
 import pytest
 import torch
 from accelerate import cpu_offload, dispatch_model
+from safetensors.torch import load_file, save_file
 
 from heads import MedusaConfig, MedusaHeads, load_heads
 from heads.base import input_device
@@ -35,6 +36,8 @@ def test_greedy_equals_base_greedy_under_accelerate_hooks(name, placement):
         base.generate(p, max_new_tokens=24, do_sample=False, eos_token_id=None) for p in PROMPTS
     ]
     base = _place(base, placement)
+    if name == "medusa-shared":  # placing replaced the base's lm_head weight: tie to it again,
+        heads.lm_head = base.get_output_embeddings()  # as load_heads does (its hook and all)
     if placement == "offload":
         assert next(base.parameters()).device.type == "meta"  # what the generator must not use
     assert input_device(base) == torch.device("cpu")
@@ -42,6 +45,31 @@ def test_greedy_equals_base_greedy_under_accelerate_hooks(name, placement):
     for prompt, ref in zip(PROMPTS, refs):
         out = gen.generate(prompt, max_new_tokens=24, eos_token_id=[])
         assert torch.equal(out.sequences, ref), name
+
+
+def test_shared_medusa_heads_of_a_reduced_vocabulary_load_onto_an_offloaded_base(tmp_path):
+    """Heads sharing the base's lm_head over a reduced vocabulary save no lm_head: loading
+    takes the base's rows, which an offloaded base keeps in its hook, not on "meta"."""
+    base = make_tiny_llama()
+    config = MedusaConfig.from_base(
+        base.config, num_heads=2, original_lm_head=True, truncated_vocab_size=128
+    )
+    MedusaHeads(config).init_from_base(base, token_map=torch.arange(0, 256, 2)).save_pretrained(
+        tmp_path / "heads"
+    )
+    weights = tmp_path / "heads" / "model.safetensors"  # as a folder that leaves it to the base
+    tensors = load_file(weights)
+    del tensors["lm_head.weight"]
+    save_file(tensors, weights)
+    ref = base.generate(PROMPTS[0], max_new_tokens=16, do_sample=False, eos_token_id=None)
+    expected = load_heads(tmp_path / "heads", base=base).lm_head.weight.clone()
+    base = _place(base, "offload")
+    loaded = load_heads(tmp_path / "heads", base=base)
+    assert torch.equal(loaded.lm_head.weight, expected)
+    out = SpeculativeGenerator(base, loaded).generate(
+        PROMPTS[0], max_new_tokens=16, eos_token_id=[]
+    )
+    assert torch.equal(out.sequences, ref)
 
 
 def test_heads_loaded_onto_an_offloaded_base_go_to_its_execution_device(tmp_path):

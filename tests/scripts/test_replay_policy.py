@@ -88,6 +88,15 @@ def test_tokens_a_last_step_gains_past_the_kept_length_are_not_counted():
         assert replay_policy.replay(rec, make([{"choices": chain}]), [1], [0]) == pytest.approx(
             5 / 2
         )
+    # a setting whose output parted from plain decoding's and ended sooner (bf16 on a GPU):
+    # replayed to its own end, not charged its last step's time again for each missing token
+    short = {
+        "arms": old["arms"],
+        "prompts": [[per_prompt[0], steps([3], 1.0, chain)]],
+        "lengths": [5],
+    }
+    make, _ = replay_policy.POLICIES["per-arm averages"]
+    assert replay_policy.replay(short, make([{"choices": chain}]), [1], [0]) == pytest.approx(3.0)
     # the record's length wins over the settings' steps (here no setting ended exactly)
     only_chain = {"arms": [{"choices": chain}], "prompts": [[per_prompt[1]]]}
     assert replay_policy.fixed_rate(only_chain, 0) == pytest.approx(6 / 2)
