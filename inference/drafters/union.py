@@ -128,10 +128,7 @@ def merge_drafts(drafts: Sequence[Draft]) -> Draft:
     drafts' tables, and `q_rows` gives each sampled node its row there. Sampling drafts go
     first, so their children are tried before the point masses under a shared parent.
     """
-    sampling = [bool(d.sampled.any()) for d in drafts]
-    drafts = [d for d, s in zip(drafts, sampling) if s] + [
-        d for d, s in zip(drafts, sampling) if not s
-    ]
+    drafts = sorted(drafts, key=lambda d: not bool(d.sampled.any()))  # stable: sampling first
     root = int(drafts[0].tokens[0])
     if any(int(d.tokens[0]) != root for d in drafts):
         raise ValueError("the drafts of a union must share the root token")
