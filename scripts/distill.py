@@ -382,6 +382,13 @@ def main(argv: list[str] | None = None) -> int:
     ) as e:
         print(f"distill failed: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # Ctrl-C: the shards written stay (each is written whole)
+        print(
+            "\ndistill interrupted: the records written are kept; the same command answers the "
+            "rest",
+            file=sys.stderr,
+        )
+        return 130
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]
         print(

@@ -56,6 +56,7 @@ class DataConfig:
     backend: Literal["auto", "transformers", "vllm"] = "auto"  # auto: vLLM when importable + CUDA
 
     def __post_init__(self) -> None:
+        refuse_file("data.output_dir", self.output_dir)
         positive = (
             "max_new_tokens",
             "num_samples",
@@ -197,6 +198,8 @@ class TrainingConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if self.feature_cache:
+            refuse_file("training.feature_cache", self.feature_cache)
         if self.epochs < 1 or self.micro_batch_size < 1 or self.gradient_accumulation_steps < 1:
             raise RecipeError(
                 "need training.epochs, micro_batch_size, gradient_accumulation_steps >= 1"
@@ -233,6 +236,9 @@ class OutputConfig:
     dir: str = "runs/heads"  # checkpoints/, heads/ (the final heads folder), metrics.jsonl
     heads_dtype: Literal["float32", "bfloat16", "float16"] = "bfloat16"  # of the saved heads
 
+    def __post_init__(self) -> None:
+        refuse_file("output.dir", self.dir)
+
 
 @dataclass
 class HubConfig:
@@ -266,6 +272,12 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
 
+def refuse_file(key: str, folder: str) -> None:
+    """An output folder of the recipe must not be an existing file (checked before any work)."""
+    if Path(folder).is_file():
+        raise RecipeError(f"'{key}' is {folder}, a file: give a folder (new or of an earlier run)")
+
+
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:
     """Read a YAML recipe, apply `key=value` overrides and validate it against `Recipe`.
 
@@ -281,7 +293,12 @@ def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     raw: dict[str, Any] = {}
     where = "recipe" if path is None else str(path)
     if path is not None:
-        text = Path(path).read_text(encoding="utf-8")
+        if Path(path).is_dir():
+            raise RecipeError(f"{where} is a folder: give a recipe file (recipes/*.yaml)")
+        try:
+            text = Path(path).read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise RecipeError(f"{where}: not a YAML recipe (not UTF-8 text: {e})") from e
         try:
             raw = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:

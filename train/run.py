@@ -71,6 +71,14 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
         if PartialState().is_main_process:
             print(f"error: {e}", file=sys.stderr)
         raise SystemExit(1) from None
+    except KeyboardInterrupt:  # Ctrl-C: what is saved stays (checkpoints are written whole)
+        if PartialState().is_main_process:
+            print(
+                f"\ninterrupted: the checkpoints in {recipe.output.dir} are kept; the same "
+                "command resumes from the last one",
+                file=sys.stderr,
+            )
+        raise SystemExit(130) from None
 
 
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:

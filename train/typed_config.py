@@ -208,6 +208,11 @@ def apply_override(root: type, raw: dict[str, Any], item: str) -> None:
     tp = _field_type(root, path)
     if text.strip().lower() in ("null", "~", "none") and _accepts_none(tp):
         value: Any = None  # YAML reads `None` as the string "None"; here it means null
+    elif _accepts_str(tp) and text.strip().lower() in ("null", "~"):
+        raise RecipeError(
+            f"override {item!r}: '{key.strip()}' cannot be null (it takes {_type_name(tp)}): "
+            "give a value, or leave the override out for the recipe's own"
+        )
     elif _accepts_str(tp):
         value = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
     else:

@@ -123,3 +123,27 @@ def test_a_tracker_that_is_not_installed_is_refused_before_the_run(monkeypatch, 
         err = capsys.readouterr().err
         assert f"logging.report_to={tracker} needs the {tracker} package" in err
         assert advice in err and "logging.report_to=none" in err
+
+
+def test_ctrl_c_says_what_is_kept_and_how_to_go_on(monkeypatch, capsys):
+    """Ctrl-C printed a KeyboardInterrupt traceback (nothing was lost: checkpoints and shards
+    are written whole); it now exits 130 with what is kept and the command that goes on."""
+    import sys
+    from pathlib import Path
+
+    from train.run import run_training
+
+    def interrupted(recipe):
+        raise KeyboardInterrupt
+
+    with pytest.raises(SystemExit) as exit_:
+        run_training(interrupted, [str(TINY_MEDUSA)], "medusa")
+    assert exit_.value.code == 130
+    assert "interrupted: the checkpoints in" in capsys.readouterr().err
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import distill
+
+    monkeypatch.setattr(distill, "distill", interrupted)
+    assert distill.main([str(TINY_MEDUSA)]) == 130
+    assert "the records written are kept" in capsys.readouterr().err

@@ -231,6 +231,24 @@ def test_exponent_floats_and_null_words_read_as_meant(tmp_path):
             load_recipe(None, [bad])
 
 
+def test_null_for_a_text_field_and_files_where_folders_go_are_refused_up_front(tmp_path):
+    # `data.output_dir=null` made a folder named "null"; an output path that is a file, a
+    # recipe that is a folder or not text ended in tracebacks from the filesystem or the codec
+    with pytest.raises(RecipeError, match="'data.output_dir' cannot be null"):
+        load_recipe(None, ["data.output_dir=null"])
+    a_file = write(tmp_path, "data:\n  limit: 2\n")
+    for key in ("data.output_dir", "output.dir", "training.feature_cache"):
+        extra = ["training.mode=offline"] if key == "training.feature_cache" else []
+        with pytest.raises(RecipeError, match=f"'{key}' is .*, a file: give a folder"):
+            load_recipe(None, [f"{key}={a_file}", *extra])
+    with pytest.raises(RecipeError, match="is a folder: give a recipe file"):
+        load_recipe(tmp_path)
+    binary = tmp_path / "binary.yaml"
+    binary.write_bytes(b"\xff\xfe\x00garbage")
+    with pytest.raises(RecipeError, match="binary.yaml: not a YAML recipe .not UTF-8"):
+        load_recipe(binary)
+
+
 def test_max_steps_overrides_epochs_as_in_hf_trainer():
     from types import SimpleNamespace
 
