@@ -217,10 +217,9 @@ def load_base(
                 "'float16', or 'auto' (fp32 on a CPU, bf16 on a GPU)"
             )
         dtype = named
-    placed_on_cpu = isinstance(device_map, (str, dict)) and set(
-        device_map.values() if isinstance(device_map, dict) else [device_map]
-    ) <= {"cpu", "disk"}
-    dtype = dtype or default_dtype("cpu" if placed_on_cpu else device)
+    places = set(device_map.values() if isinstance(device_map, dict) else [device_map])
+    cpu_only = device_map is not None and places <= {"cpu", "disk"}  # no GPU in the placement
+    dtype = dtype or default_dtype("cpu" if cpu_only else device)
     path, recorded_name = resolve_base_path(name_or_path)
     try:
         tokenizer = _load_tokenizer(path)

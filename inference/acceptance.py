@@ -115,7 +115,8 @@ def verify_sampling_batch(
     tokens: (B, N); target_probs: (B, N, V); draft_probs: (B, N, V), or (B, R, V) with `q_rows`
     (N,) naming each sampled node's row; sampled: (B, N) or (N,) bool.
     Returns the last accepted node (B,) and the bonus token (B,). No host sync except reading
-    the tree's parents (and `q_rows`) and the final check that every sampled token had q > 0. `generator` must live on the inputs' device.
+    the tree's parents (and `q_rows`) and the final check that every sampled token had q > 0.
+    `generator` must live on the inputs' device.
     """
     b, n = tokens.shape
     sampled = sampled.to(tokens.device).expand(b, n)
@@ -125,10 +126,11 @@ def verify_sampling_batch(
     cur = torch.zeros(b, dtype=torch.long, device=tokens.device)
     r = target_probs[:, 0].float()  # (B, V) residual at cur, unnormalised
     bad_q = torch.zeros(b, dtype=torch.bool, device=tokens.device)
-    q_row = tree.parents.tolist() if q_rows is None else q_rows.tolist()
+    parents = tree.parents.tolist()
+    q_row = parents if q_rows is None else q_rows.tolist()
     # Children of a node are tried in index order, and a node's children come after it, so one
     # pass over c = 1..N-1 lets every sequence sitting at parents[c] try c, in the right order.
-    for c, parent in enumerate(tree.parents.tolist()[1:], start=1):
+    for c, parent in enumerate(parents[1:], start=1):
         active = cur == parent  # (B,)
         x = tokens[:, c : c + 1]  # (B, 1)
         r = r / r.sum(dim=-1, keepdim=True)
