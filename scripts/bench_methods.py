@@ -136,7 +136,7 @@ def build_methods(names: list[str], args: argparse.Namespace):
     if getattr(args, "chat_template", None):  # every prompt is rendered with it
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     device = next(base.parameters()).device
-    eos = _eos_ids(base, tokenizer)
+    eos = stop_token_ids(base, tokenizer)
     settings = dict(
         max_new_tokens=args.max_new_tokens,
         eos=eos,
@@ -357,7 +357,7 @@ def _model_name(model) -> str:
     return getattr(model.config, "name_or_path", "") or type(model).__name__
 
 
-def _eos_ids(base, tokenizer) -> list[int]:
+def stop_token_ids(base, tokenizer) -> list[int]:
     """The base's EOS ids (its generation_config's, else its config's), then those that end
     distill's answers too (`eos_token_ids`: the tokenizer's, the chat template's end of turn)."""
     eos = getattr(base.generation_config, "eos_token_id", None)

@@ -137,6 +137,10 @@ def main(argv: list[str] | None = None) -> int:
     )
     write_report(out, bench_out, timings, prompts)
     print(f"\nreport: {out / 'REPORT.md'}")
+    print(
+        "chat with the heads: python scripts/chat.py --heads runs/smollm2-eagle/heads "
+        f"--lookup-corpus {DISTILLED} --compare"
+    )
     return 0
 
 

@@ -46,13 +46,13 @@ def test_the_chat_template_and_system_prompt_of_training_are_given_as_flags(
 def test_every_method_stops_where_the_template_closes_a_turn(smollm2_tokenizer):
     # as distill ends the answers the heads learn from, also where the base's generation_config
     # names another EOS only (the methods would otherwise answer the user's next turn too)
-    from bench_methods import _eos_ids
+    from bench_methods import stop_token_ids
 
     from tests.conftest import make_tiny_llama
 
     base = make_tiny_llama(vocab_size=len(smollm2_tokenizer))
     base.generation_config.eos_token_id = 0  # <|endoftext|>
     im_end = smollm2_tokenizer.convert_tokens_to_ids("<|im_end|>")
-    assert _eos_ids(base, smollm2_tokenizer) == [0, im_end]
+    assert stop_token_ids(base, smollm2_tokenizer) == [0, im_end]
     base.generation_config.eos_token_id = [im_end, 0]
-    assert _eos_ids(base, smollm2_tokenizer) == [im_end, 0]
+    assert stop_token_ids(base, smollm2_tokenizer) == [im_end, 0]

@@ -1,0 +1,213 @@
+"""Chat with a base model that trained heads decode faster: each answer streams as its tokens
+are verified, and a line after it gives the tokens, tokens/s and tau (tokens per verify step).
+With --compare, HF greedy `generate` answers the same conversation too, timed, and the line adds
+the speedup and whether the two answers are the same token for token.
+
+    python scripts/chat.py --heads runs/smollm2-eagle/heads --lookup-corpus runs/smollm2-distill
+    echo "Write a haiku about rain." | python scripts/chat.py --heads HEADS --compare
+
+Without --heads the n-gram drafter (prompt lookup) drafts. Lines typed are user turns; `/reset`
+starts a new conversation, `/quit` (or end of input, Ctrl-D) leaves, Ctrl-C stops an answer.
+The chat template and system prompt should be the ones the heads were trained with (the
+recipe's data.chat_template and data.system_prompt; the tokenizer's own by default).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_methods import stop_token_ids  # noqa: E402  (scripts/ is not a package)
+
+from heads import load_base, load_heads  # noqa: E402
+from heads.base import input_device  # noqa: E402
+from inference import (  # noqa: E402
+    NgramDrafter,
+    NgramTable,
+    SpeculativeGenerator,
+    plain_generation,
+    plain_generation_config,
+)
+from train.data import ChatTemplateError, render_conversation, resolve_chat_template  # noqa: E402
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    add = parser.add_argument
+    add(
+        "--base", default="smollm2-135m-instruct", help="HF id, local folder, .gguf or the embedded"
+    )
+    add("--heads", nargs="*", default=[], help="heads folders or Hub ids (several: their union)")
+    add(
+        "--lookup",
+        action="store_true",
+        help="n-gram prompt lookup beside the heads (always on without --heads)",
+    )
+    add(
+        "--lookup-corpus",
+        default=None,
+        metavar="PATH",
+        help="the lookup also reads these answers (a distill output folder); implies --lookup",
+    )
+    add("--max-new-tokens", type=int, default=512)
+    add("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
+    add("--top-p", type=float, default=1.0)
+    add("--top-k", type=int, default=0)
+    add("--seed", type=int, default=0, help="of the first answer; each answer takes the next")
+    add("--system-prompt", default=None, metavar="TEXT", help="the conversation's system turn")
+    add("--chat-template", default=None, metavar="TEMPLATE", help="Jinja string or .jinja file")
+    add("--compare", action="store_true", help="time HF greedy generate on every turn too")
+    add("--threads", type=int, default=None, help="torch threads (default: torch's)")
+    add("--device", default=None, help="default: cuda when available, else cpu")
+    args = parser.parse_args(argv)
+    if args.max_new_tokens < 1:
+        parser.error("--max-new-tokens must be >= 1")
+    if args.compare and args.temperature > 0:
+        parser.error("--compare times greedy decoding: leave --temperature at 0")
+    return args
+
+
+def build_generator(args: argparse.Namespace, base, tokenizer) -> SpeculativeGenerator:
+    """The heads of --heads (each loaded against `base`), with the n-gram lookup when asked."""
+    drafters = [load_heads(name, base=base) for name in args.heads]
+    if args.lookup or args.lookup_corpus or not drafters:
+        corpus = None
+        if args.lookup_corpus:
+            print(f"building the n-gram table of {args.lookup_corpus} ...", file=sys.stderr)
+            eos = stop_token_ids(base, tokenizer)
+            corpus = NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
+        drafters.append(NgramDrafter(corpus=corpus))
+    return SpeculativeGenerator(base, drafters[0] if len(drafters) == 1 else drafters)
+
+
+def answer(gen: SpeculativeGenerator, ids: torch.Tensor, args, tokenizer, eos, seed: int):
+    """Stream one answer to stdout; returns (its token ids, seconds, tokens per verify step)."""
+    stats: dict = {}
+    new: list[int] = []
+    shown = ""
+    start = time.perf_counter()
+    for step in gen.stream(
+        ids,
+        max_new_tokens=args.max_new_tokens,
+        temperature=args.temperature,
+        top_p=args.top_p,
+        top_k=args.top_k,
+        seed=seed,
+        eos_token_id=eos,
+        stats=stats,
+    ):
+        new += step
+        text = tokenizer.decode(new, skip_special_tokens=True)
+        if not text.endswith("\ufffd"):  # a character whose bytes are not all decoded yet
+            print(text[len(shown) :], end="", flush=True)
+            shown = text
+    seconds = time.perf_counter() - start
+    print(tokenizer.decode(new, skip_special_tokens=True)[len(shown) :], flush=True)
+    steps = stats["accepted_lengths"]
+    tau = sum(steps) / len(steps) if steps else 1.0
+    return new, seconds, tau
+
+
+def hf_greedy(base, ids: torch.Tensor, args, tokenizer, eos, plain) -> tuple[list[int], float]:
+    """HF greedy `generate` on the same ids, timed: (new token ids, seconds)."""
+    start = time.perf_counter()
+    with plain_generation(base, plain):  # the base's own logits, as the verifier reads them
+        out = base.generate(
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=args.max_new_tokens,
+            do_sample=False,
+            eos_token_id=eos,
+            pad_token_id=tokenizer.pad_token_id,
+        )
+    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
+
+
+def read_turns(prompt: str):
+    """User turns: lines typed at a terminal (with a prompt), else the lines of stdin."""
+    interactive = sys.stdin.isatty()
+    while True:
+        try:
+            line = input(prompt) if interactive else sys.stdin.readline()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return
+        if not interactive and not line:
+            return
+        yield line.strip()
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    try:
+        base, tokenizer = load_base(args.base, device=args.device)
+        if args.chat_template:
+            tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
+        gen = build_generator(args, base, tokenizer)
+    except (ValueError, OSError) as e:  # a missing folder, heads of another base, a bad template
+        print(f"chat failed: {e}", file=sys.stderr)
+        return 2
+    device = input_device(base)
+    eos = stop_token_ids(base, tokenizer)
+    plain = plain_generation_config(base)
+    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    messages = list(system)
+    print("/reset: a new conversation; /quit or Ctrl-D: leave", file=sys.stderr)
+    for turn, line in enumerate(read_turns("> ")):
+        if line == "/quit":
+            break
+        if line == "/reset":
+            messages = list(system)
+            print("(a new conversation)", file=sys.stderr)
+            continue
+        if not line:
+            continue
+        messages.append({"role": "user", "content": line})
+        try:
+            text = render_conversation(messages, tokenizer, add_generation_prompt=True)
+        except ChatTemplateError as e:
+            print(f"chat failed: {e}", file=sys.stderr)
+            return 2
+        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
+        if ids.shape[1] + args.max_new_tokens > base.config.max_position_embeddings:
+            print(
+                f"(the conversation has {ids.shape[1]} tokens: with --max-new-tokens "
+                f"{args.max_new_tokens} it passes the base's context; /reset to start anew)",
+                file=sys.stderr,
+            )
+            messages.pop()
+            continue
+        try:
+            new, seconds, tau = answer(gen, ids, args, tokenizer, eos, args.seed + turn)
+        except KeyboardInterrupt:  # Ctrl-C stops this answer, not the conversation
+            print("\n(answer stopped and left out of the conversation)", file=sys.stderr)
+            messages.pop()
+            continue
+        line = (
+            f"[{len(new)} tokens in {seconds:.1f} s: {len(new) / seconds:.1f} tok/s, tau {tau:.2f}"
+        )
+        if args.compare:
+            reference, hf_seconds = hf_greedy(base, ids, args, tokenizer, eos, plain)
+            same = "identical" if reference == new else "DIFFERENT from HF's"
+            line += (
+                f"; HF greedy {len(reference) / hf_seconds:.1f} tok/s, "
+                f"{(len(new) / seconds) / (len(reference) / hf_seconds):.2f}x, {same}"
+            )
+        print(line + "]", file=sys.stderr, flush=True)
+        messages.append(
+            {"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

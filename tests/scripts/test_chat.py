@@ -1,0 +1,106 @@
+"""scripts/chat.py on a tiny random Llama that uses the embedded tokenizer: turns read from
+stdin, answers streamed to stdout, one statistics line per answer on stderr."""
+
+import io
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+import chat  # noqa: E402  (scripts/ is not a package)
+from bench_methods import stop_token_ids  # noqa: E402
+
+
+def _chat(monkeypatch, lines: list[str], *argv) -> int:
+    monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
+    return chat.main([*argv, "--threads", "1"])
+
+
+def _hf_answer(model, tokenizer, messages, max_new_tokens: int) -> str:
+    ids = tokenizer.apply_chat_template(
+        messages, add_generation_prompt=True, return_tensors="pt", return_dict=True
+    )["input_ids"]
+    eos = stop_token_ids(model, tokenizer)
+    out = model.generate(
+        ids, max_new_tokens=max_new_tokens, do_sample=False, eos_token_id=eos, pad_token_id=0
+    )
+    return tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+
+
+def test_turns_answers_and_reset_are_the_base_greedy_ones(folders, monkeypatch, capsys):
+    """Three turns, a /reset before the third: every streamed answer is HF greedy's answer to
+    the whole conversation so far (the second sees the first answer, the third does not), and
+    each statistics line says the answer is identical to HF's."""
+    turns = ["Name a colour.", "And another?", "/reset", "Count to three.", "/quit", "Unread."]
+    argv = ["--base", str(folders["base"]), "--heads", str(folders["medusa"])]
+    argv += [str(folders["eagle3"]), "--lookup", "--max-new-tokens", "12", "--compare"]
+    assert _chat(monkeypatch, turns, *argv) == 0
+    out, err = capsys.readouterr()
+
+    model = AutoModelForCausalLM.from_pretrained(folders["base"], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    first = _hf_answer(model, tokenizer, [{"role": "user", "content": turns[0]}], 12)
+    conversation = [
+        {"role": "user", "content": turns[0]},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": turns[1]},
+    ]
+    second = _hf_answer(model, tokenizer, conversation, 12)
+    third = _hf_answer(model, tokenizer, [{"role": "user", "content": turns[3]}], 12)
+    assert out == f"{first}\n{second}\n{third}\n"
+    stats = [line for line in err.splitlines() if line.startswith("[")]
+    assert len(stats) == 3
+    assert all("identical" in line and "tok/s" in line and "tau" in line for line in stats)
+    assert "(a new conversation)" in err
+
+
+def test_sampling_without_heads_streams_an_answer(folders, monkeypatch, capsys):
+    argv = ["--base", str(folders["base"]), "--temperature", "0.8", "--max-new-tokens", "6"]
+    assert _chat(monkeypatch, ["Say hello."], *argv) == 0
+    out, err = capsys.readouterr()
+    assert out.endswith("\n") and "[" in err and "HF greedy" not in err
+
+
+def test_a_conversation_past_the_context_is_refused_and_dropped(folders, monkeypatch, capsys):
+    """A turn that would pass the base's context (2,048 positions here) is not sent: the
+    message says to /reset, and the next turn goes on without it."""
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "1900"]
+    assert _chat(monkeypatch, ["word " * 200, "Hi."], *argv) == 0
+    out, err = capsys.readouterr()
+    assert "passes the base's context" in err and "/reset" in err
+    assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
+
+
+def test_heads_of_another_base_and_greedy_only_compare_are_refused(folders, monkeypatch, capsys):
+    argv = ["--base", str(folders["base"]), "--heads", str(folders["other-medusa"])]
+    assert _chat(monkeypatch, ["Hi."], *argv) == 2
+    assert "chat failed" in capsys.readouterr().err
+    with pytest.raises(SystemExit) as e:
+        chat.parse_args(["--compare", "--temperature", "0.5"])
+    assert e.value.code == 2
+
+
+def test_ctrl_c_stops_an_answer_and_leaves_its_turn_out(folders, monkeypatch, capsys):
+    """Ctrl-C during the first answer: the conversation goes on without that turn, so the
+    second answer is HF greedy's answer to the second turn alone."""
+    answer, calls = chat.answer, []
+
+    def interrupted_once(*args, **kwargs):
+        calls.append(1)
+        if len(calls) == 1:
+            raise KeyboardInterrupt
+        return answer(*args, **kwargs)
+
+    monkeypatch.setattr(chat, "answer", interrupted_once)
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "8"]
+    assert _chat(monkeypatch, ["Name a colour.", "Count to three."], *argv) == 0
+    out, err = capsys.readouterr()
+    assert "answer stopped" in err
+    model = AutoModelForCausalLM.from_pretrained(folders["base"], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    expected = _hf_answer(model, tokenizer, [{"role": "user", "content": "Count to three."}], 8)
+    assert out == f"{expected}\n"
