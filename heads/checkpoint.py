@@ -44,7 +44,7 @@ class PretrainedHeads(nn.Module):
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp"))
         try:
             tensors = {}
-            for name, t in self.state_dict().items():
+            for name, t in self.state_to_save().items():
                 t = t.detach().to("cpu")
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
@@ -65,6 +65,10 @@ class PretrainedHeads(nn.Module):
         if adapter is not None:
             shutil.copytree(adapter, folder / self.config.base_lora, dirs_exist_ok=True)
         return folder
+
+    def state_to_save(self) -> dict[str, torch.Tensor]:
+        """The tensors `save_pretrained` writes, as the engines read them (the state dict)."""
+        return self.state_dict()
 
     def _base_adapter(self, folder: Path) -> Path | None:
         """Medusa-2 heads read their base with a LoRA adapter (`config.base_lora`), which the

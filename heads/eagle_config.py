@@ -61,6 +61,11 @@ def engine_refusal(config: EagleConfig, engine: str) -> str | None:
                 "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
                 "trains one): serve it with SGLang (--to sglang) or headstart"
             )
+        if engine == "sglang" and config.mlp_bias:
+            return (
+                "SGLang's EAGLE-1 layer has no MLP biases and would drop this draft's (from its "
+                "base's mlp_bias): serve it with vLLM or headstart"
+            )
         return None
     ids = list(config.aux_layer_ids)
     if not in_engine_order(ids):
@@ -77,9 +82,10 @@ def engine_refusal(config: EagleConfig, engine: str) -> str | None:
         )
     if min(ids) < 1:  # their Llama adds the residual stream, which is None before layer 0
         return (
-            f"aux layer ids {ids}: neither vLLM nor SGLang captures the embeddings (id 0, the "
-            "state entering layer 0; their base forward fails on it): serve the draft with "
-            "headstart, or train it with heads.aux_layer_ids of 1 or more"
+            f"aux layer ids {ids}: SGLang does not capture the embeddings (id 0, the state "
+            "entering layer 0: its base forward fails on it), nor did vLLM's Llama until "
+            "recently: serve the draft with headstart, or train it with heads.aux_layer_ids of "
+            "1 or more"
         )
     return None
 

@@ -180,6 +180,25 @@ class MedusaHeads(PretrainedHeads):
         """Map draft-vocabulary indices to base token ids (identity for the full vocabulary)."""
         return draft_ids if self.token_map is None else self.token_map[draft_ids]
 
+    def state_to_save(self) -> dict[str, torch.Tensor]:
+        """The state dict, with a draft vocabulary as large as the base's in token order: vLLM
+        reads `token_map` only for a smaller one, so over the whole vocabulary it takes lm_head
+        row j for token j. Rows in another order (another trainer's heads) are sorted, which
+        drafts the same tokens; a map that names a token twice is refused."""
+        state = self.state_dict()
+        if self.token_map is None or self.config.draft_vocab_size < self.config.vocab_size:
+            return state
+        order = torch.argsort(self.token_map)  # (V,): the draft index of token j
+        if not torch.equal(self.token_map[order], torch.arange(len(order), device=order.device)):
+            raise ValueError(
+                f"token_map holds {len(order)} ids, the base's whole vocabulary, but not each "
+                "token once: give a map of distinct token ids (or a smaller draft vocabulary)"
+            )
+        for name in [n for n in state if n.startswith(("lm_head.", "lm_heads."))]:
+            state[name] = state[name][order.to(state[name].device)]
+        state["token_map"] = self.token_map[order]
+        return state
+
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
 

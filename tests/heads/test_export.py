@@ -168,8 +168,8 @@ def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
     )
     low.set_vocab_map(torch.arange(0, 256, 8))
     low.save_pretrained(tmp_path / "low")
-    for engine in ("sglang", "vllm"):  # both engines' Llama fails on id 0
-        with pytest.raises(ExportError, match="neither vLLM nor SGLang captures the embeddings"):
+    for engine in ("sglang", "vllm"):  # SGLang's Llama fails on id 0, as older vLLM's did
+        with pytest.raises(ExportError, match="SGLang does not capture the embeddings"):
             export_heads(tmp_path / "low", engine, tmp_path / f"low-{engine}")
         assert not (tmp_path / f"low-{engine}").exists()
     # a Hub repo id (what the model card's EAGLE-1 SGLang lines export) is downloaded first
@@ -231,6 +231,22 @@ def test_sglang_refuses_an_eagle3_layer_with_biases(tmp_path):
     with pytest.raises(ExportError, match="no attention or MLP biases.*attention_bias.*vLLM"):
         export_heads(tmp_path / "e3", "sglang", tmp_path / "s")
     export_heads(tmp_path / "e3", "vllm", tmp_path / "v")  # vLLM's layer has them
+
+
+def test_sglang_refuses_an_eagle1_layer_with_mlp_biases(tmp_path):
+    """SGLang's EAGLE-1 layer biases q/k/v and o_proj but has no MLP biases, and its loader
+    skips the file's without a word: a draft of a base with mlp_bias is refused there."""
+    from tests.conftest import make_tiny_llama
+
+    base = make_tiny_llama(mlp_bias=True, attention_bias=True)
+    EagleDraft(EagleConfig.from_base(base.config, version=1)).save_pretrained(tmp_path / "e1")
+    with pytest.raises(ExportError, match="SGLang's EAGLE-1 layer has no MLP biases.*vLLM"):
+        export_heads(tmp_path / "e1", "sglang", tmp_path / "s")
+    assert not (tmp_path / "s").exists()
+    export_heads(tmp_path / "e1", "vllm", tmp_path / "v")  # vLLM's layer has them
+    base = make_tiny_llama(attention_bias=True)  # attention biases alone: SGLang has those
+    EagleDraft(EagleConfig.from_base(base.config, version=1)).save_pretrained(tmp_path / "a1")
+    export_heads(tmp_path / "a1", "sglang", tmp_path / "a1-s")
 
 
 def test_aux_layers_the_engines_would_collect_in_another_order_are_refused(tmp_path):

@@ -56,6 +56,36 @@ def test_reduced_vocab_maps_back_to_base_ids(tiny_llama, tmp_path):
     torch.testing.assert_close(load_heads(tmp_path, base=tiny_llama)(hidden), heads(hidden))
 
 
+@pytest.mark.parametrize("shared", [False, True])
+def test_a_draft_vocabulary_of_the_whole_one_is_saved_in_token_order(tiny_llama, tmp_path, shared):
+    """vLLM reads token_map only below the base's vocabulary, taking row j for token j: heads
+    whose map covers the whole vocabulary in another order are saved with their rows sorted, so
+    vLLM and headstart draft the same tokens from the folder as from the heads."""
+    order = torch.randperm(256, generator=torch.Generator().manual_seed(0))
+    cfg = MedusaConfig.from_base(
+        tiny_llama.config, num_heads=2, truncated_vocab_size=256, original_lm_head=shared
+    )
+    heads = MedusaHeads(cfg).init_from_base(tiny_llama, token_map=order)
+    for block in heads.blocks:  # non-zero blocks: each head's logits differ
+        torch.nn.init.normal_(block.layers[0].weight, std=0.1)
+    hidden = torch.randn(1, 3, 64)
+    drafted = heads.to_base_ids(heads(hidden).argmax(-1))  # (K,B,T) base ids
+    heads.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    assert torch.equal(tensors["token_map"], torch.arange(256))
+    names = ["lm_head.weight"] if shared else [f"lm_heads.{h}.weight" for h in range(2)]
+    for name in names:  # row j is token j's, as vLLM reads it
+        torch.testing.assert_close(tensors[name], tiny_llama.lm_head.weight)
+    again = load_heads(tmp_path, base=tiny_llama)
+    assert torch.equal(again.to_base_ids(again(hidden).argmax(-1)), drafted)
+    assert torch.equal(heads.token_map, order)  # the heads themselves are unchanged
+    repeated = order.clone()
+    repeated[1] = repeated[0]
+    heads.token_map.copy_(repeated)
+    with pytest.raises(ValueError, match="not each token once"):
+        heads.save_pretrained(tmp_path / "bad")
+
+
 def test_config_validation():
     with pytest.raises(ValueError, match="truncated_vocab_size"):
         MedusaHeads(MedusaConfig(vocab_size=10, truncated_vocab_size=20))
