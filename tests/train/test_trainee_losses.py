@@ -37,12 +37,46 @@ def test_medusa_recipe_loss_equals_medusa_loss(tiny_llama, soft):
     with torch.no_grad():
         loss, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": attention})
         hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
-        probs = tiny_llama.lm_head(hidden).softmax(-1) if soft else None
-        expected, stats = medusa_loss(heads(hidden), ids, mask, 0.8, probs)
+        base_logits = tiny_llama.lm_head(hidden)  # (B,T,V): row t predicts token t+1
+        probs = base_logits.softmax(-1) if soft else None
+        expected, _ = medusa_loss(heads(hidden), ids, mask, 0.8, probs)
+        head_top = heads(hidden).topk(5, dim=-1).indices  # (K,B,T,5)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
-    for k, (top1, top5) in enumerate(stats):
+    # top-k against the base's greedy token at t+k+2 (what greedy verification accepts), not
+    # the data's token there: random ids are almost never the base's choice
+    for k in range(3):
+        valid = shift_left(mask, k + 2).bool()
+        greedy = shift_left(base_logits.argmax(-1), k + 1)  # (B,T)
+        top1 = (head_top[k, ..., 0] == greedy)[valid]
+        top5 = (head_top[k] == greedy[..., None]).any(-1)[valid]
         assert metrics[f"head{k}/top1"] == (int(top1.sum()), top1.numel())
         assert metrics[f"head{k}/top5"] == (int(top5.sum()), top5.numel())
+
+
+def test_medusa_top1_is_scored_against_the_base_greedy_token_not_the_answer(tiny_llama):
+    """An answer whose every token is head 0's top-1 there (built left to right): scored
+    against the answer, head 0 would be always right; against the base's greedy token, which
+    a random base seldom agrees with, it is not."""
+    from heads import MedusaConfig, MedusaHeads
+    from train.config import load_recipe
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(0)
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1))
+    heads = heads.init_from_base(tiny_llama)
+    torch.nn.init.normal_(heads.blocks[0].layers[0].weight, std=0.3)
+    ids = torch.randint(3, 256, (1, 12))
+    with torch.no_grad():
+        for t in range(10):  # token t+2 := head 0's top-1 at t (hidden t reads ids <= t)
+            hidden = tiny_llama.model(input_ids=ids[:, : t + 1]).last_hidden_state
+            ids[0, t + 2] = heads(hidden)[0, 0, t].argmax()
+        mask = torch.tensor([[0, 0] + [1] * 10])
+        trainee = MedusaTrainee(tiny_llama, heads, load_recipe(None, ["heads.num_heads=1"]))
+        _, metrics = trainee(
+            {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+        )
+    right, rows = metrics["head0/top1"]
+    assert rows == 10 and right < rows
 
 
 @contextlib.contextmanager
