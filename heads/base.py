@@ -148,12 +148,27 @@ def _close_to_embedded(name: str) -> bool:
     )
 
 
+def hub_offline() -> bool:
+    """Whether huggingface_hub is in offline mode (HF_HUB_OFFLINE): it never asks the Hub."""
+    from huggingface_hub import constants
+
+    return bool(constants.HF_HUB_OFFLINE)
+
+
 def _name_hint(name: str) -> str:
-    """What a name that did not load may have meant: the embedded model, or a Hub id's form."""
-    if "/" in name or Path(name).exists():  # a Hub id or a path: transformers said why
+    """What a name that did not load may have meant: the embedded model, a Hub id's form, or
+    the Hub left unasked in offline mode."""
+    if Path(name).exists():  # a path: transformers said why
         return ""
-    if _close_to_embedded(name):
+    if "/" not in name and _close_to_embedded(name):
         return f"\n(did you mean the embedded model '{EMBEDDED_NAME}'? it loads offline)"
+    if hub_offline():  # huggingface_hub's message then blames the network
+        return (
+            "\n(HF_HUB_OFFLINE is set, so the Hub was not asked: unset it, or give a local "
+            f"folder or the embedded model '{EMBEDDED_NAME}')"
+        )
+    if "/" in name:  # a Hub id: transformers said why
+        return ""
     return (
         "\n(if it is a Hub id, check its spelling and the network: most are 'owner/name'; a "
         f"local folder needs its path; the embedded model is '{EMBEDDED_NAME}')"

@@ -7,7 +7,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from heads.base import is_repo_id
+from heads.base import hub_offline, is_repo_id
 
 
 def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:
@@ -176,10 +176,9 @@ def push_folder(
                 folder_path=str(staged), repo_id=repo_id, commit_message=commit_message
             )
         except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
-            offline = os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
             hint = (
                 "HF_HUB_OFFLINE is set: unset it to push"
-                if offline
+                if hub_offline()
                 else "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
             )
             raise HubPushError(

@@ -32,12 +32,9 @@ MEDUSA = ROOT / "recipes/smollm2-135m-medusa.yaml"
 EAGLE = ROOT / "recipes/smollm2-135m-eagle.yaml"
 DISTILLED = "runs/smollm2-distill"  # both recipes' data.output_dir: the lookup's corpus
 FEATURES = "runs/smollm2-features"  # the base's features of that data, for both trainings
-# MT-bench's questions are public data that headstart does not ship; a copy is looked for here.
-MT_BENCH_CANDIDATES = [
-    os.environ.get("HEADSTART_MT_BENCH", ""),
-    "mt_bench.jsonl",
-    "../shared/data/mt_bench.jsonl",
-]
+# MT-bench's questions are public data that headstart does not ship: the file that
+# HEADSTART_MT_BENCH names, else a copy in the repository.
+MT_BENCH_CANDIDATES = ["mt_bench.jsonl"]
 
 
 def run_stage(name: str, args: list[str], timings: dict[str, float]) -> None:
@@ -53,6 +50,14 @@ def run_stage(name: str, args: list[str], timings: dict[str, float]) -> None:
 
 
 def default_prompts() -> str:
+    named = os.environ.get("HEADSTART_MT_BENCH")
+    if named:  # a path named but not there is an error, not a quiet fallback
+        if not Path(named).expanduser().is_file():
+            raise FileNotFoundError(
+                f"HEADSTART_MT_BENCH={named}: no such file (relative paths are read from "
+                "where the demo runs); save MT-bench's question file there (README), or unset it"
+            )
+        return str(Path(named).expanduser().resolve())
     for candidate in MT_BENCH_CANDIDATES:
         if candidate and (ROOT / candidate).is_file():
             return str((ROOT / candidate).resolve())
@@ -84,7 +89,10 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.out).resolve() if args.out else ROOT / "runs/demo"
     if args.prompts and Path(args.prompts).exists():
         args.prompts = str(Path(args.prompts).resolve())
-    prompts = args.prompts or default_prompts()
+    try:
+        prompts = args.prompts or default_prompts()
+    except FileNotFoundError as e:
+        parser.error(str(e))
     if prompts == "humaneval" and not args.prompts:
         print(
             "demo: no mt_bench.jsonl in the repository (nor HEADSTART_MT_BENCH=FILE): benchmarking "

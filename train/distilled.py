@@ -199,6 +199,21 @@ def distilled_otherwise(out_dir: str | Path, recipe, tokenizer) -> list[str]:
     return notes
 
 
+def selected_otherwise(out_dir: str | Path, recipe) -> list[str]:
+    """The recipe's `data.sources`, `data.limit` and `data.num_samples` where they differ from
+    those `out_dir`'s answers were distilled with: they choose what distill answers, and
+    training reads every answer in the folder whatever they say."""
+    try:
+        settings = recorded_settings(Path(out_dir))
+    except (OSError, DistillError):
+        return []
+    return [
+        f"data.{key}={getattr(recipe.data, key)!r} (distilled with {settings[key]!r})"
+        for key in ("sources", "limit", "num_samples")
+        if key in settings and settings[key] != getattr(recipe.data, key)
+    ]
+
+
 def summarize_shards(out_dir: Path) -> dict[str, int]:
     """Counts of the records in `out_dir`'s shards, for its manifest."""
     records = unfinished = dropped = 0

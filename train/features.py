@@ -23,7 +23,7 @@ from tqdm.auto import tqdm
 from heads.base import logits_scaling
 from train.corpus import as_conversation, corpus_chunks
 from train.data import build_examples, pad_batch, read_distilled, tokenize_conversation
-from train.distilled import distilled_otherwise
+from train.distilled import distilled_otherwise, selected_otherwise
 
 Example = dict[str, list[int]]
 
@@ -46,6 +46,13 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             "draft best for the answers as distilled: set the recipe's model, data.chat_template "
             "and data.system_prompt as distill had them, unless this is meant.",
             stacklevel=2,
+        )
+    if keys := selected_otherwise(recipe.data.output_dir, recipe):
+        print(
+            f"note: training reads all {len(records)} conversations in {recipe.data.output_dir}; "
+            f"{', '.join(keys)} choose what scripts/distill.py answers, not what training reads "
+            "(train on fewer with training.max_steps, or distill into another data.output_dir)",
+            file=sys.stderr,
         )
     distilled = tokenize_answers(records, tokenizer, recipe)
     if len(distilled) < len(records):

@@ -104,7 +104,24 @@ def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys)
 
 def test_without_mt_bench_the_demo_says_it_benchmarks_humaneval(tmp_path, monkeypatch, capsys):
     stages = record_stages(monkeypatch)
+    monkeypatch.delenv("HEADSTART_MT_BENCH", raising=False)
     monkeypatch.setattr(demo, "MT_BENCH_CANDIDATES", [str(tmp_path / "none.jsonl")])
     assert demo.main(["--out", str(tmp_path / "report")]) == 0
     assert stages[-1][stages[-1].index("--prompts") + 1] == "humaneval"
     assert "no mt_bench.jsonl in the repository" in capsys.readouterr().err
+
+
+def test_mt_bench_named_by_the_environment(tmp_path, monkeypatch, capsys):
+    """HEADSTART_MT_BENCH names the benchmark's questions; a path that is not there is an error
+    naming it (it was passed over for HumanEval without a word)."""
+    stages = record_stages(monkeypatch)
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(json.dumps({"category": "math", "turns": ["What is 2+2?"]}) + "\n")
+    monkeypatch.setenv("HEADSTART_MT_BENCH", str(questions))
+    assert demo.main(["--out", str(tmp_path / "report")]) == 0
+    assert stages[-1][stages[-1].index("--prompts") + 1] == str(questions.resolve())
+    monkeypatch.setenv("HEADSTART_MT_BENCH", str(tmp_path / "missing.jsonl"))
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--out", str(tmp_path / "report")])
+    assert stop.value.code == 2
+    assert "HEADSTART_MT_BENCH=" in capsys.readouterr().err

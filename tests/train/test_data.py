@@ -314,6 +314,31 @@ def test_training_says_when_the_answers_were_distilled_otherwise(smollm2_tokeniz
     assert distilled
 
 
+def test_training_says_it_reads_every_answer_whatever_data_limit_says(
+    smollm2_tokenizer, tmp_path, capsys
+):
+    """data.limit / sources / num_samples choose what distill answers; a recipe that names
+    others than the folder was distilled with is told that training reads all of it."""
+    from tests.train.conftest import write_distilled
+    from train.config import load_recipe
+    from train.distilled import MANIFEST, selected_otherwise
+    from train.features import load_examples
+
+    write_distilled(tmp_path)
+    settings = {"sources": ["embedded"], "limit": 768, "num_samples": 1}
+    (tmp_path / MANIFEST).write_text(json.dumps({"settings": settings}))
+    same = load_recipe(None, [f"data.output_dir={tmp_path}", "data.limit=768"])
+    assert selected_otherwise(tmp_path, same) == []
+    load_examples(same, smollm2_tokenizer)
+    assert "training reads all" not in capsys.readouterr().err
+    fewer = load_recipe(None, [f"data.output_dir={tmp_path}", "data.limit=16"])
+    assert selected_otherwise(tmp_path, fewer) == ["data.limit=16 (distilled with 768)"]
+    distilled, _ = load_examples(fewer, smollm2_tokenizer)
+    err = capsys.readouterr().err
+    assert f"training reads all {len(distilled)} conversations" in err
+    assert "data.limit=16 (distilled with 768)" in err and "training.max_steps" in err
+
+
 def test_held_out_split_goes_by_prompt_and_keeps_its_sides_as_the_data_grows():
     from train.features import split_held_out
 
