@@ -144,12 +144,12 @@ def build_methods(names: list[str], args: argparse.Namespace):
         top_p=args.top_p,
     )
     greedy = args.temperature == 0
-    corpus = _lookup_corpus(args, tokenizer, eos) if set(CORPUS_METHODS) & set(names) else None
+    corpus = build_lookup_table(args, tokenizer, eos) if set(CORPUS_METHODS) & set(names) else None
     methods: list[Method] = []
     for name in names:
         if name in ("baseline", "hf-lookup"):
             extra = {"prompt_lookup_num_tokens": args.lookup_tokens} if name == "hf-lookup" else {}
-            run = _hf_runner(base, tokenizer.pad_token_id, settings, extra)
+            run = hf_runner(base, tokenizer.pad_token_id, settings, extra)
             methods.append(Method(name, name, run, device, greedy, extra))
         elif name in ("ngram", "ngram+corpus"):
             with_corpus = corpus if name == "ngram+corpus" else None
@@ -292,7 +292,7 @@ def _union_method(
     return Method(name, kind, run, next(base.parameters()).device, greedy, options, depth, folder)
 
 
-def _lookup_corpus(args: argparse.Namespace, tokenizer, eos: list[int]) -> NgramTable:
+def build_lookup_table(args: argparse.Namespace, tokenizer, eos: list[int]) -> NgramTable:
     """The n-gram table of `--lookup-corpus` (answers in JSONL: a distill output folder)."""
     print(f"building the n-gram table of {args.lookup_corpus} ...", file=sys.stderr, flush=True)
     start = time.perf_counter()
@@ -368,7 +368,9 @@ def stop_token_ids(base, tokenizer) -> list[int]:
     return ids + [t for t in more if t not in ids]
 
 
-def _hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable[..., Run]:
+def hf_runner(base, pad_token_id: int, settings: dict, extra: dict) -> Callable[..., Run]:
+    """HF `generate` (greedy, or sampling as `settings` say; `extra`: its other arguments, e.g.
+    prompt lookup) as a method's `run(input_ids, seed, max_new_tokens=None) -> Run`."""
     sample = settings["temperature"] > 0
     # Explicit values, so that a checkpoint's generation_config cannot change the distribution.
     sampling = dict(temperature=settings["temperature"], top_p=settings["top_p"], top_k=0)

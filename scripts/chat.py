@@ -7,7 +7,8 @@ the speedup and whether the two answers are the same token for token.
     echo "Write a haiku about rain." | python scripts/chat.py --heads HEADS --compare
 
 Without --heads the n-gram drafter (prompt lookup) drafts. Lines typed are user turns; `/reset`
-starts a new conversation, `/quit` (or end of input, Ctrl-D) leaves, Ctrl-C stops an answer.
+starts a new conversation, `/quit` (or end of input, Ctrl-D) leaves; Ctrl-C stops an answer (or
+its HF comparison), and at the prompt leaves.
 The chat template and system prompt should be the ones the heads were trained with (the
 recipe's data.chat_template and data.system_prompt; the tokenizer's own by default).
 """
@@ -22,18 +23,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_methods import stop_token_ids  # noqa: E402  (scripts/ is not a package)
+from bench import prompt_ids  # noqa: E402  (scripts/ is not a package)
+from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
-from inference import (  # noqa: E402
-    NgramDrafter,
-    NgramTable,
-    SpeculativeGenerator,
-    plain_generation,
-    plain_generation_config,
-)
-from train.data import ChatTemplateError, render_conversation, resolve_chat_template  # noqa: E402
+from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
+from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -64,6 +60,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--system-prompt", default=None, metavar="TEXT", help="the conversation's system turn")
     add("--chat-template", default=None, metavar="TEMPLATE", help="Jinja string or .jinja file")
     add("--compare", action="store_true", help="time HF greedy generate on every turn too")
+    add(
+        "--dtype",
+        default="auto",
+        choices=("auto", "float32", "bfloat16", "float16"),
+        help="the base's (auto: fp32 on a CPU, bf16 on a GPU, where greedy answers can part "
+        "from HF's at near-ties; float32 for token-for-token identity)",
+    )
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
     args = parser.parse_args(argv)
@@ -79,10 +82,8 @@ def build_generator(args: argparse.Namespace, base, tokenizer) -> SpeculativeGen
     drafters = [load_heads(name, base=base) for name in args.heads]
     if args.lookup or args.lookup_corpus or not drafters:
         corpus = None
-        if args.lookup_corpus:
-            print(f"building the n-gram table of {args.lookup_corpus} ...", file=sys.stderr)
-            eos = stop_token_ids(base, tokenizer)
-            corpus = NgramTable.from_jsonl(args.lookup_corpus, tokenizer, eos[0] if eos else None)
+        if args.lookup_corpus:  # an empty table is refused, as bench.py does
+            corpus = build_lookup_table(args, tokenizer, stop_token_ids(base, tokenizer))
         drafters.append(NgramDrafter(corpus=corpus))
     return SpeculativeGenerator(base, drafters[0] if len(drafters) == 1 else drafters)
 
@@ -115,21 +116,6 @@ def answer(gen: SpeculativeGenerator, ids: torch.Tensor, args, tokenizer, eos, s
     return new, seconds, tau
 
 
-def hf_greedy(base, ids: torch.Tensor, args, tokenizer, eos, plain) -> tuple[list[int], float]:
-    """HF greedy `generate` on the same ids, timed: (new token ids, seconds)."""
-    start = time.perf_counter()
-    with plain_generation(base, plain):  # the base's own logits, as the verifier reads them
-        out = base.generate(
-            input_ids=ids,
-            attention_mask=torch.ones_like(ids),
-            max_new_tokens=args.max_new_tokens,
-            do_sample=False,
-            eos_token_id=eos,
-            pad_token_id=tokenizer.pad_token_id,
-        )
-    return out[0, ids.shape[1] :].tolist(), time.perf_counter() - start
-
-
 def read_turns(prompt: str):
     """User turns: lines typed at a terminal (with a prompt), else the lines of stdin."""
     interactive = sys.stdin.isatty()
@@ -149,20 +135,22 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     try:
-        base, tokenizer = load_base(args.base, device=args.device)
-        if args.chat_template:
-            tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
+        base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
+        # the template is needed for every turn: a tokenizer without one is said at once
+        tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         gen = build_generator(args, base, tokenizer)
-    except (ValueError, OSError) as e:  # a missing folder, heads of another base, a bad template
+    except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template
         print(f"chat failed: {e}", file=sys.stderr)
         return 2
     device = input_device(base)
     eos = stop_token_ids(base, tokenizer)
-    plain = plain_generation_config(base)
+    greedy = dict(max_new_tokens=args.max_new_tokens, eos=eos, temperature=0.0, top_p=1.0)
+    hf_greedy = hf_runner(base, tokenizer.pad_token_id, greedy, {})
     system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
     messages = list(system)
+    answered = 0
     print("/reset: a new conversation; /quit or Ctrl-D: leave", file=sys.stderr)
-    for turn, line in enumerate(read_turns("> ")):
+    for line in read_turns("> "):
         if line == "/quit":
             break
         if line == "/reset":
@@ -173,11 +161,10 @@ def main(argv: list[str] | None = None) -> int:
             continue
         messages.append({"role": "user", "content": line})
         try:
-            text = render_conversation(messages, tokenizer, add_generation_prompt=True)
-        except ChatTemplateError as e:
+            ids = prompt_ids(messages, tokenizer).to(device)  # (1, T)
+        except ChatTemplateError as e:  # a template that raises on these messages
             print(f"chat failed: {e}", file=sys.stderr)
             return 2
-        ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)
         if ids.shape[1] + args.max_new_tokens > base.config.max_position_embeddings:
             print(
                 f"(the conversation has {ids.shape[1]} tokens: with --max-new-tokens "
@@ -187,25 +174,32 @@ def main(argv: list[str] | None = None) -> int:
             messages.pop()
             continue
         try:
-            new, seconds, tau = answer(gen, ids, args, tokenizer, eos, args.seed + turn)
+            new, seconds, tau = answer(gen, ids, args, tokenizer, eos, args.seed + answered)
         except KeyboardInterrupt:  # Ctrl-C stops this answer, not the conversation
             print("\n(answer stopped and left out of the conversation)", file=sys.stderr)
             messages.pop()
             continue
-        line = (
-            f"[{len(new)} tokens in {seconds:.1f} s: {len(new) / seconds:.1f} tok/s, tau {tau:.2f}"
-        )
-        if args.compare:
-            reference, hf_seconds = hf_greedy(base, ids, args, tokenizer, eos, plain)
-            same = "identical" if reference == new else "DIFFERENT from HF's"
-            line += (
-                f"; HF greedy {len(reference) / hf_seconds:.1f} tok/s, "
-                f"{(len(new) / seconds) / (len(reference) / hf_seconds):.2f}x, {same}"
-            )
-        print(line + "]", file=sys.stderr, flush=True)
+        answered += 1
         messages.append(
             {"role": "assistant", "content": tokenizer.decode(new, skip_special_tokens=True)}
         )
+        stats = (
+            f"[{len(new)} tokens in {seconds:.1f} s: {len(new) / seconds:.1f} tok/s, tau {tau:.2f}"
+        )
+        if args.compare:
+            try:
+                start = time.perf_counter()
+                reference = hf_greedy(ids, 0).new_ids
+                hf_seconds = time.perf_counter() - start
+            except KeyboardInterrupt:  # the answer stands; only its comparison is left out
+                stats += "; HF greedy stopped"
+            else:
+                same = "identical" if reference == new else "DIFFERENT from HF's"
+                stats += (
+                    f"; HF greedy {len(reference) / hf_seconds:.1f} tok/s, "
+                    f"{(len(new) / seconds) / (len(reference) / hf_seconds):.2f}x, {same}"
+                )
+        print(stats + "]", file=sys.stderr, flush=True)
     return 0
 
 

@@ -75,10 +75,18 @@ def test_a_conversation_past_the_context_is_refused_and_dropped(folders, monkeyp
     assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
 
 
-def test_heads_of_another_base_and_greedy_only_compare_are_refused(folders, monkeypatch, capsys):
+def test_bad_heads_an_empty_corpus_and_sampled_compare_are_refused(
+    folders, tmp_path, monkeypatch, capsys
+):
     argv = ["--base", str(folders["base"]), "--heads", str(folders["other-medusa"])]
     assert _chat(monkeypatch, ["Hi."], *argv) == 2
     assert "chat failed" in capsys.readouterr().err
+    empty = tmp_path / "answers"  # a lookup corpus with no answers is refused, as in bench.py
+    empty.mkdir()
+    (empty / "shard.jsonl").write_text("")
+    argv = ["--base", str(folders["base"]), "--lookup-corpus", str(empty)]
+    assert _chat(monkeypatch, ["Hi."], *argv) == 2
+    assert "chat failed: --lookup-corpus" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         chat.parse_args(["--compare", "--temperature", "0.5"])
     assert e.value.code == 2
@@ -104,3 +112,45 @@ def test_ctrl_c_stops_an_answer_and_leaves_its_turn_out(folders, monkeypatch, ca
     tokenizer = AutoTokenizer.from_pretrained(folders["base"])
     expected = _hf_answer(model, tokenizer, [{"role": "user", "content": "Count to three."}], 8)
     assert out == f"{expected}\n"
+
+
+def test_ctrl_c_during_the_comparison_keeps_the_answer(folders, monkeypatch, capsys):
+    """Ctrl-C while HF greedy runs for --compare leaves out the comparison, not the answer: the
+    second turn sees the first answer."""
+    monkeypatch.setattr(chat, "hf_runner", lambda *a, **k: _raise(KeyboardInterrupt))
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "8", "--compare"]
+    assert _chat(monkeypatch, ["Name a colour.", "And another?"], *argv) == 0
+    out, err = capsys.readouterr()
+    assert err.count("HF greedy stopped") == 2
+    model = AutoModelForCausalLM.from_pretrained(folders["base"], dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    first = _hf_answer(model, tokenizer, [{"role": "user", "content": "Name a colour."}], 8)
+    conversation = [
+        {"role": "user", "content": "Name a colour."},
+        {"role": "assistant", "content": first},
+        {"role": "user", "content": "And another?"},
+    ]
+    assert out == f"{first}\n{_hf_answer(model, tokenizer, conversation, 8)}\n"
+
+
+def _raise(error):
+    def run(*args, **kwargs):
+        raise error
+
+    return run
+
+
+def test_a_base_without_chat_template_is_refused_before_any_turn(folders, tmp_path, monkeypatch):
+    import json
+    import shutil
+
+    base = tmp_path / "no-template"
+    shutil.copytree(folders["base"], base)
+    (base / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((base / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    stdin = io.StringIO("Hi.\n")
+    monkeypatch.setattr(sys, "stdin", stdin)
+    assert chat.main(["--base", str(base), "--threads", "1"]) == 2
+    assert stdin.tell() == 0  # refused before reading a turn
