@@ -286,7 +286,7 @@ def load_heads(
     """
     from heads.eagle import EagleDraft, check_vocab_map, t2d_from_d2t
     from heads.lora import warn_unless_merged
-    from heads.medusa import MedusaConfig, MedusaHeads
+    from heads.medusa import MedusaConfig, MedusaHeads, check_token_map
 
     if base is not None:
         check_model(base)
@@ -316,6 +316,8 @@ def load_heads(
     elif isinstance(module, EagleDraft) and "d2t" in tensors and "t2d" not in tensors:
         tensors["t2d"] = t2d_from_d2t(tensors["d2t"], config.vocab_size)
     load_state_checked(module, tensors, str(folder), optional=optional)
+    if isinstance(module, MedusaHeads) and module.token_map is not None:
+        check_token_map(module.token_map, config.vocab_size, f"{folder}: token_map")
     if isinstance(module, EagleDraft) and config.version == 3:
         check_vocab_map(module.d2t, module.t2d)
     if base is not None:

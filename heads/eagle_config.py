@@ -56,17 +56,22 @@ def engine_refusal(config: EagleConfig, engine: str) -> str | None:
     """Why `engine` ("vllm" or "sglang") would not compute this draft as headstart does, or None
     when it would (the export refuses, the model card says so)."""
     if config.version == 1:
-        if engine == "vllm" and config.fc_bias:
-            return (
-                "vLLM's EAGLE-1 fc has no bias and would drop this layer's (EAGLE's reference "
-                "trains one): serve it with SGLang (--to sglang) or headstart"
-            )
-        if engine == "sglang" and config.mlp_bias:
-            return (
-                "SGLang's EAGLE-1 layer has no MLP biases and would drop this draft's (from its "
-                "base's mlp_bias): serve it with vLLM or headstart"
-            )
-        return None
+        # Each engine drops, without a word, the biases its layer lacks.
+        lacks = {
+            "vllm": "vLLM's EAGLE-1 fc has no bias" if config.fc_bias else None,  # EAGLE's has
+            "sglang": "SGLang's EAGLE-1 layer has no MLP biases" if config.mlp_bias else None,
+        }
+        if lacks[engine] is None:
+            return None
+        other, other_engine = (
+            ("sglang", "SGLang (--to sglang)") if engine == "vllm" else ("vllm", "vLLM")
+        )
+        serve = (
+            "headstart (neither engine has all of its biases)"
+            if lacks[other]
+            else f"{other_engine} or headstart"
+        )
+        return f"{lacks[engine]} and would drop this draft's: serve it with {serve}"
     ids = list(config.aux_layer_ids)
     if not in_engine_order(ids):
         return (

@@ -146,6 +146,7 @@ class MedusaHeads(PretrainedHeads):
                 raise ValueError(
                     f"a reduced draft vocabulary needs a token_map of {self.config.draft_vocab_size} ids"
                 )
+            check_token_map(token_map, self.config.vocab_size)
             self.token_map.copy_(token_map)
             weight = weight[token_map.to(weight.device)]
         if self.config.original_lm_head:
@@ -184,16 +185,12 @@ class MedusaHeads(PretrainedHeads):
         """The state dict, with a draft vocabulary as large as the base's in token order: vLLM
         reads `token_map` only for a smaller one, so over the whole vocabulary it takes lm_head
         row j for token j. Rows in another order (another trainer's heads) are sorted, which
-        drafts the same tokens; a map that names a token twice is refused."""
+        drafts the same tokens."""
         state = self.state_dict()
         if self.token_map is None or self.config.draft_vocab_size < self.config.vocab_size:
             return state
+        check_token_map(self.token_map, self.config.vocab_size)  # changed in place since?
         order = torch.argsort(self.token_map)  # (V,): the draft index of token j
-        if not torch.equal(self.token_map[order], torch.arange(len(order), device=order.device)):
-            raise ValueError(
-                f"token_map holds {len(order)} ids, the base's whole vocabulary, but not each "
-                "token once: give a map of distinct token ids (or a smaller draft vocabulary)"
-            )
         for name in [n for n in state if n.startswith(("lm_head.", "lm_heads."))]:
             state[name] = state[name][order.to(state[name].device)]
         state["token_map"] = self.token_map[order]
@@ -201,6 +198,16 @@ class MedusaHeads(PretrainedHeads):
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)
+
+
+def check_token_map(token_map: torch.Tensor, vocab_size: int, where: str = "token_map") -> None:
+    """A reduced vocabulary's map (V_draft,) names base ids, each once (one draft index per
+    token: the engines and the drafters map back by it)."""
+    ids = token_map.long()
+    if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size):
+        raise ValueError(f"{where} holds ids outside the base's vocabulary of {vocab_size}")
+    if ids.unique().numel() != ids.numel():
+        raise ValueError(f"{where} names a token more than once: give each kept token id once")
 
 
 def engine_medusa_keys(raw: dict) -> dict:

@@ -244,6 +244,13 @@ def test_sglang_refuses_an_eagle1_layer_with_mlp_biases(tmp_path):
         export_heads(tmp_path / "e1", "sglang", tmp_path / "s")
     assert not (tmp_path / "s").exists()
     export_heads(tmp_path / "e1", "vllm", tmp_path / "v")  # vLLM's layer has them
+    # with an fc bias too (EAGLE's reference trains one), neither engine has all its biases
+    both = EagleDraft(EagleConfig.from_base(base.config, version=1, fc_bias=True))
+    torch.nn.init.normal_(both.fc.bias)  # an all-zero bias reads as none
+    both.save_pretrained(tmp_path / "both")
+    for engine in ("vllm", "sglang"):
+        with pytest.raises(ExportError, match="serve it with headstart .neither engine"):
+            export_heads(tmp_path / "both", engine, tmp_path / f"both-{engine}")
     base = make_tiny_llama(attention_bias=True)  # attention biases alone: SGLang has those
     EagleDraft(EagleConfig.from_base(base.config, version=1)).save_pretrained(tmp_path / "a1")
     export_heads(tmp_path / "a1", "sglang", tmp_path / "a1-s")

@@ -79,10 +79,17 @@ def test_a_draft_vocabulary_of_the_whole_one_is_saved_in_token_order(tiny_llama,
     again = load_heads(tmp_path, base=tiny_llama)
     assert torch.equal(again.to_base_ids(again(hidden).argmax(-1)), drafted)
     assert torch.equal(heads.token_map, order)  # the heads themselves are unchanged
+    # a map naming a token twice is refused when given, when loaded and when saved
     repeated = order.clone()
     repeated[1] = repeated[0]
+    with pytest.raises(ValueError, match="names a token more than once"):
+        MedusaHeads(cfg).init_from_base(tiny_llama, token_map=repeated)
+    tensors["token_map"] = repeated
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(ValueError, match="token_map names a token more than once"):
+        load_heads(tmp_path, base=tiny_llama)
     heads.token_map.copy_(repeated)
-    with pytest.raises(ValueError, match="not each token once"):
+    with pytest.raises(ValueError, match="names a token more than once"):
         heads.save_pretrained(tmp_path / "bad")
 
 
