@@ -164,8 +164,8 @@ def _name_hint(name: str) -> str:
         return f"\n(did you mean the embedded model '{EMBEDDED_NAME}'? it loads offline)"
     if hub_offline():  # huggingface_hub's message then blames the network
         return (
-            "\n(HF_HUB_OFFLINE is set, so the Hub was not asked: unset it, or give a local "
-            f"folder or the embedded model '{EMBEDDED_NAME}')"
+            "\n(offline mode is on, HF_HUB_OFFLINE or TRANSFORMERS_OFFLINE, so the Hub was not "
+            f"asked: unset it, or give a local folder or the embedded model '{EMBEDDED_NAME}')"
         )
     if "/" in name:  # a Hub id: transformers said why
         return ""

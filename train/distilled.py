@@ -11,7 +11,7 @@ from typing import Any
 
 from heads.config import same_base
 from train.data import resolve_chat_template, with_system_prompt
-from train.prompts import Message, conversation_id
+from train.prompts import Message, conversation_id, expand_sources
 
 MANIFEST = "manifest.json"
 FORMAT = "headstart-distill-1"
@@ -207,10 +207,18 @@ def selected_otherwise(out_dir: str | Path, recipe) -> list[str]:
         settings = recorded_settings(Path(out_dir))
     except (OSError, DistillError):
         return []
+    named = {
+        "sources": set(expand_sources(recipe.data.sources)),  # as the manifest spells them
+        "limit": recipe.data.limit,
+        "num_samples": recipe.data.num_samples,
+    }
+    recorded = dict(settings)
+    if isinstance(recorded.get("sources"), list):
+        recorded["sources"] = set(recorded["sources"])
     return [
         f"data.{key}={getattr(recipe.data, key)!r} (distilled with {settings[key]!r})"
-        for key in ("sources", "limit", "num_samples")
-        if key in settings and settings[key] != getattr(recipe.data, key)
+        for key, value in named.items()
+        if key in recorded and recorded[key] != value
     ]
 
 

@@ -105,8 +105,17 @@ class MedusaTrainee(Trainee):
         targets = draft_logits.float().softmax(-1) if self.soft else None  # (n, V_draft)
         n = norm if norm is not None else max(int(next_is_target.sum()), 1)
         del draft_logits  # one (n, V) copy at a time: V is 128k for Llama 3
-        loss = hidden.new_zeros(())
         metrics: dict[str, tuple] = {}  # (sum, number): a batch's mean, or summed held out
+        greedy, kl = base_top, None  # (n,): the token greedy verification accepts at each row
+        if self.lora:  # Medusa-2 is served on the adapted base: its greedy token, its KL term
+            adapted = (
+                lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
+            )  # (n, V)
+            greedy = adapted.argmax(-1)
+            p = base_logits.float().softmax(-1)
+            kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
+            del adapted, p
+        loss = hidden.new_zeros(())
         chain = []  # (B,T) per head: right at that row
         for k in range(len(self.heads.blocks)):
             valid = shift_left(next_is_target, k + 1, False)  # target t+k+2 is an assistant token
@@ -129,21 +138,16 @@ class MedusaTrainee(Trainee):
             # verification accepts (sampled answers' own tokens are not the base's choice ~30%
             # of the time here, which read head 0 ~10% lower).
             top = top_ids(logits, 5, self.heads.to_base_ids)  # (n_k, 5) best first
-            hits = top == base_top[rows, None]  # (n_k, 5)
+            hits = top == greedy[rows, None]  # (n_k, 5)
             metrics[f"head{k}/top1"] = count(hits[:, 0])
             metrics[f"head{k}/top5"] = count(hits.any(-1))
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=ids.device)
             ok[valid] = hits[:, 0]
             chain.append(ok)
-        if self.lora:
+        if kl is not None:
             # The heads' weight ramps up over training; the held-out loss is the full objective
             # (else it would read the heads' part at step 0's weight all through the run).
             ramp = min(1.0, (step + 1) / self.warmup) if self.warmup and self.training else 1.0
-            adapted = (
-                lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
-            )
-            p = base_logits.float().softmax(-1)
-            kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             loss = ramp * loss + self.kl_weight * kl
             metrics["kl"] = (float(kl.detach()) * n, int(next_is_target.sum()))  # per token
         metrics["sim_tau"] = sim_tau(chain, next_is_target)

@@ -87,12 +87,13 @@ def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)
     # offline, huggingface_hub's message blames the network: the hint says the Hub was not asked
-    with pytest.raises(OSError, match="HF_HUB_OFFLINE is set, so the Hub was not asked"):
+    with pytest.raises(OSError, match="offline mode is on.* so the Hub was not asked"):
         load_base("no-such-model-anywhere", device="cpu")
     # a Hub id that did not load (gated, offline) is not taken for a misspelt embedded name
     with pytest.raises(OSError) as failed:
         load_base("HuggingFaceTB/SmolLM2-360M-Instruct", device="cpu")
-    assert "did you mean" not in str(failed.value) and "Hub was not asked" in str(failed.value)
+    assert "did you mean" not in str(failed.value)
+    assert "the Hub was not asked" in str(failed.value)
     # online, a name without an owner is told a Hub id's form
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", False)
     assert "check its spelling and the network" in base_module._name_hint("no-such-model")

@@ -331,6 +331,17 @@ def test_training_says_it_reads_every_answer_whatever_data_limit_says(
     assert selected_otherwise(tmp_path, same) == []
     load_examples(same, smollm2_tokenizer)
     assert "training reads all" not in capsys.readouterr().err
+    # embedded:all is recorded spelled out: the same sources, in any order
+    settings = {**settings, "sources": ["embedded:roleplay,reasoning,knowledge,compositions"]}
+    settings["sources"].insert(0, "embedded")
+    (tmp_path / MANIFEST).write_text(json.dumps({"settings": {**settings, "limit": None}}))
+    every = load_recipe(None, [f"data.output_dir={tmp_path}", "data.sources=[embedded:all]"])
+    assert selected_otherwise(tmp_path, every) == []
+    settings["sources"].reverse()
+    (tmp_path / MANIFEST).write_text(json.dumps({"settings": {**settings, "limit": None}}))
+    assert selected_otherwise(tmp_path, every) == []
+    settings = {"sources": ["embedded"], "limit": 768, "num_samples": 1}
+    (tmp_path / MANIFEST).write_text(json.dumps({"settings": settings}))
     fewer = load_recipe(None, [f"data.output_dir={tmp_path}", "data.limit=16"])
     assert selected_otherwise(tmp_path, fewer) == ["data.limit=16 (distilled with 768)"]
     distilled, _ = load_examples(fewer, smollm2_tokenizer)

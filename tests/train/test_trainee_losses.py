@@ -369,3 +369,39 @@ def test_step_norms_are_the_mean_target_count_of_each_steps_micro_batches():
     batches = [[0], [1, 2], [3], [3, 0]]  # 1 | 6 ; 8 | 9 targets: steps of 7 and 17 here
     norms = step_norms(dataset, batches, recipe, accelerator)
     assert norms == [17 / 4, 17 / 4, 37 / 4, 37 / 4]
+
+
+def test_medusa2_is_scored_against_the_adapted_base_greedy_token(tiny_llama):
+    """Medusa-2 heads are served on the base with its adapter merged, so verification accepts
+    the adapted base's greedy token: a head that always proposes that token scores 1.0 (against
+    the original base's token, which the adapter changes, it would not)."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from heads import MedusaConfig, MedusaHeads
+    from train.config import load_recipe
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(0)
+    adapted_base = get_peft_model(
+        copy.deepcopy(tiny_llama),
+        LoraConfig(r=4, target_modules=["q_proj", "v_proj", "o_proj"], init_lora_weights=False),
+    )
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1))
+    heads.init_from_base(tiny_llama)
+    recipe = load_recipe(None, ["heads.num_heads=1", "heads.lora_r=4"])
+    trainee = MedusaTrainee(adapted_base, heads, recipe)
+    ids = torch.randint(3, 256, (1, 40))
+    mask = torch.tensor([[0, 0] + [1] * 38])
+    with torch.no_grad():
+        hidden = adapted_base.get_base_model().model(input_ids=ids).last_hidden_state
+        adapted = tiny_llama.lm_head(hidden).argmax(-1)[0]  # (T,): row t's greedy token t+1
+        original = tiny_llama(input_ids=ids).logits.argmax(-1)[0]
+    valid = shift_left(shift_left(mask.bool(), 1, False), 1, False)[0]  # target t+2 an answer
+    oracle = adapted[1:][valid[:-1]]  # the adapted greedy token t+2 at each valid row t
+    assert (oracle != original[1:][valid[:-1]]).any()  # the adapter changed some choices
+    heads.head_logits = lambda k, rows: torch.nn.functional.one_hot(oracle, 256).float()
+    with torch.no_grad():
+        _, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": ids > 0})
+    assert metrics["head0/top1"] == (len(oracle), len(oracle))
