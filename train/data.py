@@ -52,8 +52,8 @@ def resolve_chat_template(tokenizer: PreTrainedTokenizerBase, override: str | No
         name = getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__
         raise ChatTemplateError(
             f"tokenizer '{name}' has no chat template; give one (a Jinja string or the path "
-            "of a .jinja file) in the recipe as data.chat_template, to scripts/bench.py or scripts/chat.py "
-            "as --chat-template"
+            "of a .jinja file) in the recipe as data.chat_template, to scripts/bench.py or "
+            "scripts/chat.py as --chat-template"
         )
     return template
 

@@ -134,9 +134,9 @@ class MedusaTrainee(Trainee):
                 )
                 loss_k = (losses * drafted).sum() / n
             loss = loss + self.decay**k * loss_k
-            # Scored against the base's greedy token there, as EAGLE's steps are: what greedy
-            # verification accepts (sampled answers' own tokens are not the base's choice ~30%
-            # of the time here, which read head 0 ~10% lower).
+            # Scored against the token greedy verification accepts there, as EAGLE's steps are
+            # (sampled answers' own tokens are not the base's choice ~30% of the time here,
+            # which read head 0 ~10% lower).
             top = top_ids(logits, 5, self.heads.to_base_ids)  # (n_k, 5) best first
             hits = top == greedy[rows, None]  # (n_k, 5)
             metrics[f"head{k}/top1"] = count(hits[:, 0])
