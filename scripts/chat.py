@@ -72,6 +72,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
+    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+        parser.error("need --temperature >= 0 (0: greedy), 0 < --top-p <= 1 and --top-k >= 0")
     if args.compare and args.temperature > 0:
         parser.error("--compare times greedy decoding: leave --temperature at 0")
     return args

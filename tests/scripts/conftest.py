@@ -1,5 +1,7 @@
 """Fixtures of the script tests: a tiny base saved with the embedded tokenizer, and heads for it."""
 
+import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -47,3 +49,13 @@ def folders(tmp_path_factory, smollm2_tokenizer) -> dict[str, Path]:
     small.save_pretrained(paths["small"])
     tok.save_pretrained(paths["small"])
     return paths
+
+
+def copy_without_chat_template(base: Path, out: Path) -> Path:
+    """A copy of the base folder `base` whose tokenizer has no chat template."""
+    shutil.copytree(base, out)
+    (out / "chat_template.jinja").unlink(missing_ok=True)
+    config = json.loads((out / "tokenizer_config.json").read_text())
+    config.pop("chat_template", None)
+    (out / "tokenizer_config.json").write_text(json.dumps(config))
+    return out

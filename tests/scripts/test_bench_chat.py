@@ -1,8 +1,8 @@
 """scripts/bench.py with the chat template and system prompt the heads were trained with."""
 
 import json
-import shutil
 
+from tests.scripts.conftest import copy_without_chat_template
 from tests.scripts.test_bench import MT_BENCH, _jsonl, bench
 
 
@@ -12,12 +12,7 @@ def test_the_chat_template_and_system_prompt_of_training_are_given_as_flags(
     """Heads trained with a recipe's data.chat_template / data.system_prompt are benchmarked
     with them: a base whose tokenizer has no template runs with --chat-template, and
     --system-prompt replaces every prompt's system turn (its tokens are in each prompt)."""
-    base = tmp_path / "no-template"
-    shutil.copytree(folders["base"], base)
-    (base / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    base = copy_without_chat_template(folders["base"], tmp_path / "no-template")
     prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
     argv = ["--base", str(base), "--prompts", str(prompts), "--max-new-tokens", "4"]
     argv += ["--methods", "baseline,ngram", "--threads", "1"]

@@ -87,9 +87,10 @@ def test_bad_heads_an_empty_corpus_and_sampled_compare_are_refused(
     argv = ["--base", str(folders["base"]), "--lookup-corpus", str(empty)]
     assert _chat(monkeypatch, ["Hi."], *argv) == 2
     assert "chat failed: --lookup-corpus" in capsys.readouterr().err
-    with pytest.raises(SystemExit) as e:
-        chat.parse_args(["--compare", "--temperature", "0.5"])
-    assert e.value.code == 2
+    for bad in (["--compare", "--temperature", "0.5"], ["--temperature", "-1"], ["--top-p", "0"]):
+        with pytest.raises(SystemExit) as e:
+            chat.parse_args(bad)
+        assert e.value.code == 2, bad
 
 
 def test_ctrl_c_stops_an_answer_and_leaves_its_turn_out(folders, monkeypatch, capsys):
@@ -141,15 +142,9 @@ def _raise(error):
 
 
 def test_a_base_without_chat_template_is_refused_before_any_turn(folders, tmp_path, monkeypatch):
-    import json
-    import shutil
+    from tests.scripts.conftest import copy_without_chat_template
 
-    base = tmp_path / "no-template"
-    shutil.copytree(folders["base"], base)
-    (base / "chat_template.jinja").unlink(missing_ok=True)
-    config = json.loads((base / "tokenizer_config.json").read_text())
-    config.pop("chat_template", None)
-    (base / "tokenizer_config.json").write_text(json.dumps(config))
+    base = copy_without_chat_template(folders["base"], tmp_path / "no-template")
     stdin = io.StringIO("Hi.\n")
     monkeypatch.setattr(sys, "stdin", stdin)
     assert chat.main(["--base", str(base), "--threads", "1"]) == 2
