@@ -101,6 +101,10 @@ def warp_probs(
     return logits.softmax(dim=-1)
 
 
+# A drafter that marks a token sampled must have drawn it from a q that gives it mass.
+ZERO_Q = "a child marked sampled has q(token) == 0 in the draft_probs row it was drawn from"
+
+
 def verify_sampling_batch(
     tokens: torch.Tensor,
     target_probs: torch.Tensor,
@@ -156,9 +160,7 @@ def verify_sampling_batch(
         )
         cur = torch.where(accept, c, cur)
     if bool(bad_q.any()):
-        raise ValueError(
-            "a child marked sampled has q(token) == 0 in the draft_probs row it was drawn from"
-        )
+        raise ValueError(ZERO_Q)
     bonus = torch.multinomial(r, 1, generator=generator).squeeze(1)
     return cur, bonus
 
@@ -260,9 +262,7 @@ def verify_sampling_walk(
             if is_sampled[c]:
                 q = draft_probs[q_row[c]].float()
                 if float(q[x]) <= 0:
-                    raise ValueError(
-                        "a child marked sampled has q(token) == 0 in the draft_probs row it was drawn from"
-                    )
+                    raise ValueError(ZERO_Q)
                 accept_p, rejected = (r[x] / q[x]).clamp(max=1.0), (r - q).clamp(min=0.0)
             else:
                 accept_p, rejected = r[x], r.clone()

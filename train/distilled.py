@@ -208,17 +208,18 @@ def selected_otherwise(out_dir: str | Path, recipe) -> list[str]:
     except (OSError, DistillError):
         return []
     named = {
-        "sources": set(expand_sources(recipe.data.sources)),  # as the manifest spells them
+        "sources": expand_sources(recipe.data.sources),  # as the manifest spells them
         "limit": recipe.data.limit,
         "num_samples": recipe.data.num_samples,
     }
-    recorded = dict(settings)
-    if isinstance(recorded.get("sources"), list):
-        recorded["sources"] = set(recorded["sources"])
+
+    def compared(key: str, value):  # sources in any order
+        return sorted(map(str, value)) if key == "sources" and isinstance(value, list) else value
+
     return [
         f"data.{key}={getattr(recipe.data, key)!r} (distilled with {settings[key]!r})"
         for key, value in named.items()
-        if key in recorded and recorded[key] != value
+        if key in settings and compared(key, settings[key]) != compared(key, value)
     ]
 
 
