@@ -10,7 +10,9 @@ Assistant spans are found in characters, then mapped to tokens through the fast 
 offsets: for assistant turn i, the rendering of turns [0, i) with the generation prompt is a
 prefix of the full text and the assistant text starts right after it; the turn ends at the first
 special (added) token after the text. This works for any prefix-consistent template without
-`{% generation %}` markers.
+`{% generation %}` markers. A template that renders an answer in another context than it was
+asked in (rewriting earlier turns, or writing text between the generation prompt and the
+answer) gives one example per answer instead, each in the context distill asked it in.
 """
 
 from __future__ import annotations
@@ -98,6 +100,50 @@ def _turn_end_markers(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return sorted((m for m in markers if m), key=len, reverse=True)
 
 
+class TurnContextError(ChatTemplateError):
+    """The template renders an answer in another context than it was asked in: it rewrites
+    earlier turns (Phi-3's end of text, reasoning templates dropping old thinking) or writes
+    text between the generation prompt and the answer (Qwen3's empty thinking block)."""
+
+
+def _turn_parts(
+    messages: list[Message],
+    i: int,
+    tokenizer: PreTrainedTokenizerBase,
+    chat_template: str | None,
+    markers: list[str],
+) -> tuple[str, str, str, str]:
+    """Assistant turn i as the template renders the conversation up to it: (prompt, gap,
+    answer, end). `prompt` is turns [0, i) with the generation prompt (what the base was asked
+    with), `gap` what the template writes between it and the answer, `answer` the answer as
+    rendered and `end` the text after it up to its end-of-turn marker ("" without one)."""
+    prompt = render_conversation(
+        messages[:i], tokenizer, chat_template=chat_template, add_generation_prompt=True
+    )
+    upto = render_conversation(messages[: i + 1], tokenizer, chat_template=chat_template)
+    if not upto.startswith(prompt):
+        raise TurnContextError(
+            f"assistant turn {i}: rendering the turns before it with the generation prompt is "
+            "not a prefix of rendering it with them"
+        )
+    # The answer as written (its leading or trailing whitespace is the base's own tokens),
+    # else as templates that trim it render it
+    content = messages[i]["content"]
+    if not upto.startswith(content, len(prompt)):
+        content = content.strip()
+    start = upto.find(content, len(prompt))
+    if start < 0:
+        raise TurnContextError(f"assistant turn {i}: the template renders its text otherwise")
+    end = start + len(content)
+    tail = upto[end:]
+    hits = [(tail.find(m), m) for m in markers if m in tail]
+    closing = ""
+    if hits:
+        pos, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
+        closing = tail[: pos + len(marker)]
+    return prompt, upto[len(prompt) : start], content, closing
+
+
 def assistant_spans(
     messages: list[Message],
     tokenizer: PreTrainedTokenizerBase,
@@ -108,7 +154,8 @@ def assistant_spans(
     """Render `messages`; return (text, [(start, end) character span of each assistant answer]).
 
     A span covers the assistant text as rendered and, with `end_markers`, the end-of-turn marker
-    that follows it.
+    that follows it. A TurnContextError when the rendering puts an answer in another context
+    than its generation prompt (`conversation_examples` then takes each answer alone).
     """
     text = render_conversation(messages, tokenizer, chat_template=chat_template)
     markers = _turn_end_markers(tokenizer)
@@ -116,49 +163,41 @@ def assistant_spans(
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = render_conversation(
-            messages[:i], tokenizer, chat_template=chat_template, add_generation_prompt=True
-        )
-        upto = render_conversation(messages[: i + 1], tokenizer, chat_template=chat_template)
-        if not (upto.startswith(prompt) and text.startswith(upto)):
-            raise ChatTemplateError(
-                f"assistant turn {i}: the chat template is not prefix-consistent (rendering the "
-                "first turns with the generation prompt is not a prefix of the whole "
-                "conversation), so its assistant tokens cannot be located"
+        prompt, gap, answer, closing = _turn_parts(messages, i, tokenizer, chat_template, markers)
+        if not text.startswith(prompt + gap + answer + closing):
+            raise TurnContextError(
+                f"assistant turn {i}: the chat template is not prefix-consistent (it renders "
+                "the turns before it otherwise once it is followed by more)"
             )
-        # The answer as written (its leading or trailing whitespace is the base's own tokens),
-        # else as templates that trim it render it
-        content = message["content"]
-        if not upto.startswith(content, len(prompt)):
-            content = content.strip()
-        start = upto.find(content, len(prompt))
-        if start < 0:
-            raise ChatTemplateError(f"assistant turn {i}: its text is not in the rendered template")
-        end = start + len(content)
-        tail = upto[end:]
-        hits = [(tail.find(m), m) for m in markers if m in tail]
-        if hits and end_markers:
-            pos, marker = min(hits, key=lambda h: (h[0], -len(h[1])))
-            end += pos + len(marker)
-        spans.append((start, end))
+        if gap.strip():
+            raise TurnContextError(
+                f"assistant turn {i}: the chat template writes {gap!r} between the generation "
+                "prompt and the answer, which the base did not see when it answered"
+            )
+        start = len(prompt) + len(gap)
+        spans.append((start, start + len(answer) + (len(closing) if end_markers else 0)))
     return text, spans
+
+
+def _closing_text(tokenizer: PreTrainedTokenizerBase, chat_template: str | None) -> str:
+    """What the template writes after an answer up to its end-of-turn marker, from a short
+    exchange ("" when it writes no marker)."""
+    probe: list[Message] = [
+        {"role": "user", "content": "Hi."},
+        {"role": "assistant", "content": "Hello."},
+    ]
+    markers = _turn_end_markers(tokenizer)
+    return _turn_parts(probe, 1, tokenizer, chat_template, markers)[-1]
 
 
 def turn_end_token_id(tokenizer: PreTrainedTokenizerBase, chat_template: str | None = None):
     """The special token the chat template closes an assistant turn with (`<|im_end|>`,
     `<|eot_id|>`, ...), found by rendering a short exchange; None when the template closes it
     with no special token. A base whose EOS ids leave this token out would write past its turn."""
-    probe: list[Message] = [
-        {"role": "user", "content": "Hi."},
-        {"role": "assistant", "content": "Hello."},
-    ]
-    text, [(_, end)] = assistant_spans(probe, tokenizer, chat_template=chat_template)
-    _, [(_, answer_end)] = assistant_spans(
-        probe, tokenizer, chat_template=chat_template, end_markers=False
-    )
-    if end == answer_end:
+    closing = _closing_text(tokenizer, chat_template)
+    if not closing:
         return None
-    token = tokenizer(text[answer_end:end], add_special_tokens=False)["input_ids"][-1]
+    token = tokenizer(closing, add_special_tokens=False)["input_ids"][-1]
     added = getattr(tokenizer, "added_tokens_decoder", {}).get(token)
     return token if added is not None and added.special else None  # not, say, an added "\n"
 
@@ -213,6 +252,61 @@ def tokenize_conversation(
     }
 
 
+def tokenize_turns(
+    messages: list[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    *,
+    chat_template: str | None = None,
+    system_prompt: str | None = None,
+    max_length: int | None = None,
+    finished: bool = True,
+) -> list[dict[str, list[int]]]:
+    """One example per assistant answer, in the context distill asked it in: the turns before
+    it rendered with the generation prompt, then the answer's own tokens and (when `finished`)
+    the template's end-of-turn marker. For templates that render an answer otherwise once the
+    conversation goes on (`TurnContextError`); the fields are `tokenize_conversation`'s, and
+    every answer of a conversation has the first answer's `prompt_ids`."""
+    messages = with_system_prompt(messages, system_prompt)
+    closing = _closing_text(tokenizer, chat_template) if finished else ""
+    closing_ids = tokenizer(closing, add_special_tokens=False)["input_ids"] if closing else []
+    examples, first_prompt = [], None
+    for i, message in enumerate(messages):
+        if message["role"] != "assistant":
+            continue
+        prompt = render_conversation(
+            messages[:i], tokenizer, chat_template=chat_template, add_generation_prompt=True
+        )
+        prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        answer_ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
+        first_prompt = prompt_ids if first_prompt is None else first_prompt
+        input_ids = [*prompt_ids, *answer_ids, *closing_ids][:max_length]
+        loss_mask = ([0] * len(prompt_ids) + [1] * (len(answer_ids) + len(closing_ids)))[
+            :max_length
+        ]
+        labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, loss_mask)]
+        examples.append(
+            {"input_ids": input_ids, "loss_mask": loss_mask, "labels": labels, "prompt_ids": []}
+        )
+    for example in examples:
+        example["prompt_ids"] = list(first_prompt)
+    return examples
+
+
+def conversation_examples(
+    messages: list[Message],
+    tokenizer: PreTrainedTokenizerBase,
+    **options,
+) -> list[dict[str, list[int]]]:
+    """The conversation as one example (`tokenize_conversation`), or one per answer
+    (`tokenize_turns`) where the template renders an answer in another context than it was
+    asked in (Qwen3's thinking block, Phi-3's end of text): either way each answer is trained
+    on in the context the base wrote it in."""
+    try:
+        return [tokenize_conversation(messages, tokenizer, **options)]
+    except TurnContextError:
+        return tokenize_turns(messages, tokenizer, **options)
+
+
 def build_examples(
     conversations: list[list[Message]],
     tokenizer: PreTrainedTokenizerBase,
@@ -222,20 +316,22 @@ def build_examples(
     max_length: int | None = None,
     finished: Sequence[bool] | None = None,
 ) -> list[dict[str, list[int]]]:
-    """`tokenize_conversation` over many (`finished[i]`: conversation i's answers ran to their
+    """`conversation_examples` over many (`finished[i]`: conversation i's answers ran to their
     end, as `read_distilled` says; all by default); drops examples left with no loss token."""
     examples = []
     for i, messages in enumerate(conversations):
-        example = tokenize_conversation(
-            messages,
-            tokenizer,
-            chat_template=chat_template,
-            system_prompt=system_prompt,
-            max_length=max_length,
-            finished=True if finished is None else finished[i],
-        )
-        if any(example["loss_mask"]):
-            examples.append(example)
+        examples += [
+            example
+            for example in conversation_examples(
+                messages,
+                tokenizer,
+                chat_template=chat_template,
+                system_prompt=system_prompt,
+                max_length=max_length,
+                finished=True if finished is None else finished[i],
+            )
+            if any(example["loss_mask"])
+        ]
     return examples
 
 

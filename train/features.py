@@ -22,7 +22,7 @@ from tqdm.auto import tqdm
 
 from heads.base import logits_scaling
 from train.corpus import as_conversation, corpus_chunks
-from train.data import build_examples, pad_batch, read_distilled, tokenize_conversation
+from train.data import build_examples, conversation_examples, pad_batch, read_distilled
 from train.distilled import distilled_otherwise, selected_otherwise
 
 Example = dict[str, list[int]]
@@ -92,7 +92,7 @@ def corpus_examples(recipe, tokenizer) -> list[Example]:
         if training.text_max_tokens and total >= training.text_max_tokens:
             break
         if templated:
-            example = tokenize_conversation(
+            [example] = conversation_examples(
                 as_conversation(chunk),
                 tokenizer,
                 chat_template=data.chat_template,

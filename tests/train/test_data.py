@@ -8,6 +8,7 @@ from train.data import (
     IGNORE_INDEX,
     ChatTemplateError,
     build_examples,
+    conversation_examples,
     load_distilled,
     pad_batch,
     read_distilled,
@@ -215,15 +216,87 @@ def test_generation_prompt_is_the_prefix_of_the_answer(smollm2_tokenizer):
     assert render_conversation(CONVERSATION[:2], smollm2_tokenizer).startswith(prompt)
 
 
-def test_template_that_rewrites_history_is_refused(smollm2_tokenizer):
+# Qwen3's way (written for this test): the last answer gets an empty thinking block that the
+# base never saw after its generation prompt; earlier answers are rendered without it.
+THINKING_TEMPLATE = (
+    "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+    "{% if m['role'] == 'assistant' and loop.last %}<think>\n\n</think>\n\n{% endif %}"
+    "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_template_that_rewrites_history_trains_each_answer_alone(smollm2_tokenizer):
     # Drops earlier assistant turns (like reasoning templates do): not prefix-consistent.
     template = (
         "{% for m in messages %}{% if m['role'] != 'assistant' or loop.last %}"
         "<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endif %}{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+    tok = smollm2_tokenizer
     with pytest.raises(ChatTemplateError, match="not prefix-consistent"):
-        tokenize_conversation(CONVERSATION, smollm2_tokenizer, chat_template=template)
+        tokenize_conversation(CONVERSATION, tok, chat_template=template)
+    first, second = conversation_examples(CONVERSATION, tok, chat_template=template)
+    # each in the context distill asked it in: the template's rendering with the generation prompt
+    asked = render_conversation(
+        CONVERSATION[:3], tok, chat_template=template, add_generation_prompt=True
+    )
+    assert "2+2 is 4." not in asked
+    assert (
+        second["input_ids"]
+        == tok(asked + "It is 6.<|im_end|>", add_special_tokens=False)["input_ids"]
+    )
+    assert masked_runs(tok, first) == ["2+2 is 4.<|im_end|>"]
+    assert masked_runs(tok, second) == ["It is 6.<|im_end|>"]
+    assert first["prompt_ids"] == second["prompt_ids"]  # one prompt: one side of the split
+
+
+@pytest.mark.parametrize("finished", [True, False])
+def test_text_a_template_writes_before_the_answer_is_not_trained_on(smollm2_tokenizer, finished):
+    tok = smollm2_tokenizer
+    with pytest.raises(ChatTemplateError, match="between the generation prompt and the answer"):
+        tokenize_conversation(CONVERSATION[:2], tok, chat_template=THINKING_TEMPLATE)
+    examples = build_examples(
+        [CONVERSATION], tok, chat_template=THINKING_TEMPLATE, finished=[finished]
+    )
+    assert len(examples) == 2
+    end = "<|im_end|>" if finished else ""
+    for example, i, answer in zip(examples, (1, 3), ("2+2 is 4.", "It is 6.")):
+        asked = render_conversation(
+            CONVERSATION[:i], tok, chat_template=THINKING_TEMPLATE, add_generation_prompt=True
+        )
+        assert tok.decode(example["input_ids"]) == asked + answer + end
+        assert "<think>" not in tok.decode(example["input_ids"])
+        assert masked_runs(tok, example) == [answer + end]
+        assert (
+            example["prompt_ids"]
+            == tok(
+                render_conversation(
+                    CONVERSATION[:1],
+                    tok,
+                    chat_template=THINKING_TEMPLATE,
+                    add_generation_prompt=True,
+                ),
+                add_special_tokens=False,
+            )["input_ids"]
+        )
+    # the end-of-turn marker distill stops at is still read from the template
+    assert turn_end_token_id(tok, THINKING_TEMPLATE) == tok.convert_tokens_to_ids("<|im_end|>")
+
+
+def test_a_template_that_ends_the_text_after_the_last_answer_keeps_one_example(
+    smollm2_tokenizer,
+):
+    """Phi-3's way: the end-of-text token after the conversation when no generation prompt
+    follows. Every answer is still in the context it was asked in: one example."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+        "{% else %}<|endoftext|>{% endif %}"
+    )
+    tok = smollm2_tokenizer
+    [example] = conversation_examples(CONVERSATION, tok, chat_template=template)
+    assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
 
 
 def test_load_distilled_and_pad_batch(smollm2_tokenizer, tmp_path):
