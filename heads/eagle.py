@@ -115,35 +115,50 @@ class EagleDraft(PretrainedHeads):
         highest fused state through; the midlayer is a copy of base decoder `layer` (default:
         the last, whose output the norm and lm_head read) reading it, the half of q/k/v that
         reads the token embedding (and its norm) staying as built; the final norm and lm_head
-        are the base's (its rows of the draft vocabulary: call `set_vocab_map` first). EAGLE-1
-        layers are left as built.
+        are the base's (its rows of the draft vocabulary: call `set_vocab_map` first). A norm
+        that scales by 1 + w (Gemma's) is copied as 1 + w; Gemma's MLP input norm is its
+        `pre_feedforward_layernorm`. EAGLE-1 layers are left as built.
 
-        Returns the names of the tensors left as built because the base has none of their
-        shape (none for Llama-like bases)."""
+        Returns notes on what does not carry over (none for Llama-like bases): the draft's
+        tensors left as built (the base has none of their shape, or a norm computed otherwise)
+        and the base layer's tensors the draft has no place for (Qwen2's q/k/v biases, Qwen3's
+        q/k norms, Gemma's post-norms)."""
         if self.config.version != 3:
             return []
         decoder = base.get_decoder()
         H = self.config.hidden_size
         source = decoder.layers[-1 if layer is None else layer]
         theirs = source.state_dict()
-        theirs["hidden_norm.weight"] = theirs.pop("input_layernorm.weight", None)
-        left = []
+        modules = dict(source.named_modules())
+        mlp_norm = (
+            "pre_feedforward_layernorm"
+            if "pre_feedforward_layernorm" in modules
+            else "post_attention_layernorm"
+        )
+        renamed = {"hidden_norm": "input_layernorm", "post_attention_layernorm": mlp_norm}
+        left, taken = [], set()
         for name, ours in self.midlayer.state_dict(keep_vars=True).items():
             if name.startswith("input_layernorm"):  # the token embedding's: stays as built
                 continue
-            tensor = theirs.get(name)
-            if name.split(".")[-2] in ("q_proj", "k_proj", "v_proj") and name.endswith("weight"):
+            module, _, leaf = name.rpartition(".")
+            their_name = f"{renamed.get(module, module)}.{leaf}"
+            tensor = theirs.get(their_name)
+            if module in renamed and tensor is not None:
+                tensor = _as_llama_norm(modules[renamed[module]], tensor)
+            if module.split(".")[-1] in ("q_proj", "k_proj", "v_proj") and leaf == "weight":
                 ours = ours[:, H:]  # the half that reads the fused state
             if tensor is None or tensor.shape != ours.shape:
                 left.append(f"midlayer.{name}")
             else:
                 ours.copy_(tensor)
+                taken.add(their_name)
         if self.config.target_hidden_size == H:
             self.fc.weight.zero_()
             self.fc.weight[:, 2 * H :].copy_(torch.eye(H))
         else:
             left.append("fc.weight")
         norm = decoder.norm.state_dict().get("weight")
+        norm = None if norm is None else _as_llama_norm(decoder.norm, norm)
         if norm is not None and norm.shape == self.norm.weight.shape:
             self.norm.weight.copy_(norm)
         else:
@@ -151,7 +166,19 @@ class EagleDraft(PretrainedHeads):
         weight = base.get_output_embeddings().weight
         ids = self.to_base_ids(torch.arange(len(self.d2t), device=self.d2t.device))
         self.lm_head.weight.copy_(weight[ids.to(weight.device)])
-        return left
+        notes = [f"{name}: left as built" for name in left]
+        dropped = [n for n in theirs if n not in taken and n != "input_layernorm.weight"]
+        if dropped:
+            notes.append(f"the base layer's {', '.join(dropped)}: not in a Llama layer, left out")
+        act = getattr(base.config, "hidden_act", None) or getattr(
+            base.config, "hidden_activation", "silu"
+        )  # Gemma's name
+        if act != self.config.hidden_act:
+            notes.append(
+                f"the MLP: copied from the base's, under {self.config.hidden_act} instead of its "
+                f"{act} (the engines' Llama draft layer has silu only)"
+            )
+        return notes
 
     def new_cache(self) -> DynamicCache:
         """An empty KV cache for step-wise drafting."""
@@ -269,3 +296,20 @@ def causal_mask(past: int, T: int, dtype: torch.dtype, device) -> torch.Tensor:
     return torch.zeros(T, past + T, dtype=dtype, device=device).masked_fill(
         k > q, torch.finfo(dtype).min
     )[None, None]
+
+
+def _as_llama_norm(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | None:
+    """The weight that makes a Llama RMSNorm (x / rms(x) * w) compute what the base's norm
+    `module` of weight `weight` computes: `weight` itself, 1 + `weight` (Gemma's norms), or
+    None for another norm (a probe through the module tells them apart)."""
+    if weight.dim() != 1 or weight.is_meta:
+        return None
+    eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
+    x = torch.randn(2, weight.numel(), generator=torch.Generator().manual_seed(0))
+    x = x.to(weight.device)
+    out = module(x.to(weight.dtype)).float()
+    normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+    for candidate in (weight, 1 + weight):
+        if torch.allclose(out, normed * candidate.float(), rtol=2e-2, atol=1e-3):
+            return candidate
+    return None

@@ -166,7 +166,7 @@ class EagleConfig(HeadsConfig):
             num_key_value_heads=base_config.num_key_value_heads,
             head_dim=getattr(base_config, "head_dim", None) or H // base_config.num_attention_heads,
             rms_norm_eps=base_config.rms_norm_eps,
-            rope_parameters=dict(base_config.rope_parameters),
+            rope_parameters=draft_rope_parameters(base_config),
             max_position_embeddings=base_config.max_position_embeddings,
             vocab_size=base_config.vocab_size,
             draft_vocab_size=(
@@ -346,3 +346,20 @@ class EagleConfig(HeadsConfig):
             data.pop("aux_layer_ids", None)
             data["fc_bias"] = bool(data.pop("bias", False))
         return super().from_dict(data)
+
+
+def draft_rope_parameters(base_config) -> dict:
+    """The rope of the draft's Llama layer: the base's, or where a Llama layer cannot compute
+    it as given, the nearest it can. Of rope parameters per layer type (Gemma 3), those of full
+    attention. A Llama layer rotates the whole head: with a partial rotary factor (Phi-4-mini)
+    the draft rotates every dimension at the base's theta (transformers' Llama layer would
+    break on longrope's per-dimension factors, and an engine reading the factor would compute
+    another draft than the one trained)."""
+    rope = dict(getattr(base_config, "rope_parameters", None) or {})
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        rope = dict(rope.get("full_attention") or next(iter(rope.values())))
+    partial = rope.pop("partial_rotary_factor", None)
+    partial = partial or getattr(base_config, "partial_rotary_factor", None) or 1.0
+    if partial != 1.0:
+        return {"rope_type": "default", "rope_theta": rope.get("rope_theta", 10000.0)}
+    return rope

@@ -245,12 +245,9 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
             read = [decoder.layers[-1], decoder.norm, base.get_output_embeddings()]
             # every process at once: under ZeRO-3 gathering the base's shards is a collective
             with gather_for_reading(*(p for module in read for p in module.parameters())):
-                left = draft.init_from_base(base)
-            if left:
-                accelerator.print(
-                    f"heads.init_from_base: the base has no tensor of the shape of the draft's "
-                    f"{', '.join(left)}; they start at random"
-                )
+                notes = draft.init_from_base(base)
+            for note in notes:
+                accelerator.print(f"heads.init_from_base: {note}")
     return draft.to(base.device)
 
 

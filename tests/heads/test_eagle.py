@@ -142,13 +142,103 @@ def test_init_from_base_names_what_the_base_layer_lacks():
     config.mlp_bias = True  # a draft with biases the base has not
     draft = EagleDraft(config)
     draft.set_vocab_map(torch.arange(32))
-    left = draft.init_from_base(base)
-    assert left == [f"midlayer.mlp.{p}_proj.bias" for p in ("gate", "up", "down")]
+    notes = draft.init_from_base(base)
+    assert notes == [f"midlayer.mlp.{p}_proj.bias: left as built" for p in ("gate", "up", "down")]
     torch.testing.assert_close(draft.lm_head.weight, base.lm_head.weight[:32])
     v1 = EagleDraft(EagleConfig.from_base(base.config, version=1))
     before = {k: v.clone() for k, v in v1.state_dict().items()}
     assert v1.init_from_base(base) == []  # EAGLE-1 stays as built
     assert all(torch.equal(before[k], v) for k, v in v1.state_dict().items())
+
+
+def _tiny(config_class, model_class, **fields):
+    from tests.conftest import TINY
+
+    torch.manual_seed(5)
+    keys = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers")
+    config = config_class(**{k: TINY[k] for k in keys}, num_attention_heads=4, **fields)
+    return model_class(config).eval().requires_grad_(False)
+
+
+def test_init_from_base_says_what_a_qwen_layer_has_that_the_draft_has_not():
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    base = _tiny(Qwen3Config, Qwen3ForCausalLM, num_key_value_heads=2, head_dim=16)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(32))
+    notes = draft.init_from_base(base)
+    assert notes == [
+        "the base layer's self_attn.q_norm.weight, self_attn.k_norm.weight: not in a Llama "
+        "layer, left out"
+    ]
+    last = base.model.layers[-1]
+    torch.testing.assert_close(draft.midlayer.mlp.up_proj.weight, last.mlp.up_proj.weight)
+    torch.testing.assert_close(draft.norm.weight, base.model.norm.weight)
+
+
+def test_init_from_base_reads_gemmas_norms_as_they_compute():
+    """Gemma's RMSNorm scales by 1 + w (w near 0): copied as w, the draft's norms would scale by
+    about 0. Its MLP reads pre_feedforward_layernorm; the post-norms have no place."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    base = _tiny(
+        Gemma3TextConfig,
+        Gemma3ForCausalLM,
+        num_key_value_heads=2,
+        head_dim=16,
+        layer_types=["full_attention"] * 2,
+    )
+    with torch.no_grad():
+        for name, p in base.named_parameters():
+            if "norm" in name:
+                p.normal_(std=0.1)
+    config = EagleConfig.from_base(base.config, version=3, draft_vocab_size=32)
+    assert config.rope_parameters["rope_theta"] == 1_000_000  # full attention's, of two
+    draft = EagleDraft(config)
+    draft.set_vocab_map(torch.arange(32))
+    notes = draft.init_from_base(base)
+    assert "post_attention_layernorm.weight, post_feedforward_layernorm.weight" in notes[0]
+    assert "gelu_pytorch_tanh" in notes[1] and len(notes) == 2
+    x = torch.randn(3, 64)
+    last = base.model.layers[-1]
+    for ours, theirs in (
+        (draft.norm, base.model.norm),
+        (draft.midlayer.hidden_norm, last.input_layernorm),
+        (draft.midlayer.post_attention_layernorm, last.pre_feedforward_layernorm),
+    ):
+        torch.testing.assert_close(ours(x), theirs(x), atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("rope_type", ["default", "longrope"])
+def test_a_partially_rotary_base_gets_a_draft_that_rotates_every_dimension(rope_type):
+    """Phi-4-mini rotates 3/4 of each head; transformers' Llama layer rotates all of it (with
+    longrope's factors sized for 3/4 it broke), so the draft says so in its config."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    rope = {"rope_type": rope_type, "rope_theta": 5000.0, "partial_rotary_factor": 0.75}
+    if rope_type == "longrope":  # factors for the 6 rotated frequency pairs of a 16-wide head
+        rope |= {"short_factor": [1.0] * 6, "long_factor": [2.0] * 6}
+        rope |= {"original_max_position_embeddings": 64}
+    base = _tiny(
+        Phi3Config,
+        Phi3ForCausalLM,
+        num_key_value_heads=4,
+        rope_parameters=rope,
+        pad_token_id=0,
+        bos_token_id=1,
+        eos_token_id=2,
+    )
+    assert base.config.rope_parameters["partial_rotary_factor"] == 0.75
+    for version in (1, 3):
+        config = EagleConfig.from_base(base.config, version=version, draft_vocab_size=32)
+        assert config.rope_parameters == {"rope_type": "default", "rope_theta": 5000.0}
+        draft = EagleDraft(config)
+        ids = torch.tensor([[5, 9, 2, 77]])
+        with torch.no_grad():
+            state = base(ids, output_hidden_states=True).hidden_states[-1]  # (1,4,H)
+            features = draft.fuse(torch.cat([state] * 3, -1)) if version == 3 else state
+            out = draft(base.model.embed_tokens(ids), features, torch.arange(4)[None])
+        assert out.shape == (1, 4, 64) and out.isfinite().all()
 
 
 def test_training_reads_a_granites_logits_as_its_forward_returns_them():
