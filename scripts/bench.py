@@ -389,7 +389,10 @@ def main(argv: list[str] | None = None) -> int:
             prompts = [dataclasses.replace(p, system=system) for p in prompts]
         out = Path(args.out)  # made now: a folder that cannot be written loses no timings
         out.mkdir(parents=True, exist_ok=True)
-        base, tokenizer, methods = bench_methods.build_methods(names, args)  # --chat-template
+        try:
+            base, tokenizer, methods = bench_methods.build_methods(names, args)  # --chat-template
+        except ValueError as e:  # a base the generator refuses (sliding-window attention)
+            raise BenchError(str(e)) from e
         room = base.config.max_position_embeddings - args.max_new_tokens
         # every first turn rendered before anything is timed: a template error stops here
         first_turns = [first_turn_ids(p, tokenizer) for p in prompts]

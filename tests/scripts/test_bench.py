@@ -231,6 +231,32 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, mes
         assert not [r for r in caplog.records if "skipping" in r.getMessage()]
 
 
+def test_a_base_the_generator_refuses_is_a_clear_error(tmp_path, smollm2_tokenizer, capsys):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = smollm2_tokenizer
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,  # a cache that keeps its last 16 keys cannot be cut back
+        pad_token_id=tok.pad_token_id,
+        **ids,
+    )
+    MistralForCausalLM(config).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
+    argv = ["--base", str(tmp_path / "base"), "--prompts", str(prompts), "--methods", "ngram"]
+    capsys.readouterr()
+    assert bench.main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "bench failed: " in err and "sliding" in err and "Traceback" not in err
+
+
 def test_draft_chain_and_tree_flags_exclude_each_other(folders, tmp_path, capsys):
     argv = ["--prompts", "embedded", "--draft-model", str(folders["base"]), "--out", str(tmp_path)]
     with pytest.raises(SystemExit) as stop:
