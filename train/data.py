@@ -102,8 +102,8 @@ def _turn_end_markers(tokenizer: PreTrainedTokenizerBase) -> list[str]:
 
 class TurnContextError(ChatTemplateError):
     """The template renders an answer in another context than it was asked in: it rewrites
-    earlier turns (Phi-3's end of text, reasoning templates dropping old thinking) or writes
-    text between the generation prompt and the answer (Qwen3's empty thinking block)."""
+    earlier turns (reasoning templates dropping old thinking) or writes text between the
+    generation prompt and the answer (Qwen3's empty thinking block)."""
 
 
 def _turn_parts(
@@ -278,17 +278,20 @@ def tokenize_turns(
         )
         prompt_ids = tokenizer(prompt, add_special_tokens=False)["input_ids"]
         answer_ids = tokenizer(message["content"], add_special_tokens=False)["input_ids"]
-        first_prompt = prompt_ids if first_prompt is None else first_prompt
+        first_prompt = first_prompt or list(prompt_ids)
         input_ids = [*prompt_ids, *answer_ids, *closing_ids][:max_length]
         loss_mask = ([0] * len(prompt_ids) + [1] * (len(answer_ids) + len(closing_ids)))[
             :max_length
         ]
         labels = [t if m else IGNORE_INDEX for t, m in zip(input_ids, loss_mask)]
         examples.append(
-            {"input_ids": input_ids, "loss_mask": loss_mask, "labels": labels, "prompt_ids": []}
+            {
+                "input_ids": input_ids,
+                "loss_mask": loss_mask,
+                "labels": labels,
+                "prompt_ids": first_prompt,
+            }
         )
-    for example in examples:
-        example["prompt_ids"] = list(first_prompt)
     return examples
 
 
@@ -299,8 +302,8 @@ def conversation_examples(
 ) -> list[dict[str, list[int]]]:
     """The conversation as one example (`tokenize_conversation`), or one per answer
     (`tokenize_turns`) where the template renders an answer in another context than it was
-    asked in (Qwen3's thinking block, Phi-3's end of text): either way each answer is trained
-    on in the context the base wrote it in."""
+    asked in (Qwen3's thinking block): either way each answer is trained on in the context the
+    base wrote it in."""
     try:
         return [tokenize_conversation(messages, tokenizer, **options)]
     except TurnContextError:
