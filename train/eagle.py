@@ -186,6 +186,10 @@ class EagleTrainee(Trainee):
         hidden = draft.fuse(aux)
         cache = DynamicCache(config=draft.llama_config)
         pos = torch.arange(T, device=aux.device).expand(B, T)
+        # A row whose greedy token the draft vocabulary lacks trains nothing (as in the EAGLE-3
+        # reference): the draft can never propose that token, and the base's distribution
+        # renormalised on the rest would teach one that verification rejects there.
+        drafted = draft.t2d[base_top]  # (p,)
         loss = aux.new_zeros(())
         correct, metrics = [], {}  # (B,T) per step: right at that row
         for j in range(self.spec.ttt_steps):
@@ -200,7 +204,8 @@ class EagleTrainee(Trainee):
             )  # (B,T,H)
             logits = draft.compute_logits(out[valid])  # (n_j, V_draft)
             rows = shift_left(row_of, j + 1, -1)[valid]
-            loss = loss + self.decay**j * soft_target_ce(logits, targets, rows) / n
+            keep = drafted[rows]
+            loss = loss + self.decay**j * soft_target_ce(logits[keep], targets, rows[keep]) / n
             # the top 4: the width of the CPU trees (a right token among them is accepted)
             hits = top_ids(logits, 4, draft.to_base_ids) == base_top[rows, None]  # (n_j, 4)
             ok = torch.zeros(valid.shape, dtype=torch.bool, device=aux.device)

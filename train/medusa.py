@@ -125,7 +125,11 @@ class MedusaTrainee(Trainee):
             logits = self.heads.head_logits(k, hidden[valid])  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
-                loss_k = soft_target_ce(logits, targets, rows) / n
+                # A row whose greedy token the draft vocabulary lacks trains nothing, as with hard
+                # labels: no draft can propose it, and the rest of the distribution renormalised
+                # would teach a token that verification rejects there.
+                keep = self.draft_of[greedy[rows]] >= 0
+                loss_k = soft_target_ce(logits[keep], targets, rows[keep]) / n
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]
                 drafted = labels >= 0  # targets outside a reduced draft vocabulary teach nothing

@@ -101,26 +101,35 @@ def _restricted(probs: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
 
 def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     """With a draft vocabulary the soft label is the base's distribution restricted to it and
-    renormalised; the recipe's loss must equal that dense reference."""
+    renormalised, and a row whose greedy token the vocabulary lacks trains nothing; the
+    recipe's loss must equal that dense reference."""
     from heads import MedusaConfig, MedusaHeads
     from train.config import load_recipe
     from train.features import greedy_tokens
     from train.medusa import MedusaTrainee
 
     torch.manual_seed(1)
-    token_map = torch.randperm(256)[:40].sort().values
-    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=40)
-    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map)
-    for block in heads.blocks:
-        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
-    trainee = MedusaTrainee(tiny_llama, heads, load_recipe(None, ["heads.num_heads=2"]))
     ids = torch.randint(3, 256, (2, 9))
     attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
     mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
     batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
     with torch.no_grad():
-        loss, metrics = trainee(batch)
         hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        greedy = tiny_llama.lm_head(hidden).argmax(-1)  # (B,T)
+    # the greedy tokens of the first row in the map, the second row's out of it (but for those
+    # it shares with the first)
+    others = torch.tensor([t for t in range(256) if t not in set(greedy.flatten().tolist())])
+    token_map = torch.cat([greedy[0].unique(), others[torch.randperm(len(others))]])[:40]
+    token_map = token_map.sort().values
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=40)
+    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+    trainee = MedusaTrainee(tiny_llama, heads, load_recipe(None, ["heads.num_heads=2"]))
+    drafted = torch.isin(greedy, token_map)  # (B,T)
+    assert drafted[0].all() and not drafted[1].all()
+    with torch.no_grad():
+        loss, metrics = trainee(batch)
         probs = _restricted(tiny_llama.lm_head(hidden).softmax(-1), token_map)  # (B,T,40)
         logits = heads(hidden)  # (K,B,T,40)
         # Offline: features with the greedy tokens; the step then computes the draft rows only.
@@ -131,7 +140,10 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     expected = sum(
         0.8**k
         * soft_cross_entropy(
-            logits[k], shift_left(probs, k + 1), shift_left(mask, k + 2), answer_tokens
+            logits[k],
+            shift_left(probs, k + 1),
+            shift_left(mask, k + 2) * shift_left(drafted, k + 1),
+            answer_tokens,
         )
         for k in range(2)
     )
@@ -143,7 +155,8 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
 def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
     """TTT step 0 of the EAGLE-3 recipe: soft CE of the draft's logits at t against the base's
     distribution at t+1 over the draft vocabulary, renormalised, on positions whose target
-    x_{t+2} is an assistant token; and its top-1 compares with the base's greedy token."""
+    x_{t+2} is an assistant token and whose greedy token the draft vocabulary holds; and its
+    top-1 compares with the base's greedy token (on every such position)."""
     from heads import EagleConfig, EagleDraft
     from train.config import load_recipe
     from train.eagle import EagleTrainee
@@ -151,18 +164,25 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
 
     torch.manual_seed(2)
     aux_ids = [0, 1, 1]
-    config = EagleConfig.from_base(
-        tiny_llama.config, version=3, draft_vocab_size=48, aux_layer_ids=aux_ids
-    )
-    draft = EagleDraft(config)
-    vocab = torch.randperm(256)[:48].sort().values
-    draft.set_vocab_map(vocab)
-    recipe = load_recipe(None, ["heads.type=eagle", "heads.ttt_steps=1"])
-    trainee = EagleTrainee(tiny_llama, draft, recipe)
     ids = torch.randint(3, 256, (2, 8))
     attention = torch.ones(2, 8, dtype=torch.long)
     mask = torch.tensor([[0, 0, 1, 1, 1, 1, 1, 1], [0, 1, 1, 1, 1, 0, 1, 1]])
     batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
+    with torch.no_grad():
+        greedy = tiny_llama(input_ids=ids).logits.argmax(-1)  # (B,T)
+    # the first row's greedy tokens in the draft vocabulary, the second's out of it (but for
+    # those it shares with the first)
+    others = torch.tensor([t for t in range(256) if t not in set(greedy.flatten().tolist())])
+    vocab = torch.cat([greedy[0].unique(), others[torch.randperm(len(others))]])[:48]
+    vocab = vocab.sort().values
+    drafted = shift_left(torch.isin(greedy, vocab), 1)  # row t's target: the base's at t+1
+    config = EagleConfig.from_base(
+        tiny_llama.config, version=3, draft_vocab_size=48, aux_layer_ids=aux_ids
+    )
+    draft = EagleDraft(config)
+    draft.set_vocab_map(vocab)
+    recipe = load_recipe(None, ["heads.type=eagle", "heads.ttt_steps=1"])
+    trainee = EagleTrainee(tiny_llama, draft, recipe)
     with torch.no_grad():
         loss, metrics = trainee(batch)
         feats = base_features(tiny_llama, ids, attention, tuple(aux_ids), greedy=True)
@@ -176,8 +196,10 @@ def test_eagle3_first_step_loss_against_a_dense_reference(tiny_llama):
         logits = draft.compute_logits(out)  # (B,T,48)
     target = _restricted(shift_left(base_logits, 1).softmax(-1), vocab)  # p_{t+1}
     valid = shift_left(mask, 2).bool()
+    trained = valid & drafted
+    assert trained.any() and (valid & ~drafted).any()
     answer_tokens = shift_left(mask, 1).sum()  # the sum is divided by these, not by valid's
-    expected = -(target[valid] * logits[valid].log_softmax(-1)).sum() / answer_tokens
+    expected = -(target[trained] * logits[trained].log_softmax(-1)).sum() / answer_tokens
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     right = draft.to_base_ids(logits[valid].argmax(-1)) == shift_left(base_logits, 1)[valid].argmax(
         -1
