@@ -166,7 +166,8 @@ class EagleDraft(PretrainedHeads):
         weight = base.get_output_embeddings().weight
         ids = self.to_base_ids(torch.arange(len(self.d2t), device=self.d2t.device))
         self.lm_head.weight.copy_(weight[ids.to(weight.device)])
-        notes = [f"{name}: left as built" for name in left]
+        kept = ", ".join(left)
+        notes = [f"{kept}: none in the base of that shape and kind, left as built"] if left else []
         dropped = [n for n in theirs if n not in taken and n != "input_layernorm.weight"]
         if dropped:
             notes.append(f"the base layer's {', '.join(dropped)}: not in a Llama layer, left out")
