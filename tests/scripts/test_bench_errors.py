@@ -1,0 +1,84 @@
+"""scripts/bench.py's refusals: bad input and bases it cannot decode end with a message and exit
+2, before anything is timed or written."""
+
+import pytest
+
+from tests.scripts.test_bench import SHAREGPT, _jsonl, bench
+
+
+@pytest.mark.parametrize(
+    "case, message",
+    [
+        ("missing", "'embedded:all' or 'hf:ORG/NAME:SPLIT', or 'humaneval'"),
+        ("empty", "is empty"),
+        ("malformed", "prompts.jsonl:3: invalid JSON"),
+        ("other-base", "num_hidden_layers=3"),
+        ("other-vocab", "does not share the base's tokenizer"),
+        ("unknown-method", "unknown methods ['medusa']"),
+        ("draft-without-model", "needs --draft-model"),
+        ("draft-tree-without-model", "--draft-tokens / --draft-tree shape the 'draft' method"),
+        ("draft-tree-malformed", "--draft-tree: choice (0, 0) needs its prefix (0,)"),
+        ("draft-chain-empty", "--draft-tokens: num_tokens must be >= 1"),
+        ("union-without-heads", "'heads+ngram' needs --heads"),
+        ("corpus-method-without-corpus", "'ngram+corpus' needs --lookup-corpus"),
+        ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
+        ("corpus-too-small", "no context seen 2+ times: give it more answers"),
+        ("corpus-without-method", "--lookup-corpus given but none of"),
+    ],
+)
+def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, message):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
+    one_answer = _jsonl(tmp_path / "answer.jsonl", SHAREGPT[:1])
+    extra = {
+        "missing": ["--prompts", str(tmp_path / "nope.jsonl")],
+        "empty": ["--prompts", str(_jsonl(tmp_path / "empty.jsonl", []))],
+        "malformed": [],
+        "other-base": ["--heads", str(folders["other-medusa"])],
+        "other-vocab": ["--draft-model", str(folders["small"])],
+        "unknown-method": ["--methods", "baseline,medusa"],
+        "draft-without-model": ["--methods", "draft"],
+        "draft-tree-without-model": ["--draft-tree", "cpu-8"],
+        "draft-tree-malformed": ["--draft-model", str(folders["base"]), "--draft-tree", "[[0, 0]]"],
+        "draft-chain-empty": ["--draft-model", str(folders["base"]), "--draft-tokens", "0"],
+        "union-without-heads": ["--methods", "ngram,heads+ngram"],
+        "corpus-method-without-corpus": ["--methods", "ngram+corpus"],
+        "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
+        "corpus-too-small": ["--methods", "ngram+corpus", "--lookup-corpus", str(one_answer)],
+        "corpus-without-method": ["--methods", "ngram", "--lookup-corpus", str(one_answer)],
+    }[case]
+    if case == "malformed":
+        prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    assert bench.main([*argv, "--out", str(tmp_path / "out"), *extra]) == 2
+    err = capsys.readouterr().err
+    assert message in err
+    assert not (tmp_path / "out" / "results.json").exists()
+    if case in ("malformed", "empty"):  # what a record looks like, and no "skipping" first
+        assert 'JSON object such as {"prompt": "..."}, {"turns": ["..."]}' in err
+        assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+
+
+def test_a_base_the_generator_refuses_is_a_clear_error(tmp_path, smollm2_tokenizer, capsys):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    tok = smollm2_tokenizer
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    config = MistralConfig(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        sliding_window=16,  # a cache that keeps its last 16 keys cannot be cut back
+        pad_token_id=tok.pad_token_id,
+        **ids,
+    )
+    MistralForCausalLM(config).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT[1:])
+    argv = ["--base", str(tmp_path / "base"), "--prompts", str(prompts), "--methods", "ngram"]
+    capsys.readouterr()
+    assert bench.main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "bench failed: " in err and "sliding" in err and "Traceback" not in err
