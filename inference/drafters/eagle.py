@@ -35,7 +35,8 @@ class EagleDrafter(Drafter):
     Args:
         draft: the draft layer.
         base: the base model (its input embeddings; EAGLE-1 also uses its lm_head).
-        top_k: children per expanded node and frontier width.
+        top_k: children per expanded node and frontier width (default 4, or the draft
+            vocabulary when it has fewer tokens).
         depth: draft steps (tree depth below the root).
         total_tokens: tree size including the root. top_k=1 gives a chain of `depth` tokens.
         choices: a static tree instead (paths of ranks such as `[(0,), (1,), (0, 0)]`, or a
@@ -56,7 +57,7 @@ class EagleDrafter(Drafter):
         self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
         if choices is None:  # the dynamic tree's defaults
-            top_k = 4 if top_k is None else top_k
+            top_k = min(4, self._vocab()) if top_k is None else top_k
             depth = 4 if depth is None else depth
             total_tokens = 12 if total_tokens is None else total_tokens
         self.configure(top_k, depth, total_tokens, choices)
@@ -113,15 +114,17 @@ class EagleDrafter(Drafter):
             # right can be given them with `adaptive=[...]`. The one-level tree is static (the
             # same four nodes as top_k 4 at depth 1): the policy then measures it on every step
             # of the two-level one, from that tree's root ranking.
+            # (A draft vocabulary under 4 tokens ranks fewer.)
+            k = min(4, self._vocab())
             return [
                 None,
-                {"choices": [[0], [1], [2], [3]]},
-                {"top_k": 4, "depth": 2, "total_tokens": 6},
+                {"choices": [[i] for i in range(k)]},
+                {"top_k": k, "depth": 2, "total_tokens": 6},
             ]
         return [
             None,
-            {"top_k": 4, "depth": 5, "total_tokens": 24},
-            {"top_k": 8, "depth": 6, "total_tokens": 60},
+            {"top_k": min(4, self._vocab()), "depth": 5, "total_tokens": 24},
+            {"top_k": min(8, self._vocab()), "depth": 6, "total_tokens": 60},
         ]
 
     def reset(self) -> None:

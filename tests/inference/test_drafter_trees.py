@@ -245,3 +245,22 @@ def test_draft_model_arms_switch_between_chains_and_a_tree():
     summary = gen.policy.summary()
     assert all(a["steps"] >= gen.policy.warmup for a in summary)
     assert [a["tokens_per_step"] for a in summary] == pytest.approx([1, 3, 5, 7, 5])
+
+
+def test_eagle_default_arms_fit_a_draft_vocabulary_under_four_tokens():
+    """The default arms rank the draft's top 4 (8 on a GPU); a draft vocabulary of 3 tokens
+    gets arms of 3, so the generator a user builds without options works (it refused, naming a
+    top_k=4 the user never passed), and its output is the base's."""
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=3))
+    draft.set_vocab_map(torch.tensor([5, 9, 200]))
+    for device in ("cpu", "cuda"):
+        for options in EagleDrafter(draft, base).default_arms(torch.device(device))[1:]:
+            assert max(options.get("top_k", 0), len(options.get("choices", []))) <= 3, options
+    gen = SpeculativeGenerator(base, draft)  # the default arms
+    assert gen.arms[1] == {"choices": [[0], [1], [2]]} and gen.arms[2]["top_k"] == 3
+    prompt = torch.randint(3, 256, (1, 8), generator=_seeded(0))
+    ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
