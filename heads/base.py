@@ -323,10 +323,15 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     """EAGLE-3 aux layers: the hidden states *entering* layers 2, L//2 and L-3.
 
     This is the EAGLE-3 / vLLM / SGLang convention. With transformers' `hidden_states` tuple
-    (index 0 = embeddings = input of layer 0), layer id i is `hidden_states[i]`. Ids are clamped
-    into [0, L-1] so that tiny test models with fewer than 6 layers still work.
+    (index 0 = embeddings = input of layer 0), layer id i is `hidden_states[i]`. Bases of 3 to 6
+    layers take their last three layers' (distinct and in order, as the engines collect them);
+    ids of bases under 3 layers, test models, are clamped into [0, L-1].
     """
     L = num_hidden_layers
+    if L >= 7:
+        return (2, L // 2, L - 3)
+    if L >= 3:
+        return (L - 3, L - 2, L - 1)
     return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
 
 

@@ -3,14 +3,25 @@ import torch
 
 from heads import EagleConfig, EagleDraft, default_aux_layer_ids, read_hidden_states
 from heads.eagle import check_vocab_map
-from tests.conftest import make_tiny_llama
+from tests.conftest import TINY, make_tiny_llama
 
 
 def test_aux_layer_convention_is_state_entering_layer():
     # EAGLE-3 / vLLM: hidden states entering layers 2, L//2, L-3.
     assert default_aux_layer_ids(32) == (2, 16, 29)
     assert default_aux_layer_ids(30) == (2, 15, 27)
-    assert default_aux_layer_ids(2) == (1, 1, 0)  # clamped for tiny models
+    assert default_aux_layer_ids(7) == (2, 3, 4)
+    # small bases: three layers in order, as vLLM and SGLang collect them (the exports refused
+    # (2, 3, 3) for 6 layers and (2, 2, 1) for 4)
+    assert [default_aux_layer_ids(L) for L in (3, 4, 6)] == [(0, 1, 2), (1, 2, 3), (3, 4, 5)]
+    assert default_aux_layer_ids(2) == (1, 1, 0)  # clamped for test models
+    from transformers import LlamaConfig
+
+    from heads.eagle_config import engine_refusal
+
+    for L in (4, 6):  # a draft on the defaults is one the engines compute as headstart does
+        config = EagleConfig.from_base(LlamaConfig(**{**TINY, "num_hidden_layers": L}), version=3)
+        assert [engine_refusal(config, e) for e in ("vllm", "sglang")] == [None, None]
 
 
 def test_read_hidden_states_index_is_input_of_layer(tiny_llama):
