@@ -353,6 +353,13 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
+    add(
+        "--dtype",
+        default="auto",
+        help="base and draft model dtype: float32, bfloat16, float16 or auto (fp32 on a CPU, "
+        "bf16 on a GPU); greedy outputs are identical to HF's in fp32",
+    )
+    add("--attn", choices=("sdpa", "eager"), default="sdpa", help="base attention kernels")
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)

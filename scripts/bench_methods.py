@@ -132,7 +132,7 @@ def parse_methods(
 
 def build_methods(names: list[str], args: argparse.Namespace):
     """Load the base (and heads, draft model); returns (base, tokenizer, methods)."""
-    base, tokenizer = load_base(args.base, device=args.device)
+    base, tokenizer = load_base(args.base, **load_options(args))
     if getattr(args, "chat_template", None):  # every prompt is rendered with it
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     device = next(base.parameters()).device
@@ -174,7 +174,7 @@ def build_methods(names: list[str], args: argparse.Namespace):
                 taken.add(method.name)
                 methods.append(method)
         elif name == "draft":
-            model = _load_draft_model(args.draft_model, base, tokenizer)
+            model = _load_draft_model(args.draft_model, base, tokenizer, args)
             if args.draft_tree is None:
                 flag = "--draft-tokens"  # the drafter's default chain when not given
                 shape = {} if args.draft_tokens is None else {"num_tokens": args.draft_tokens}
@@ -337,10 +337,23 @@ def _tree_choices(tree: str, flag: str = "--tree"):
     return tree
 
 
-def _load_draft_model(name: str, base, tokenizer):
+def load_options(args: argparse.Namespace) -> dict:
+    """load_base's device, dtype and attention from bench's options (a Namespace without them,
+    an older caller's, takes load_base's defaults)."""
+    return dict(
+        device=getattr(args, "device", None),
+        dtype=getattr(args, "dtype", None),
+        attn_implementation=getattr(args, "attn", None) or "sdpa",
+    )
+
+
+def _load_draft_model(name: str, base, tokenizer, args: argparse.Namespace):
     """The draft LM, refused unless its vocabulary is the base's, token for token (its
     embedding may be padded to fewer rows: Qwen2.5-0.5B's 151,936 for Qwen2.5-72B's 152,064)."""
-    model, draft_tokenizer = load_base(name, device=next(base.parameters()).device)
+    # the base's device, and the dtype and attention asked for it
+    model, draft_tokenizer = load_base(
+        name, **{**load_options(args), "device": next(base.parameters()).device}
+    )
     rows = model.config.vocab_size
     if not len(draft_tokenizer) <= rows <= base.config.vocab_size or (
         draft_tokenizer.get_vocab() != tokenizer.get_vocab()

@@ -110,6 +110,26 @@ def test_draft_model_static_tree(folders, tmp_path):
     assert summary["tau"] == 3.5 and summary["accept_at_least"] == [1.0, 1.0, 0.5]
 
 
+def test_dtype_and_attention_load_the_base_and_draft_model(folders, tmp_path, monkeypatch):
+    """--dtype and --attn reach load_base for the base and the draft model, and are recorded."""
+    import bench_methods
+
+    loaded, load = [], bench_methods.load_base
+
+    def spy(*args, **kwargs):
+        model, tokenizer = load(*args, **kwargs)
+        loaded.append((model.dtype, model.config._attn_implementation))
+        return model, tokenizer
+
+    monkeypatch.setattr(bench_methods, "load_base", spy)
+    prompts = _jsonl(tmp_path / "sharegpt.jsonl", SHAREGPT)
+    extra = ["--methods", "draft", "--draft-model", str(folders["base"]), "--draft-tokens", "2"]
+    results = _run(folders, tmp_path, prompts, *extra, "--dtype", "bfloat16", "--attn", "eager")
+    assert loaded == [(torch.bfloat16, "eager")] * 2
+    assert (results["settings"]["dtype"], results["settings"]["attn"]) == ("bfloat16", "eager")
+    assert all(r["new_tokens"] > 0 for r in results["records"])
+
+
 def test_multi_turn_categories_and_runs(folders, tmp_path):
     prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH)
     extra = ["--turns", "all", "--runs", "2", "--methods", "ngram,heads,heads+ngram"]

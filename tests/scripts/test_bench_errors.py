@@ -24,6 +24,7 @@ from tests.scripts.test_bench import SHAREGPT, _jsonl, bench
         ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
         ("corpus-too-small", "no context seen 2+ times: give it more answers"),
         ("corpus-without-method", "--lookup-corpus given but none of"),
+        ("bad-dtype", "dtype='float33' is no torch dtype"),
     ],
 )
 def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, message):
@@ -45,6 +46,7 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, mes
         "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
         "corpus-too-small": ["--methods", "ngram+corpus", "--lookup-corpus", str(one_answer)],
         "corpus-without-method": ["--methods", "ngram", "--lookup-corpus", str(one_answer)],
+        "bad-dtype": ["--dtype", "float33"],
     }[case]
     if case == "malformed":
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')
