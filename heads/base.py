@@ -207,6 +207,7 @@ def load_base(
         dtype: defaults (or "auto") to fp32 on CPU and bf16 on a CUDA device.
         device: defaults to CUDA when available.
         attn_implementation: "sdpa" (default) or "eager"; both accept headstart's 4D tree masks.
+            An architecture transformers gives no sdpa (Gemma-2) loads with eager, and says so.
         frozen: `requires_grad_(False)` on every parameter (the base is never trained, except
             through LoRA adapters in Medusa-2).
         prepack: keep CPU linear weights in oneDNN's packed layout (`heads.cpu`), which
@@ -238,9 +239,22 @@ def load_base(
     path, recorded_name = resolve_base_path(name_or_path)
     try:
         tokenizer = _load_tokenizer(path)
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map
-        )
+        try:
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation=attn_implementation, device_map=device_map
+            )
+        except ValueError as e:
+            # transformers has no sdpa for some architectures (Gemma-2, for its soft-capping)
+            if attn_implementation != "sdpa" or "scaled_dot_product_attention" not in str(e):
+                raise
+            logger.warning(
+                "%s: transformers has no sdpa attention for this architecture; loaded with "
+                "eager attention instead (it takes headstart's tree masks too)",
+                name_or_path,
+            )
+            model = AutoModelForCausalLM.from_pretrained(
+                path, dtype=dtype, attn_implementation="eager", device_map=device_map
+            )
         if device_map is None:
             model = model.to(device)
     except OSError as e:  # transformers' own message may not name it: no such repo, no network

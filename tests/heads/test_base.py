@@ -136,3 +136,33 @@ def test_processes_converting_at_once_keep_the_first_copy(tmp_path, monkeypatch,
     shutil.rmtree(out)
     base_module._convert_gguf(gguf, out, "m")  # alone: its own copy
     assert (out / "model.safetensors").is_file()
+
+
+def test_an_architecture_without_sdpa_loads_with_eager(tmp_path, smollm2_tokenizer, caplog):
+    """transformers refuses sdpa for Gemma-2 (its soft-capping): the default falls back to eager,
+    and says so; eager asked for is what it was."""
+    from transformers import Gemma2Config, Gemma2ForCausalLM
+
+    tok = smollm2_tokenizer
+    config = Gemma2Config(
+        vocab_size=len(tok),
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        pad_token_id=tok.pad_token_id,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+    )
+    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    with caplog.at_level("WARNING", logger="heads.base"):
+        model, _ = load_base(str(tmp_path), device="cpu")
+    assert model.config._attn_implementation == "eager"
+    assert "no sdpa attention for this architecture; loaded with eager" in caplog.text
+    caplog.clear()
+    with caplog.at_level("WARNING", logger="heads.base"):
+        model, _ = load_base(str(tmp_path), device="cpu", attn_implementation="eager")
+    assert model.config._attn_implementation == "eager" and "no sdpa" not in caplog.text
