@@ -34,7 +34,9 @@ class MedusaDrafter(Drafter):
         # Default: an 8-node tree for these heads (Medusa's greedy construction, assumed accuracies).
         K = heads.config.num_heads
         self.set_tree(
-            choices if choices is not None else build_static_tree(DEFAULT_ACCURACIES[:K], 8)
+            choices
+            if choices is not None
+            else self._fitting(build_static_tree(DEFAULT_ACCURACIES[:K], 8))
         )
         self._hidden: torch.Tensor | None = None
 
@@ -59,6 +61,12 @@ class MedusaDrafter(Drafter):
     def configure(self, choices: str | Sequence[Sequence[int]]) -> None:
         self.set_tree(choices)
 
+    def _fitting(self, choices: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        """The default trees' paths whose ranks the heads' vocabulary has (a truncated
+        vocabulary under the trees' top ranks keeps fewer; a path's descendants go with it)."""
+        vocab = self.heads.config.draft_vocab_size
+        return [tuple(c) for c in choices if max(c) < vocab]
+
     def default_arms(self, device: torch.device) -> list[dict | None]:
         K = self.heads.config.num_heads
         if device.type == "cpu":
@@ -66,12 +74,14 @@ class MedusaDrafter(Drafter):
             # ~1.2-1.4x: head 0's top 4 and head 1's top 1, alone. The chain and the 8-node tree
             # were never the best here, and re-trying them cost the policy (docs/bench.md, "...
             # the settings that never paid" and "A third level for the full recipe's draft").
-            return [None, {"choices": [(rank,) for rank in range(4)] + [(0, 0)][: K - 1]}]
+            tree = [(rank,) for rank in range(4)] + [(0, 0)][: K - 1]
+            return [None, {"choices": self._fitting(tree)}]
         accuracies = DEFAULT_ACCURACIES[:K]
         # one head holds at most 11 nodes (its top 10 and the root)
         sizes = sorted({min(n, static_tree_capacity(accuracies)) for n in (32, 64)})
         trees = [chain_choices(K)] + [build_static_tree(accuracies, n) for n in sizes]
-        return [None] + [{"choices": t} for t in trees]
+        fitting = [self._fitting(t) for t in trees]
+        return [None] + [{"choices": t} for i, t in enumerate(fitting) if t not in fitting[:i]]
 
     def reset(self) -> None:
         self._hidden = None

@@ -1,6 +1,7 @@
 """How the EAGLE and draft-model drafters fill their trees: a static tree's node holds its
 parent's ranked token, a dynamic tree ranks its root's top k as the one-level static tree holds
-them, and the options and arms that choose between chains, static and dynamic trees."""
+them, and the options and arms that choose between chains, static and dynamic trees (within the
+drafter's vocabulary)."""
 
 import pytest
 import torch
@@ -262,5 +263,26 @@ def test_eagle_default_arms_fit_a_draft_vocabulary_under_four_tokens():
     gen = SpeculativeGenerator(base, draft)  # the default arms
     assert gen.arms[1] == {"choices": [[0], [1], [2]]} and gen.arms[2]["top_k"] == 3
     prompt = torch.randint(3, 256, (1, 8), generator=_seeded(0))
+    ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
+    assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
+
+
+def test_medusa_default_trees_fit_a_truncated_vocabulary_under_their_ranks():
+    """Medusa's default tree and arms rank up to head 0's top 4 (CPU) or top 10 (GPU); heads
+    over 3 tokens keep the paths they can fill, and decode the base's output."""
+    from heads import MedusaConfig, MedusaHeads
+    from inference import MedusaDrafter
+
+    base = make_tiny_llama()
+    config = MedusaConfig.from_base(base.config, num_heads=2, truncated_vocab_size=3)
+    heads = MedusaHeads(config).init_from_base(base, token_map=torch.tensor([5, 9, 200]))
+    drafter = MedusaDrafter(heads)  # the default 8-node tree
+    assert int(drafter.tree.ranks.max()) <= 2
+    gpu = drafter.default_arms(torch.device("cuda"))[1:]
+    assert gpu and all(max(map(max, a["choices"])) <= 2 for a in gpu)
+    assert len({str(a) for a in gpu}) == len(gpu)  # trees cut to the same one are one arm
+    gen = SpeculativeGenerator(base, heads)  # the CPU arms
+    assert gen.arms[1] == {"choices": [(0,), (1,), (2,), (0, 0)]}
+    prompt = torch.randint(3, 256, (1, 8), generator=_seeded(1))
     ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
