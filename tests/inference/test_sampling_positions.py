@@ -4,9 +4,10 @@ Given the tokens before it, each sampled token x_t must be drawn from the base's
 p_t, whatever happened to reach that prefix (trees accepted in part, adaptive arms switched,
 EOS inside a tree, a cut at max_new_tokens). So the residuals onehot(x_t) - p_t have mean zero
 given the past, and summed over answers, per position (and per position and previous token)
-they are martingale sums with the known covariance sum(diag(p_t) - p_t p_t^T). The quadratic form
-S^T C^+ S of each block is then chi-square with rank(C) degrees of freedom for many answers,
-and the blocks are uncorrelated, so their sum is chi-square with the summed ranks.
+they are martingale sums with the known covariance sum(diag(p_t) - p_t p_t^T). For many answers
+the quadratic form S^T C^+ S of each block is chi-square with rank(C) degrees of freedom given
+the blocks of earlier positions (the martingale central limit theorem), so the sum over blocks
+is chi-square with the summed ranks.
 
 This checks every position, where test_sampling_generate checks the joint law of tokens 2-3,
 on the cases that one leaves out: an EAGLE-3 draft over a reduced vocabulary, adaptive arms
@@ -28,7 +29,7 @@ from inference.adaptive import AdaptivePolicy
 from tests.inference.test_sampling_generate import PROMPT, V, peaky_tiny
 
 ANSWERS = 500
-NEW_TOKENS = 7  # odd beside depth-2 and depth-3 trees: the last step's path is cut
+NEW_TOKENS = 7  # a last step often accepts more than the room left: cut at max_new_tokens
 ALPHA = 1e-3  # each test's two statistics share it (Bonferroni)
 MIN_EXPECTED = 5.0  # tokens expected fewer times than this in a block are pooled
 
@@ -84,6 +85,9 @@ def martingale_test(base, answers, temperature, top_p=1.0, top_k=0) -> dict:
     with torch.no_grad():
         logits = base(ids).logits[:, T - 1 : T - 1 + n].float()
     probs = warp_probs(logits, temperature, top_k, top_p).double()  # (N, n, V): law of x_t
+    # summing to 1 in float64: else the covariance's null direction (the ones vector) keeps an
+    # eigenvalue of float32's rounding, counted as one more degree of freedom per block
+    probs = probs / probs.sum(-1, keepdim=True)
     tokens, prev = ids[:, T:], ids[:, T - 1 : T - 1 + n]
     alive = torch.arange(n)[None] < torch.tensor([len(a) for a in answers])[:, None]
     drawn = probs.gather(-1, tokens[..., None])[..., 0]
@@ -96,7 +100,8 @@ def martingale_test(base, answers, temperature, top_p=1.0, top_k=0) -> dict:
                 if rows.any():
                     s, d = _block(probs[rows, t], tokens[rows, t])
                     stat, df = stat + s, df + d
-        assert df > 0, "no block had tokens enough for the test"
+        # at least 4 a position: most of the 8 tokens expected often enough to be judged
+        assert df >= 4 * n, f"{name}: {df} degrees of freedom over {n} positions"
         p = torch.special.gammaincc(torch.tensor(df / 2.0), torch.tensor(stat / 2.0))
         result[name] = float(p)
     return result
@@ -222,9 +227,10 @@ def test_every_position_follows_the_base_law(name):
         assert not any(eos & set(a[:-1]) for a in answers)
         short = [a for a in answers if len(a) < NEW_TOKENS]
         assert short and all(a[-1] in eos for a in short)
-    if isinstance(gen.policy, RandomArms):  # the same policy ran every arm, many times
+    if "random-arms" in name:  # the same policy ran every arm, many times
         assert type(gen.policy) is RandomArms
-        assert all(a["steps"] > ANSWERS for a in gen.policy.summary()), gen.policy.summary()
+        steps = [a["steps"] for a in gen.policy.summary()]
+        assert min(steps) >= ANSWERS // 2, steps
     result = martingale_test(base, answers, **sampling)
     assert result["zero_probability"] == 0, result
     assert min(result["position"], result["previous"]) > ALPHA / 2, (name, result)
