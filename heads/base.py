@@ -338,8 +338,9 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
 
     This is the EAGLE-3 / vLLM / SGLang convention. With transformers' `hidden_states` tuple
     (index 0 = embeddings = input of layer 0), layer id i is `hidden_states[i]`. Bases of 3 to 6
-    layers take their last three layers' (distinct and in order, as the engines collect them);
-    ids of bases under 3 layers, test models, are clamped into [0, L-1].
+    layers take their last three layers' (distinct and in order, as the engines collect them; a
+    3-layer base's include the embeddings, id 0, which the engine exports refuse); ids of bases
+    under 3 layers, test models, are clamped into [0, L-1].
     """
     L = num_hidden_layers
     if L >= 7:

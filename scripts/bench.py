@@ -356,10 +356,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add(
         "--dtype",
         default="auto",
-        help="base and draft model dtype: float32, bfloat16, float16 or auto (fp32 on a CPU, "
-        "bf16 on a GPU); greedy outputs are identical to HF's in fp32",
+        help="base and draft model dtype (heads follow the base): float32, bfloat16, float16 or "
+        "auto (fp32 on a CPU, bf16 on a GPU); greedy outputs are identical to HF's in fp32",
     )
-    add("--attn", choices=("sdpa", "eager"), default="sdpa", help="base attention kernels")
+    add(
+        "--attn",
+        choices=("sdpa", "eager"),
+        default="sdpa",
+        help="attention of the base and the draft model",
+    )
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)

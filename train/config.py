@@ -134,7 +134,7 @@ class HeadsSpec:
     # EAGLE (Li et al. 2024, 2025)
     version: int = 3  # 1 or 3
     draft_vocab_size: int | None = None  # EAGLE-3 reduced vocabulary; None: min(32000, V)
-    aux_layer_ids: list[int] | None = None  # None: states entering layers 2, L//2, L-3
+    aux_layer_ids: list[int] | None = None  # None: heads.default_aux_layer_ids (2, L//2, L-3)
     ttt_steps: int = 7  # EAGLE-3 training-time test unroll
     init_from_base: bool = True  # EAGLE-3: start from the base's top layer, norm, lm_head
     feature_loss_weight: float = 1.0  # EAGLE-1 SmoothL1 on the next feature
