@@ -26,20 +26,17 @@ from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from inference import SpeculativeGenerator
 from inference.acceptance import verify_sampling, warp_probs
 from inference.adaptive import AdaptivePolicy
-from tests.inference.test_sampling_generate import PROMPT, V, peaky_tiny
+from tests.inference.test_sampling_generate import (  # one_thread: autouse here too
+    PROMPT,
+    V,
+    one_thread,  # noqa: F401
+    peaky_tiny,
+)
 
 ANSWERS = 500
 NEW_TOKENS = 7  # a last step often accepts more than the room left: cut at max_new_tokens
 ALPHA = 1e-3  # each test's two statistics share it (Bonferroni)
 MIN_EXPECTED = 5.0  # tokens expected fewer times than this in a block are pooled
-
-
-@pytest.fixture(autouse=True)
-def one_thread():
-    old = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(old)
 
 
 def _block(probs: torch.Tensor, tokens: torch.Tensor) -> tuple[float, int]:
