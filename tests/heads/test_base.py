@@ -143,20 +143,12 @@ def test_an_architecture_without_sdpa_loads_with_eager(tmp_path, smollm2_tokeniz
     and says so; eager asked for is what it was."""
     from transformers import Gemma2Config, Gemma2ForCausalLM
 
+    from tests.conftest import TINY
+
     tok = smollm2_tokenizer
-    config = Gemma2Config(
-        vocab_size=len(tok),
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        pad_token_id=tok.pad_token_id,
-        bos_token_id=tok.bos_token_id,
-        eos_token_id=tok.eos_token_id,
-    )
-    Gemma2ForCausalLM(config).save_pretrained(tmp_path)
+    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
+    sizes = dict(vocab_size=len(tok), head_dim=16, pad_token_id=tok.pad_token_id, **ids)
+    Gemma2ForCausalLM(Gemma2Config(**{**TINY, **sizes})).save_pretrained(tmp_path)
     tok.save_pretrained(tmp_path)
     with caplog.at_level("WARNING", logger="heads.base"):
         model, _ = load_base(str(tmp_path), device="cpu")
