@@ -338,13 +338,8 @@ def _tree_choices(tree: str, flag: str = "--tree"):
 
 
 def load_options(args: argparse.Namespace) -> dict:
-    """load_base's device, dtype and attention from bench's options (a Namespace without them,
-    an older caller's, takes load_base's defaults)."""
-    return dict(
-        device=getattr(args, "device", None),
-        dtype=getattr(args, "dtype", None),
-        attn_implementation=getattr(args, "attn", None) or "sdpa",
-    )
+    """load_base's device, dtype and attention from bench's options."""
+    return dict(device=args.device, dtype=args.dtype, attn_implementation=args.attn)
 
 
 def _load_draft_model(name: str, base, tokenizer, args: argparse.Namespace):
