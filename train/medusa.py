@@ -115,6 +115,10 @@ class MedusaTrainee(Trainee):
             p = base_logits.float().softmax(-1)
             kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
             del adapted, p
+        # A row whose greedy token the draft vocabulary lacks trains nothing, as with hard labels:
+        # no draft can propose it, and the rest of the distribution renormalised would teach a
+        # token that verification rejects there.
+        in_vocab = self.draft_of[greedy] >= 0  # (n,)
         loss = hidden.new_zeros(())
         chain = []  # (B,T) per head: right at that row
         for k in range(len(self.heads.blocks)):
@@ -125,10 +129,7 @@ class MedusaTrainee(Trainee):
             logits = self.heads.head_logits(k, hidden[valid])  # (n_k, V_draft)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
-                # A row whose greedy token the draft vocabulary lacks trains nothing, as with hard
-                # labels: no draft can propose it, and the rest of the distribution renormalised
-                # would teach a token that verification rejects there.
-                keep = self.draft_of[greedy[rows]] >= 0
+                keep = in_vocab[rows]
                 loss_k = soft_target_ce(logits[keep], targets, rows[keep]) / n
             else:
                 labels = self.draft_of[shift_left(ids, k + 2)[valid]]

@@ -105,6 +105,7 @@ class EagleDrafter(Drafter):
         return config.draft_vocab_size if config.version == 3 else config.vocab_size
 
     def default_arms(self, device: torch.device) -> list[dict | None]:
+        vocab = self._vocab()
         if device.type == "cpu":
             # On 2 CPU cores a base forward over 3-6 tokens cost 1.1-1.2x a 1-token one, and
             # each level of depth is one more forward of the draft layer (~3-4 ms beside a ~60 ms
@@ -115,16 +116,15 @@ class EagleDrafter(Drafter):
             # same four nodes as top_k 4 at depth 1): the policy then measures it on every step
             # of the two-level one, from that tree's root ranking.
             # (A draft vocabulary under 4 tokens ranks fewer.)
-            k = min(4, self._vocab())
             return [
                 None,
-                {"choices": [[i] for i in range(k)]},
-                {"top_k": k, "depth": 2, "total_tokens": 6},
+                {"choices": [[i] for i in range(min(4, vocab))]},
+                {"top_k": min(4, vocab), "depth": 2, "total_tokens": 6},
             ]
         return [
             None,
-            {"top_k": min(4, self._vocab()), "depth": 5, "total_tokens": 24},
-            {"top_k": min(8, self._vocab()), "depth": 6, "total_tokens": 60},
+            {"top_k": min(4, vocab), "depth": 5, "total_tokens": 24},
+            {"top_k": min(8, vocab), "depth": 6, "total_tokens": 60},
         ]
 
     def reset(self) -> None:
