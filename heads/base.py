@@ -353,7 +353,11 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
 def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What the base's forward does to its lm_head's logits, as the same operation (so the same
     numbers as HF's): Granite divides them by `config.logits_scaling`, Cohere multiplies them by
-    `logit_scale`; None for a base that returns them as they are."""
+    `logit_scale`, Gemma-2 (and any base whose config sets `final_logit_softcapping`) soft-caps
+    them to tanh(logits / cap) * cap; None for a base that returns them as they are."""
+    cap = getattr(base.config, "final_logit_softcapping", None)
+    if cap:
+        return lambda logits: torch.tanh(logits / cap) * cap
     model_type = str(getattr(base.config, "model_type", ""))
     divisor = getattr(base.config, "logits_scaling", 1.0)
     if model_type.startswith("granite") and divisor != 1.0:

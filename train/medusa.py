@@ -19,6 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
+from heads.base import logits_scaling
 from heads.checkpoint import load_state_checked
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
@@ -108,8 +109,11 @@ class MedusaTrainee(Trainee):
         metrics: dict[str, tuple] = {}  # (sum, number): a batch's mean, or summed held out
         greedy, kl = base_top, None  # (n,): the token greedy verification accepts at each row
         if self.lora:  # Medusa-2 is served on the adapted base: its greedy token, its KL term
+            scaling = logits_scaling(self.base) or (lambda x: x)  # as base_targets reads them
             adapted = (
-                lm_head(hidden[next_is_target].to(lm_head.weight.dtype)).float().log_softmax(-1)
+                scaling(lm_head(hidden[next_is_target].to(lm_head.weight.dtype)))
+                .float()
+                .log_softmax(-1)
             )  # (n, V)
             greedy = adapted.argmax(-1)
             p = base_logits.float().softmax(-1)

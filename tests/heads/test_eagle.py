@@ -253,17 +253,23 @@ def test_a_partially_rotary_base_gets_a_draft_that_rotates_every_dimension(rope_
         assert out.shape == (1, 4, 64) and out.isfinite().all()
 
 
-def test_training_reads_a_granites_logits_as_its_forward_returns_them():
-    # the soft targets are the base's distribution: Granite divides its logits after the lm_head
-    from transformers import GraniteConfig, GraniteForCausalLM
+@pytest.mark.parametrize("kind", ["granite", "gemma2"])
+def test_training_reads_a_bases_logits_as_its_forward_returns_them(kind):
+    # the soft targets are the base's distribution: Granite divides its logits after the
+    # lm_head, Gemma-2 soft-caps them (tanh(logits / cap) * cap)
+    from transformers import Gemma2Config, Gemma2ForCausalLM, GraniteConfig, GraniteForCausalLM
 
     from tests.conftest import TINY
     from train.features import base_targets
 
     torch.manual_seed(0)
-    config = GraniteConfig(**TINY, logits_scaling=8.0)
-    config._attn_implementation = "sdpa"
-    base = GraniteForCausalLM(config).eval().requires_grad_(False)
+    if kind == "granite":
+        config, cls = GraniteConfig(**TINY, logits_scaling=8.0), GraniteForCausalLM
+        config._attn_implementation = "sdpa"
+    else:  # a cap of 2 bends logits of this size well away from the identity
+        config = Gemma2Config(**TINY, head_dim=16, final_logit_softcapping=2.0)
+        config._attn_implementation, cls = "eager", Gemma2ForCausalLM
+    base = cls(config).eval().requires_grad_(False)
     ids = torch.tensor([[1, 5, 9, 22, 7]])
     want = base(input_ids=ids).logits
     logits, last, _ = read_hidden_states(base, ids, [1])

@@ -44,19 +44,30 @@ def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
 
 def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
     # Granite divides its logits by logits_scaling after the lm_head, Cohere multiplies them by
-    # logit_scale: the verifier computes them as the forward does (the sampling law is checked in
-    # test_sampling_generate.py); a transform it does not know is refused, not sampled around
-    from transformers import CohereConfig, CohereForCausalLM, GraniteConfig, GraniteForCausalLM
+    # logit_scale, Gemma-2 soft-caps them: the verifier computes them as the forward does (the
+    # sampling law is checked in test_sampling_generate.py); a transform it does not know is
+    # refused, not sampled around. (A Gemma-2 whose sliding window is narrower than its context,
+    # every released one, is refused for that: the test above.)
+    from transformers import (
+        CohereConfig,
+        CohereForCausalLM,
+        Gemma2Config,
+        Gemma2ForCausalLM,
+        GraniteConfig,
+        GraniteForCausalLM,
+    )
 
     from tests.conftest import TINY
 
     prompt = torch.tensor([[1, 5, 9, 22, 7]])
+    gemma2 = Gemma2Config(**TINY, head_dim=16, final_logit_softcapping=2.0, sliding_window=512)
     for cls, config in (
         (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=8.0)),
         (CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.0625)),
+        (Gemma2ForCausalLM, gemma2),  # transformers runs it with eager attention only
     ):
         torch.manual_seed(0)
-        config._attn_implementation = "sdpa"
+        config._attn_implementation = "eager" if cls is Gemma2ForCausalLM else "sdpa"
         base = cls(config).eval().requires_grad_(False)
         gen = SpeculativeGenerator(base, None, num_tokens=3, adaptive=False)
         hidden = base.model(input_ids=prompt).last_hidden_state[0]

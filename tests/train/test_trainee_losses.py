@@ -427,3 +427,31 @@ def test_medusa2_is_scored_against_the_adapted_base_greedy_token(tiny_llama):
     with torch.no_grad():
         _, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": ids > 0})
     assert metrics["head0/top1"] == (len(oracle), len(oracle))
+
+
+def test_medusa2_kl_reads_the_adapted_logits_as_the_forward_returns_them():
+    """Granite divides its logits after the lm_head: the KL term compares the original and the
+    adapted base's distributions both so scaled, so an adapter that changes nothing costs 0."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import GraniteConfig, GraniteForCausalLM
+
+    from heads import MedusaConfig, MedusaHeads
+    from tests.conftest import TINY
+    from train.config import load_recipe
+    from train.medusa import MedusaTrainee
+
+    torch.manual_seed(0)
+    config = GraniteConfig(**TINY, logits_scaling=8.0)
+    config._attn_implementation = "sdpa"
+    granite = GraniteForCausalLM(config).eval().requires_grad_(False)
+    heads = MedusaHeads(MedusaConfig.from_base(granite.config, num_heads=1))
+    heads.init_from_base(granite)
+    unchanged = get_peft_model(granite, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    recipe = load_recipe(None, ["heads.num_heads=1", "heads.lora_r=4"])
+    trainee = MedusaTrainee(unchanged, heads, recipe)
+    ids = torch.randint(3, 256, (1, 40))
+    mask = torch.tensor([[0, 0] + [1] * 38])
+    with torch.no_grad():
+        _, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": ids > 0})
+    total, count = metrics["kl"]
+    assert count == 38 and abs(total / count) < 1e-5
