@@ -318,7 +318,10 @@ class SpeculativeGenerator:
         context: list[int] = []
         if stop_strings:
             context = ids[-2 * max(map(len, stop_strings)) :].tolist()
-        text_len = len(tokenizer.decode(context)) if stop_strings else 0
+        # The text's length without the U+FFFD that stand for a character whose bytes are still
+        # coming (an emoji's over byte-level tokens): the token that completes it may leave the
+        # text no longer, and a stop string ending in it must still be found.
+        text_len = len(tokenizer.decode(context).rstrip("\ufffd")) if stop_strings else 0
 
         def finish(new: list[int]) -> tuple[list[int], bool]:
             """Cut `new` at EOS / a stop string / max_new_tokens; say whether to stop."""
@@ -339,7 +342,7 @@ class SpeculativeGenerator:
                         new, done = new[: i + 1], True
                         stats["finished"] = True
                         break
-                    text_len = len(text)
+                    text_len = len(text.rstrip("\ufffd"))
             return new, done
 
         first, done = finish([root])

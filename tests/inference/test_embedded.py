@@ -39,3 +39,33 @@ def test_greedy_identical_on_smollm2(smollm2):
         for name, (heads, options) in drafters.items():
             out = SpeculativeGenerator(base, heads, **options).generate(ids, max_new_tokens=64)
             assert torch.equal(out.sequences, ref), (name, prompt)
+
+
+@pytest.mark.slow
+def test_a_stop_string_ending_in_a_character_of_several_tokens(smollm2):
+    """An emoji's UTF-8 bytes come in several byte-level tokens, the text decoding to U+FFFD
+    until the last: the token that completes it stops generation, as in HF `generate`."""
+    base, tokenizer = smollm2
+    ids = tokenizer.apply_chat_template(
+        [
+            {
+                "role": "user",
+                "content": "Write three emojis about rain and a French sentence with accents.",
+            }
+        ],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+    n = ids.shape[1]
+    answer = base.generate(ids, max_new_tokens=24, do_sample=False)[0, n:].tolist()
+    text = tokenizer.decode(answer)
+    emoji = next(c for c in text if len(c.encode()) == 4)  # the answer's first emoji
+    cut = next(i for i in range(1, 25) if emoji in tokenizer.decode(answer[:i]))
+    assert "\ufffd" in tokenizer.decode(answer[: cut - 1])  # its bytes span tokens
+    kw = {"max_new_tokens": 24, "stop_strings": [emoji], "tokenizer": tokenizer}
+    ref = base.generate(ids, do_sample=False, **kw)[0, n:].tolist()
+    assert ref == answer[:cut]
+    for options in ({"num_tokens": 4}, {"adaptive": [None]}):  # n-gram runs, plain steps
+        out = SpeculativeGenerator(base, None, **options).generate(ids, **kw)
+        assert out.sequences[0, n:].tolist() == ref and out.finished, options
