@@ -66,6 +66,33 @@ def windowed_cache_layers(config) -> list[str]:
     )
 
 
+# Bases whose HF `generate` computes the whole sequence again (no cache) at the step that first
+# passes a longrope switch, so that every cached token has the long factors: transformers'
+# Phi-3 family overrides `prepare_inputs_for_generation` to do so.
+RECOMPUTE_AT_ROPE_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
+
+
+def rope_factor_switch(config) -> tuple[int, bool] | None:
+    """Where a longrope base (Phi-3-128k, Phi-3.5-mini, Phi-4-mini) switches to its long rope
+    factors: (the position, whether HF `generate` then computes the sequence again); None for
+    any other rope.
+
+    transformers picks a forward's factors from its last position alone: long for every token of
+    it once that position reaches `original_max_position_embeddings`. HF `generate` feeds one
+    token a step, so a token's factors follow its own position; a tree forward that reaches the
+    switch from below would rotate its first tokens, the root always kept, with the long ones.
+    """
+    params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
+    params = params or {}
+    per_layer_type = [p for p in params.values() if isinstance(p, dict)]
+    for p in [params, *per_layer_type]:
+        if p.get("rope_type", p.get("type")) == "longrope":
+            switch = p.get("original_max_position_embeddings")
+            switch = int(switch or config.original_max_position_embeddings)
+            return switch, getattr(config, "model_type", None) in RECOMPUTE_AT_ROPE_SWITCH
+    return None
+
+
 # What a base's generation_config may set that makes HF `generate` change the logits before it
 # chooses a token, with the values that change nothing. The verifier reads the base's own logits.
 _LOGITS_SETTINGS = {

@@ -39,6 +39,7 @@ from inference.arguments import check_generation_arguments, eos_ids
 from inference.base_checks import (
     base_logits,
     check_base_takes_trees,
+    rope_factor_switch,
     warn_unapplied_logits_settings,
 )
 from inference.draft import Draft, Drafter, Sampling
@@ -281,6 +282,7 @@ class SpeculativeGenerator:
             max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer
         )
         max_positions = self.base.config.max_position_embeddings
+        rope_switch = rope_factor_switch(self.base.config)
         if len(ids) > max_positions:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than the base's context of "
@@ -373,6 +375,12 @@ class SpeculativeGenerator:
             if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
                 # the tree no longer fits the context but a token does: plain steps to the end
                 options, nodes, arm = None, 1, None
+            recompute = bool(rope_switch) and rope_switch[1] and prefix == rope_switch[0]
+            if recompute or (rope_switch and prefix < rope_switch[0] <= prefix + nodes - 1):
+                # A tree reaching a longrope base's switch would rotate its first tokens with
+                # the long factors, where HF's one-token steps use the short: plain steps across
+                # it, and on the Phi-3 family the sequence computed again there, as HF does.
+                options, nodes, arm = None, 1, None
             if options is not None and (after_plain or reconfigured):
                 # Feeding the plain steps' tokens to a drafter with its own cache costs more the
                 # longer the run of plain steps: not a cost of this step's setting. So does a
@@ -408,7 +416,12 @@ class SpeculativeGenerator:
                 mask = tree_attention_mask(draft.tree, prefix, hidden.dtype)
                 positions = tree_position_ids(draft.tree, prefix)
             t0 = time.perf_counter()
-            hidden, aux = self._forward(draft.tokens, cache, mask, positions)
+            if recompute:  # the whole sequence, the root last, in one forward
+                cache = DynamicCache(config=self.base.config)
+                hidden, aux = self._forward(sequence, cache)
+                hidden, aux = hidden[-1:], None if aux is None else aux[-1:]
+            else:
+                hidden, aux = self._forward(draft.tokens, cache, mask, positions)
             acc = self._verify(draft, hidden, sampling, acceptance)
             timings["base"] += time.perf_counter() - t0
             keep_accepted(cache, prefix, acc.nodes)

@@ -1,10 +1,12 @@
 """Which bases and draft models the generator takes, and how: a base whose forward cannot verify
 a tree is refused, logits scaled after the lm_head are the forward's, a draft model of a padded
-vocabulary drafts, an unmerged adapter is refused; and options given with adaptive=True."""
+vocabulary drafts, an unmerged adapter is refused, longrope switches as in HF; and options given
+with adaptive=True."""
 
 import numpy as np
 import pytest
 import torch
+from transformers import DynamicCache
 
 from heads import MedusaConfig, MedusaHeads
 from inference import SpeculativeGenerator
@@ -170,3 +172,49 @@ def test_other_llama_style_bases_decode_their_own_greedy_output(family):
         for options in ({}, {"adaptive": False}):
             got = SpeculativeGenerator(base, heads, **options).generate(prompt, 24, eos_token_id=[])
             assert torch.equal(got.sequences, want), (family, type(heads).__name__, options)
+
+
+@pytest.mark.parametrize("family", ["llama", "phi3"])
+def test_a_longrope_base_decodes_its_greedy_output_across_the_switch(family):
+    """Longrope (Phi-3.5-mini, Phi-4-mini) rotates a forward's tokens with the long factors once
+    its last position reaches original_max_position_embeddings: HF's one-token steps switch
+    token by token (Phi-3's generate computes the sequence again there), and the loop takes
+    plain steps across the switch. The base drafts for itself: trees accepted whole, reaching
+    the switch from every distance."""
+    import transformers
+
+    from tests.conftest import TINY
+
+    torch.manual_seed(0)
+    rope = {
+        "rope_type": "longrope",
+        "rope_theta": 10000.0,
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0**i for i in range(8)],
+    }
+    name = {"llama": "Llama", "phi3": "Phi3"}[family]
+    switch = {"original_max_position_embeddings": 64} if family == "phi3" else {}  # its own
+    config = getattr(transformers, f"{name}Config")(**TINY, rope_scaling=rope, **switch)
+    config._attn_implementation = "sdpa"
+    base = getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
+    with torch.no_grad():  # sharper attention, so that the factors change the choices
+        for layer in base.model.layers:
+            for proj in ("q_proj", "k_proj", "qkv_proj"):
+                if hasattr(layer.self_attn, proj):
+                    getattr(layer.self_attn, proj).weight.mul_(6)
+    gen = SpeculativeGenerator(base, base, num_tokens=4, adaptive=False)
+    for length in range(56, 66):
+        prompt = torch.randint(3, 256, (1, length), generator=torch.Generator().manual_seed(length))
+        want = base.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
+        got = gen.generate(prompt, max_new_tokens=24, eos_token_id=[])
+        assert torch.equal(got.sequences, want), (family, length)
+        assert max(got.accepted_lengths) == 5  # trees ran and were accepted whole
+    # and the factors matter: 4 tokens over the switch in one forward are not 4 one by one
+    ids = torch.randint(3, 256, (1, 66), generator=torch.Generator().manual_seed(0))
+    logits = []
+    for steps in ([range(62, 66)], [[i] for i in range(62, 66)]):
+        cache = DynamicCache(config=config)
+        base(ids[:, :62], cache=cache)
+        logits.append(torch.cat([base(ids[:, list(s)], cache=cache).logits for s in steps], 1))
+    assert not torch.allclose(*logits, atol=1e-3)
