@@ -81,6 +81,9 @@ class Drafter:
 
     aux_layer_ids: tuple[int, ...] = ()
     max_nodes: int = 1  # the largest tree this drafter proposes (sizing the verify forward)
+    # The longest sequence it drafts for (a draft model's own context); None: any. Past it the
+    # generator takes plain steps, as near the base's context.
+    max_positions: int | None = None
 
     def reset(self) -> None:
         """Forget the previous sequence."""

@@ -375,6 +375,9 @@ class SpeculativeGenerator:
             if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
                 # the tree no longer fits the context but a token does: plain steps to the end
                 options, nodes, arm = None, 1, None
+            limit = self.drafter.max_positions
+            if options is not None and limit is not None and prefix + nodes + 1 > limit:
+                options, nodes, arm = None, 1, None  # past the drafter's context: plain steps
             recompute = bool(rope_switch) and rope_switch[1] and prefix == rope_switch[0]
             if recompute or (rope_switch and prefix < rope_switch[0] <= prefix + nodes - 1):
                 # A tree reaching a longrope base's switch would rotate its first tokens with

@@ -71,6 +71,8 @@ class ModelDrafter(Drafter):
             )
         self.model = model
         self.vocab_size = own if vocab_size is None else vocab_size
+        # positions past its context would index past its position embeddings (GPT-2's)
+        self.max_positions = getattr(model.config, "max_position_embeddings", None)
         if num_tokens is None and choices is None:
             num_tokens = 4
         self.configure(num_tokens, choices)

@@ -53,6 +53,12 @@ class UnionDrafter(Drafter):
         """The root plus every enabled drafter's candidates (before merging shared ones)."""
         return 1 + sum(d.max_nodes - 1 for d, on in zip(self.drafters, self.enabled) if on)
 
+    @property
+    def max_positions(self) -> int | None:
+        """The shortest context of the enabled drafters (a draft model's), or None."""
+        limits = [d.max_positions for d, on in zip(self.drafters, self.enabled) if on]
+        return min((n for n in limits if n is not None), default=None)
+
     def _check_parts(self, parts: Sequence[dict | None]) -> None:
         if len(parts) != len(self.drafters):
             raise ValueError(f"parts has {len(parts)} entries for {len(self.drafters)} drafters")

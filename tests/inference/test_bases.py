@@ -218,3 +218,20 @@ def test_a_longrope_base_decodes_its_greedy_output_across_the_switch(family):
         base(ids[:, :62], cache=cache)
         logits.append(torch.cat([base(ids[:, list(s)], cache=cache).logits for s in steps], 1))
     assert not torch.allclose(*logits, atol=1e-3)
+
+
+def test_a_draft_model_of_a_shorter_context_drafts_within_it():
+    # GPT-2's absolute position embeddings end at n_positions: past it the loop takes plain
+    # steps (and its trees, which need a few positions more, stop a little earlier)
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    base = make_tiny_llama()
+    small = GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    small._attn_implementation = "sdpa"
+    draft = GPT2LMHeadModel(small).eval().requires_grad_(False)
+    prompt = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    want = base.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    for options in ({"num_tokens": 3, "adaptive": False}, {}):
+        got = SpeculativeGenerator(base, draft, **options).generate(prompt, 60, eos_token_id=[])
+        assert torch.equal(got.sequences, want), options
+        assert got.accepted_lengths[-30:] == [1] * 30, options  # plain past position 64
