@@ -224,7 +224,7 @@ def load_base(
     """
     if device_map is not None and device is not None:
         raise ValueError("give device or device_map, not both (device_map places every module)")
-    device = torch.device(device) if device is not None else _default_device()
+    device = usable_device(device) if device is not None else _default_device()
     if isinstance(dtype, str):
         named = None if dtype == "auto" else getattr(torch, dtype, None)
         if dtype != "auto" and not isinstance(named, torch.dtype):
@@ -348,6 +348,28 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     if L >= 3:
         return (L - 3, L - 2, L - 1)
     return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
+
+
+def usable_device(device: str | torch.device) -> torch.device:
+    """`device` as a torch.device, or a ValueError that says why this machine cannot use it (a
+    name torch does not know; CUDA, MPS or XPU where torch sees none, or too few)."""
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise ValueError(
+            f"device={str(device)!r} is no torch device: give 'cpu', 'cuda', 'cuda:1', 'mps', ..."
+        ) from e
+    backend = getattr(torch, device.type, None)
+    available = getattr(backend, "is_available", None)
+    if device.type != "cpu" and callable(available) and not available():
+        raise ValueError(
+            f"device={str(device)!r}, but torch {torch.__version__} sees no {device.type} device "
+            "on this machine: give device='cpu', or install a torch build for it"
+        )
+    count = getattr(backend, "device_count", None)
+    if device.index is not None and callable(count) and device.index >= count():
+        raise ValueError(f"device={str(device)!r}, but torch sees {count()} {device.type} devices")
+    return device
 
 
 def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -158,3 +158,17 @@ def test_an_architecture_without_sdpa_loads_with_eager(tmp_path, smollm2_tokeniz
     with caplog.at_level("WARNING", logger="heads.base"):
         model, _ = load_base(str(tmp_path), device="cpu", attn_implementation="eager")
     assert model.config._attn_implementation == "eager" and "no sdpa" not in caplog.text
+
+
+def test_a_device_this_machine_cannot_use_is_a_clear_error():
+    from heads.base import usable_device
+
+    assert usable_device("cpu") == torch.device("cpu")
+    with pytest.raises(ValueError, match="'foo' is no torch device: give 'cpu', 'cuda'"):
+        load_base("smollm2-135m-instruct", device="foo")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no cuda device on this machine"):
+            load_base("smollm2-135m-instruct", device="cuda")
+    else:
+        with pytest.raises(ValueError, match=r"'cuda:99', but torch sees \d+ cuda devices"):
+            usable_device("cuda:99")
