@@ -322,7 +322,13 @@ def _json_records(path: Path):
         while True:
             while i < len(text) and text[i] in " \t\r\n,":
                 i += 1
-            if i >= len(text) or text[i] == "]":
+            if i >= len(text):  # cut off: records may be missing
+                line = text.count(chr(10)) + 1
+                raise PromptSourceError(f"{path}:{line}: the JSON list has no closing ']'")
+            if text[i] == "]":
+                if text[i + 1 :].strip():
+                    line = text.count(chr(10), 0, i) + 1
+                    raise PromptSourceError(f"{path}:{line}: text after the JSON list's ']'")
                 return
             record, end = decoder.raw_decode(text, i)
             yield f"{path}:{text.count(chr(10), 0, i) + 1}", record

@@ -139,6 +139,13 @@ def test_json_array_records_carry_their_line(tmp_path):
     broken.write_text('[\n {"prompt": "a"},\n {"prompt": \n]')
     with pytest.raises(PromptSourceError, match=re.escape(f"{broken}:4: invalid JSON")):
         read_source(str(broken))
+    cut = tmp_path / "cut.json"  # a copy cut short: its last records are missing
+    cut.write_text('[{"prompt": "a"},\n {"prompt": "b"}')
+    with pytest.raises(PromptSourceError, match=re.escape(f"{cut}:2: the JSON list has no clos")):
+        read_source(str(cut))
+    cut.write_text('[{"prompt": "a"}]\n{"prompt": "b"}')  # a list, then a JSON Lines record
+    with pytest.raises(PromptSourceError, match=re.escape(f"{cut}:1: text after the JSON list")):
+        read_source(str(cut))
     single = tmp_path / "single.json"
     single.write_text('{"prompt": "only"}')
     assert read_source(str(single))[0][0].messages == [{"role": "user", "content": "only"}]
