@@ -117,7 +117,10 @@ class HeadsConfig:
         # Medusa-2 heads are served on their base with an adapter merged, saved under any name:
         # their probe of the adapted weights tells (heads/lora.py)
         merged_elsewhere = bool(getattr(self, "base_lora", ""))
-        if recorded and given and not merged_elsewhere and not same_base(recorded, given):
+        mismatched = recorded and given and not merged_elsewhere and not same_base(recorded, given)
+        # said once per heads and base: load_heads checks, then the generator built on them
+        if mismatched and getattr(self, "_warned_for", None) != given:
+            self._warned_for = given
             warnings.warn(
                 f"these heads were trained on '{recorded}' and the given base is '{given}', of the "
                 "same sizes: heads seldom draft well for another model (the output stays the "

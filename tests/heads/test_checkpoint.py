@@ -393,4 +393,10 @@ def test_heads_for_another_base_of_the_same_sizes_are_warned_about(
             load_heads(tmp_path, base=tiny_llama)
     monkeypatch.setattr(tiny_llama.config, "name_or_path", "tiny-llama-0-base")
     with pytest.warns(UserWarning, match="trained on 'tiny-llama-0' and the given base is 'tiny"):
-        load_heads(tmp_path, base=tiny_llama)
+        heads = load_heads(tmp_path, base=tiny_llama)
+    from inference import SpeculativeGenerator
+
+    with warnings.catch_warnings(record=True) as caught:  # said once, not again by the generator
+        warnings.simplefilter("always")
+        SpeculativeGenerator(tiny_llama, heads)
+    assert not [w for w in caught if "trained on 'tiny-llama-0'" in str(w.message)]
