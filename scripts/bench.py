@@ -256,7 +256,8 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
         "seconds_runs": seconds,
         "tokens_per_s": new / median if median > 0 else None,
         "tau": 1.0 if method.kind == "baseline" else None,
-        "steps": new if method.kind == "baseline" else None,
+        # the prefill's token is no verify step, as in the accepted lengths of ours
+        "steps": float(max(new - 1, 0)) if method.kind == "baseline" else None,
         "speedup": 1.0,
         "identical": True if method.greedy else None,
         "other_share": None,
@@ -355,6 +356,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--device", default=None, help="default: cuda when available, else cpu")
     add(
         "--dtype",
+        choices=("auto", "float32", "bfloat16", "float16"),
         default="auto",
         help="base and draft model dtype (heads follow the base): float32, bfloat16, float16 or "
         "auto (fp32 on a CPU, bf16 on a GPU); greedy outputs are identical to HF's in fp32",
@@ -372,6 +374,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--exclude takes distilled prompts out of a prompt source, not humaneval")
     if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
         parser.error("--max-new-tokens, --runs, --limit and --per-category must be >= 1")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1 (leave it out for torch's default)")
     if args.temperature < 0 or not 0 < args.top_p <= 1:
         parser.error("need --temperature >= 0 (0: greedy) and 0 < --top-p <= 1")
     sizes = (args.lookup_tokens, args.eagle_top_k, args.eagle_total_tokens)
@@ -410,9 +414,15 @@ def main(argv: list[str] | None = None) -> int:
         first_turns = [first_turn_ids(p, tokenizer) for p in prompts]
         fitting = [p for p, ids in zip(prompts, first_turns) if ids.shape[1] <= room]
         if not fitting:
+            context, shortest = room + args.max_new_tokens, min(i.shape[1] for i in first_turns)
+            if shortest >= context:
+                raise BenchError(
+                    f"every prompt is longer than the base's context ({context} positions; the "
+                    f"shortest has {shortest} tokens): give shorter prompts"
+                )
             raise BenchError(
-                "every prompt passes the base's context with --max-new-tokens "
-                f"{args.max_new_tokens}; lower it"
+                f"every prompt passes the base's context ({context} positions) with "
+                f"--max-new-tokens {args.max_new_tokens}: give at most {context - shortest}"
             )
         _warm_up(fitting[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:

@@ -195,7 +195,23 @@ def build_methods(names: list[str], args: argparse.Namespace):
             methods.append(
                 Method(name, name, run, device, greedy, options, depth, args.draft_model)
             )
+    _say_unused_tree_options(args, {m.kind for m in methods})
     return base, tokenizer, methods
+
+
+def _say_unused_tree_options(args: argparse.Namespace, kinds: set[str]) -> None:
+    """Say on stderr which tree options no method of this run reads (they change nothing)."""
+    unused = []
+    if args.tree is not None and not any(k.startswith("medusa") for k in kinds):
+        unused.append("--tree (Medusa heads)")
+    if _eagle_options(args) and not any(k.startswith("eagle") for k in kinds):
+        unused.append("--eagle-* (EAGLE heads)")
+    if unused:
+        print(
+            f"bench: {' and '.join(unused)} ignored: no method of this run drafts with those "
+            "heads (--methods, --heads)",
+            file=sys.stderr,
+        )
 
 
 def _heads_method(
@@ -226,8 +242,9 @@ def _heads_method(
             gen = SpeculativeGenerator(base, heads)
             options = {"tree": "adaptive", "arms": gen.arms}
         else:
+            choices = _tree_choices(args.tree)  # its own message for JSON that does not parse
             try:
-                gen = SpeculativeGenerator(base, heads, choices=_tree_choices(args.tree))
+                gen = SpeculativeGenerator(base, heads, choices=choices)
             except ValueError as e:
                 raise BenchError(f"--tree for {folder}: {e}") from e
             tree = gen.drafter.tree

@@ -400,12 +400,17 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
     # the tiny base has 2048 positions: 2030 new tokens leave room for no chat-templated prompt
     assert bench.main([*argv, "--max-new-tokens", "2030", "--out", str(out)]) == 2
     printed = capsys.readouterr()
-    assert "bench failed: every prompt passes the base's context" in printed.err
+    assert "bench failed: every prompt passes the base's context (2048 positions)" in printed.err
+    assert "with --max-new-tokens 2030: give at most 20" in printed.err  # 2048 - its 28 tokens
     assert not (out / "results.json").exists()
     # a first prompt past the context is skipped, warm-up and all: the next is benchmarked
     long = _jsonl(tmp_path / "long.jsonl", [{"turns": ["word " * 2100]}, MT_BENCH[0]])
     argv_long = ["--base", str(folders["base"]), "--prompts", str(long), "--threads", "1"]
     short = ["--max-new-tokens", "4", "--methods", "baseline,ngram", "--out", str(out)]
+    longest = _jsonl(tmp_path / "longest.jsonl", [{"turns": ["word " * 2100]}])
+    alone = ["--base", str(folders["base"]), "--prompts", str(longest), "--threads", "1"]
+    assert bench.main([*alone, *short]) == 2  # no --max-new-tokens would do
+    assert "every prompt is longer than the base's context (2048" in capsys.readouterr().err
     assert bench.main([*argv_long, *short]) == 0
     assert "turn 1: skipped" in capsys.readouterr().err
     results = json.loads((out / "results.json").read_text())
@@ -420,10 +425,16 @@ def test_turns_past_the_context_are_skipped_and_bad_flags_refused(folders, tmp_p
     assert json.loads((tmp_path / "arms" / "arms.json").read_text())["prompts"]["count"] == 1
     assert bench_arms.main([*argv, *arms, "--max-new-tokens", "2030"]) == 2
     assert "every prompt passes the base's context" in capsys.readouterr().err
+    # tree options no method reads change nothing, and are said to
+    quick = ["--max-new-tokens", "4", "--methods", "baseline", "--out", str(out)]
+    assert bench.main([*argv, *quick, "--tree", "cpu-8", "--eagle-top-k", "2"]) == 0
+    assert "--tree (Medusa heads) and --eagle-* (EAGLE heads) ignored" in capsys.readouterr().err
     for bad, message in (
         (["--temperature", "-1"], "need --temperature >= 0"),
         (["--top-p", "0"], "0 < --top-p <= 1"),
         (["--lookup-tokens", "0"], "--lookup-tokens, --eagle-top-k and --eagle-total-tokens"),
+        (["--dtype", "float64"], "invalid choice: 'float64'"),
+        (["--threads", "0"], "--threads must be >= 1"),
     ):
         with pytest.raises(SystemExit) as stop:
             bench.main([*argv, *bad])

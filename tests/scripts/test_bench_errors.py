@@ -24,7 +24,8 @@ from tests.scripts.test_bench import SHAREGPT, _jsonl, bench
         ("corpus-without-answers", "--lookup-corpus: no assistant turns"),
         ("corpus-too-small", "no context seen 2+ times: give it more answers"),
         ("corpus-without-method", "--lookup-corpus given but none of"),
-        ("bad-dtype", "dtype='float33' is no torch dtype"),
+        ("bad-device", "device='foo' is no torch device"),
+        ("tree-malformed", "bench failed: --tree: not a JSON list of choices"),
     ],
 )
 def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, message):
@@ -46,7 +47,8 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, mes
         "corpus-without-answers": ["--methods", "ngram+corpus", "--lookup-corpus", str(prompts)],
         "corpus-too-small": ["--methods", "ngram+corpus", "--lookup-corpus", str(one_answer)],
         "corpus-without-method": ["--methods", "ngram", "--lookup-corpus", str(one_answer)],
-        "bad-dtype": ["--dtype", "float33"],
+        "bad-device": ["--device", "foo"],
+        "tree-malformed": ["--heads", str(folders["medusa"]), "--tree", "[[0],"],
     }[case]
     if case == "malformed":
         prompts.write_text(prompts.read_text() + '{"prompt": "unfinished\n')

@@ -42,6 +42,8 @@ def test_every_timed_run_is_checked_and_pooled(smollm2_tokenizer):
     assert by_name["parting"]["identical"] is False
     assert by_name["parting"]["tau"] == 8 / 5 and by_name["parting"]["steps"] == 2.5
     assert by_name["parting"]["accepted_lengths"] == {"1": 4, "4": 1}
+    # HF's 4 tokens: the prefill's, then 3 steps of one (the prefill's is no verify step)
+    assert by_name["baseline"]["steps"] == 3.0 and by_name["baseline"]["tau"] == 1.0
 
 
 def test_an_identical_share_below_one_never_reads_100():
