@@ -23,6 +23,16 @@ TINY = dict(
 )
 
 
+def user_prompt_ids(tokenizer, text: str) -> torch.Tensor:
+    """(1, T) ids of one user turn in the tokenizer's chat template, ready for the answer."""
+    return tokenizer.apply_chat_template(
+        [{"role": "user", "content": text}],
+        add_generation_prompt=True,
+        return_tensors="pt",
+        return_dict=True,
+    )["input_ids"]
+
+
 def make_tiny_llama(seed: int = 0, attn: str = "sdpa", **overrides) -> LlamaForCausalLM:
     """A frozen random Llama in fp32; `overrides` change TINY's fields."""
     torch.manual_seed(seed)

@@ -7,6 +7,7 @@ import torch
 import heads.base as base_module
 from heads import load_base
 from heads.cpu import PackedLinear, can_prepack
+from tests.conftest import user_prompt_ids
 
 
 @pytest.mark.slow
@@ -20,12 +21,7 @@ def test_embedded_model_loads_generates_and_caches(smollm2, monkeypatch):
     assert isinstance(model.lm_head, PackedLinear) == can_prepack()
     assert model.lm_head.weight is model.get_input_embeddings().weight
     assert tokenizer.chat_template
-    ids = tokenizer.apply_chat_template(
-        [{"role": "user", "content": "Name a colour."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    ids = user_prompt_ids(tokenizer, "Name a colour.")
     out = model.generate(ids, max_new_tokens=8, do_sample=False)
     assert out.shape[1] == ids.shape[1] + 8 or tokenizer.eos_token_id in out[0, ids.shape[1] :]
     assert tokenizer.decode(out[0, ids.shape[1] :]).strip()

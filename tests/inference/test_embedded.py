@@ -6,6 +6,7 @@ import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from inference import SpeculativeGenerator
+from tests.conftest import user_prompt_ids
 
 PROMPTS = ["Write a short poem about the sea.", "Explain what a hash table is, step by step."]
 
@@ -29,12 +30,7 @@ def test_greedy_identical_on_smollm2(smollm2):
         ),
     }
     for prompt in PROMPTS:
-        ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt}],
-            add_generation_prompt=True,
-            return_tensors="pt",
-            return_dict=True,
-        )["input_ids"]
+        ids = user_prompt_ids(tokenizer, prompt)
         ref = base.generate(ids, max_new_tokens=64, do_sample=False)
         for name, (heads, options) in drafters.items():
             out = SpeculativeGenerator(base, heads, **options).generate(ids, max_new_tokens=64)
@@ -46,17 +42,9 @@ def test_a_stop_string_ending_in_a_character_of_several_tokens(smollm2):
     """An emoji's UTF-8 bytes come in several byte-level tokens, the text decoding to U+FFFD
     until the last: the token that completes it stops generation, as in HF `generate`."""
     base, tokenizer = smollm2
-    ids = tokenizer.apply_chat_template(
-        [
-            {
-                "role": "user",
-                "content": "Write three emojis about rain and a French sentence with accents.",
-            }
-        ],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    ids = user_prompt_ids(
+        tokenizer, "Write three emojis about rain and a French sentence with accents."
+    )
     n = ids.shape[1]
     answer = base.generate(ids, max_new_tokens=24, do_sample=False)[0, n:].tolist()
     text = tokenizer.decode(answer)

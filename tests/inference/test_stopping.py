@@ -4,7 +4,7 @@ one beginning in the prompt too), max_new_tokens, streaming."""
 import torch
 
 from inference import SpeculativeGenerator
-from tests.conftest import make_tiny_llama
+from tests.conftest import make_tiny_llama, user_prompt_ids
 
 
 def test_eos_stop_strings_streaming_and_stats():
@@ -48,12 +48,7 @@ def test_stop_strings_as_hf_reads_them(smollm2_tokenizer):
     tok = smollm2_tokenizer
     base = make_tiny_llama(vocab_size=len(tok), max_position_embeddings=512)
     base.generation_config.eos_token_id = None
-    prompt = tok.apply_chat_template(
-        [{"role": "user", "content": "Write a haiku about rain."}],
-        add_generation_prompt=True,
-        return_tensors="pt",
-        return_dict=True,
-    )["input_ids"]
+    prompt = user_prompt_ids(tok, "Write a haiku about rain.")
     n = prompt.shape[1]
     plain = base.generate(prompt, max_new_tokens=12, do_sample=False)[0, n:].tolist()
     prompt_text, answer = tok.decode(prompt[0]), tok.decode(plain)
