@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import numbers
+import warnings
 from collections.abc import Sequence
 
 import torch
@@ -66,3 +67,20 @@ def eos_ids(base, eos_token_id) -> set[int]:
     if isinstance(eos_token_id, (set, frozenset)):
         eos_token_id = sorted(eos_token_id)
     return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}
+
+
+def warn_pad_in_prompt(base, ids: torch.Tensor, attention_mask, eos: set[int]) -> None:
+    """HF `generate`, given no attention_mask, masks the pad token wherever the prompt holds it
+    (unless it is an EOS token); the generator attends to every token it is given: say so."""
+    gen_cfg = getattr(base, "generation_config", None)
+    pad = getattr(gen_cfg if gen_cfg is not None else base.config, "pad_token_id", None)
+    if attention_mask is not None or not isinstance(pad, int) or pad in eos:
+        return
+    where = (ids == pad).nonzero().flatten().tolist()
+    if where:
+        warnings.warn(
+            f"the prompt holds the pad token ({pad}) at positions {where[:8]}: the generator "
+            "reads them as tokens, where HF generate without an attention_mask would mask them; "
+            "leave the padding out of the prompt",
+            stacklevel=4,
+        )

@@ -35,7 +35,7 @@ from inference.acceptance import (
     warp_probs,
 )
 from inference.adaptive import AdaptivePolicy, check_arms
-from inference.arguments import check_generation_arguments, eos_ids
+from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
 from inference.base_checks import (
     base_logits,
     check_base_takes_trees,
@@ -291,6 +291,7 @@ class SpeculativeGenerator:
         device = self._device
         ids = ids.to(device)
         eos = eos_ids(self.base, eos_token_id)
+        warn_pad_in_prompt(self.base, ids, attention_mask, eos)
         generator = None
         if seed is not None:
             generator = torch.Generator(device=device).manual_seed(seed)

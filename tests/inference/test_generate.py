@@ -375,6 +375,15 @@ def test_a_tokenizers_output_unpacks_into_generate():
     assert one.num_steps == 0 and one.mean_accepted_length == 1.0
     with pytest.raises(ValueError, match=r"must be \(1, T\) or \(T,\), got shape \(1, 1, 7\)"):
         next(gen.stream(ids[None]))
+    # the pad token in a prompt given without a mask: HF masks it, the generator reads it
+    holed = ids.clone()
+    holed[0, 3] = base.generation_config.pad_token_id
+    with pytest.warns(UserWarning, match=r"holds the pad token \(0\) at positions \[3\]"):
+        gen.generate(holed, max_new_tokens=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        gen.generate(holed, max_new_tokens=2, attention_mask=torch.ones_like(holed))
+        gen.generate(holed, max_new_tokens=2, eos_token_id=[0, 2])  # HF infers no mask then
 
 
 def test_eagle3_reads_the_states_entering_its_aux_layers_and_keeps_no_others():
