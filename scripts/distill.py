@@ -44,7 +44,7 @@ from train.answering import (
     use_vllm,
     vllm_generator,
 )
-from train.config import Recipe, RecipeError, load_recipe, recipe_to_dict
+from train.config import Recipe, RecipeError, check_writable, load_recipe, recipe_to_dict
 from train.data import (
     ChatTemplateError,
     render_conversation,
@@ -228,6 +228,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     state = PartialState(cpu=not torch.cuda.is_available(), timeout=WAIT_FOR_OTHERS)
     data = recipe.data
     out_dir = Path(data.output_dir)
+    check_writable("data.output_dir", out_dir)
     settings = generation_settings(recipe)
     recorded = recorded_settings(out_dir)
     if recorded and "order" not in recorded:
@@ -379,6 +380,7 @@ def main(argv: list[str] | None = None) -> int:
         ChatTemplateError,
         DistillError,
         FileNotFoundError,  # also a base folder or Hub id that is not there
+        PermissionError,  # a folder made unwritable while it runs
     ) as e:
         print(f"distill failed: {e}", file=sys.stderr)
         return 2

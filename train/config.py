@@ -10,6 +10,7 @@ the expected type.
 from __future__ import annotations
 
 import dataclasses
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -276,6 +277,18 @@ def refuse_file(key: str, folder: str) -> None:
     """An output folder of the recipe must not be an existing file (checked before any work)."""
     if Path(folder).is_file():
         raise RecipeError(f"'{key}' is {folder}, a file: give a folder (new or of an earlier run)")
+
+
+def check_writable(key: str, folder: str | Path) -> None:
+    """A folder the run writes must be one this user can make or write: said before the base
+    and the data load, not in a traceback after."""
+    path = Path(folder).absolute()
+    existing = next(p for p in (path, *path.parents) if p.exists())
+    if not os.access(existing, os.W_OK | os.X_OK):
+        raise RecipeError(
+            f"'{key}' is {folder}, but {existing} is not writable by this user: give a folder "
+            "you can write"
+        )
 
 
 def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] = ()) -> Recipe:

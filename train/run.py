@@ -38,7 +38,7 @@ from train.checkpoint import (
     examples_fingerprint,
     resolve_resume,
 )
-from train.config import Recipe, load_recipe, save_recipe
+from train.config import Recipe, check_writable, load_recipe, save_recipe
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
@@ -104,6 +104,7 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     """The checkpoint this run continues (`training.resume`), checked against the recipe before
     any work: another base, heads, data or batch order exits with the difference."""
     with stop_on_bad_input():
+        check_writable("output.dir", recipe.output.dir)
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)

@@ -147,3 +147,29 @@ def test_ctrl_c_says_what_is_kept_and_how_to_go_on(monkeypatch, capsys):
     monkeypatch.setattr(distill, "distill", interrupted)
     assert distill.main([str(TINY_MEDUSA)]) == 130
     assert "the records written are kept" in capsys.readouterr().err
+
+
+def test_an_output_folder_this_user_cannot_write_is_refused_before_the_base(
+    tiny_task, tmp_path, capsys, monkeypatch
+):
+    """A folder under one the user may not write (root reads every permission as granted, so
+    os.access answers as it would for another user): said before any loading, exit 2."""
+    import os
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import distill
+
+    locked = tmp_path / "locked"
+    locked.mkdir()
+    access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode: access(p, mode) and p != locked)
+    monkeypatch.setattr(train.medusa, "load_frozen_base", None)  # never reached
+    with pytest.raises(SystemExit) as exit_:
+        run(train.medusa, TINY_MEDUSA, tiny_task, locked / "out")
+    assert exit_.value.code == 2
+    assert f"is {locked}/out, but {locked} is not writable by this user" in capsys.readouterr().err
+    argv = [str(TINY_MEDUSA), f"data.output_dir={locked}/answers"]
+    assert distill.main(argv) == 2
+    assert f"is {locked}/answers, but {locked} is not writable" in capsys.readouterr().err
