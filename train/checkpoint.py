@@ -105,9 +105,27 @@ def save_checkpoint(
     return final
 
 
-def load_checkpoint(accelerator, path: Path) -> dict:
-    """Restore accelerate's state from `path`; returns its trainer state."""
+def load_checkpoint(accelerator, path: Path, optimizer=None, scheduler=None) -> dict:
+    """Restore accelerate's state from `path`; returns its trainer state.
+
+    The optimizer's saved state brings back its learning rates and weight decay, and the
+    scheduler's its base rates: the recipe's, which may change between a run and its
+    resumption (they are not in `RESUME_FIXED`), are put back over them, each group's rate as the schedule
+    (stretched to a new length, or not) gives it at the step resumed. Otherwise a new learning
+    rate would be recorded in the run's recipe but never used, and a finished run given more
+    steps would take its first one at the old schedule's end value.
+    """
+    groups = optimizer.param_groups if optimizer is not None else []
+    recipe = [(g.get("initial_lr", g["lr"]), g["weight_decay"]) for g in groups]  # as built
     accelerator.load_state(str(path))
+    inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds it
+    lambdas = getattr(inner, "lr_lambdas", None)
+    if groups and lambdas is not None:
+        for group, (lr, decay), factor in zip(groups, recipe, lambdas):
+            group["initial_lr"], group["weight_decay"] = lr, decay
+            group["lr"] = lr * factor(inner.last_epoch)
+        inner.base_lrs = [lr for lr, _ in recipe]
+        inner._last_lr = [group["lr"] for group in groups]  # get_last_lr(): this step's rate
     return json.loads((path / STATE_NAME).read_text())
 
 
@@ -280,14 +298,36 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 
 
 def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
-    """Stop on a NaN / infinite loss, naming the last good checkpoint (which is kept)."""
+    """Stop on a NaN / infinite loss, naming the checkpoint to go on from (which is kept).
+
+    A loss is checked before its update, so no checkpoint holds a NaN; but one saved just
+    before the step that diverged holds the weights that step started from, which may be what
+    diverged (a learning rate far too high leaves them huge, not NaN): then the one before it
+    is named too, or a fresh start.
+    """
     if math.isfinite(loss):
         return
-    last = latest_checkpoint(output_dir)
-    kept = f"the last good checkpoint is {last}" if last else "no checkpoint was written yet"
+    done = sorted(
+        (p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()),
+        key=checkpoint_step,
+    )
+    if not done:
+        then = "rerun (no checkpoint was written yet)"
+    else:
+        then = f"rerun: resume=auto goes on from the last checkpoint, {done[-1]}"
+        if checkpoint_step(done[-1]) == step - 1:  # the weights this step started from
+            earlier = (
+                f"training.resume={done[-2]}, the one before"
+                if len(done) > 1
+                else "training.resume=never, afresh"
+            )
+            then += (
+                f" (the weights step {step} started from: should they diverge again, rerun with "
+                f"{earlier})"
+            )
     raise TrainingDiverged(
-        f"loss is {loss} at step {step}; training stopped ({kept}). Lower training.learning_rate "
-        "or raise training.warmup_steps, then rerun: resume=auto continues from that checkpoint."
+        f"loss is {loss} at step {step}; training stopped. Lower training.learning_rate or raise "
+        f"training.warmup_steps (a resumed run takes the new values), then {then}."
     )
 
 

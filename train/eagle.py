@@ -281,7 +281,7 @@ def training_function(recipe: Recipe) -> dict:
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
     step, epoch, skip, best = 0, 0, 0, {}
     if ckpt is not None:
-        state = load_checkpoint(accelerator, ckpt)
+        state = load_checkpoint(accelerator, ckpt, optimizer, scheduler)
         step, epoch, skip, best = (
             state["step"],
             state["epoch"],

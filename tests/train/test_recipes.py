@@ -413,6 +413,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(
     err = capsys.readouterr().err  # the message, without a traceback
     last_good = out / "checkpoints" / "step-00000002"
     assert "error: loss is nan at step 3" in err and str(last_good) in err
+    # step 2's weights are those step 3 started from: the checkpoint before is named too
+    assert f"rerun with training.resume={out / 'checkpoints' / 'step-00000001'}, the one" in err
     assert (last_good / "trainer_state.json").is_file()
     assert not (out / "checkpoints" / "step-00000003").exists() and not (out / "heads").exists()
 

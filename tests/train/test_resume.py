@@ -341,3 +341,22 @@ def test_the_draft_vocabulary_is_written_whole_and_a_damaged_one_named(tmp_path)
     path.write_bytes(path.read_bytes()[:20])  # as a kill mid-write left it before
     with pytest.raises(ValueError, match="draft_vocab.safetensors cannot be read.*delete it"):
         draft_vocabulary(tmp_path, examples, 2, 16)
+
+
+@pytest.mark.slow
+def test_a_resumed_run_takes_the_recipes_learning_rate_on_its_stretched_schedule(
+    tiny_task, tmp_path
+):
+    """A finished 4-step run given 6 steps and another learning rate: its steps 5 and 6 run at
+    the rates a 6-step run of that rate has there (the optimizer's saved state brought back the
+    old rate, and the old schedule's end value, 0, for step 5)."""
+    out, reference = tmp_path / "out", tmp_path / "reference"
+    run(train.medusa, TINY_MEDUSA, tiny_task, out)
+    longer = ("training.max_steps=6", "training.learning_rate=0.01")
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *longer)
+    run(train.medusa, TINY_MEDUSA, tiny_task, reference, *longer)
+    got, want = read_metrics(out)[0], read_metrics(reference)[0]
+    assert sorted(got) == [1, 2, 3, 4, 5, 6]
+    assert got[5]["lr"] > 0
+    for step in (5, 6):
+        assert got[step]["lr"] == pytest.approx(want[step]["lr"], rel=1e-9), step
