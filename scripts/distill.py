@@ -66,6 +66,7 @@ from train.distilled import (
     template_sha1,
     write_atomic,
 )
+from train.lock import lock_output, release_output_locks
 from train.precision import answering_dtype
 from train.prompts import (
     PROMPT_ORDER,
@@ -229,6 +230,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     data = recipe.data
     out_dir = Path(data.output_dir)
     check_writable("data.output_dir", out_dir)
+    if state.is_main_process:  # the other processes write their shards beside it
+        lock_output("data.output_dir", out_dir)
     settings = generation_settings(recipe)
     recorded = recorded_settings(out_dir)
     if recorded and "order" not in recorded:
@@ -270,6 +273,8 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     sha1 = template_sha1(template)
     check_template(out_dir, sha1)
     out_dir.mkdir(parents=True, exist_ok=True)
+    if state.is_main_process:  # made now, if it was not: this run's
+        lock_output("data.output_dir", out_dir)
     done = read_done_ids(out_dir)
     recorded = recorded_manifest(out_dir) if done else {}
     # Both backends' answers, or two dtypes' (model.dtype "auto" resolves per machine: bf16 on
@@ -391,6 +396,8 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 130
+    finally:
+        release_output_locks()
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]
         print(

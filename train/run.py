@@ -47,6 +47,7 @@ from train.features import (
     precompute_features,
     split_held_out,
 )
+from train.lock import lock_output, release_output_locks
 from train.losses import ratio_means
 from train.precision import resolve_mixed_precision, training_base_dtype
 
@@ -79,6 +80,8 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
                 file=sys.stderr,
             )
         raise SystemExit(130) from None
+    finally:
+        release_output_locks()
 
 
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
@@ -105,6 +108,8 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     any work: another base, heads, data or batch order exits with the difference."""
     with stop_on_bad_input():
         check_writable("output.dir", recipe.output.dir)
+        if accelerator.is_main_process:  # its workers write beside it
+            lock_output("output.dir", recipe.output.dir)
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
@@ -346,6 +351,7 @@ class MetricsLog:
         self.path = Path(recipe.output.dir) / "metrics.jsonl"
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
+            lock_output("output.dir", self.path.parent)  # made now, if it was not: this run's
             if self.path.is_file():
                 # Lines past `start_step` come from a run killed after its last checkpoint: this
                 # run logs those steps again. A fresh run (start_step 0) starts a new file.

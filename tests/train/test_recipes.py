@@ -39,8 +39,10 @@ from tests.train.conftest import (
 from train.config import load_recipe
 
 HEADS_FILES = {"config.json", "model.safetensors", "README.md", "training_metrics.json"}
-# A run's output folder when the recipe sets heads.draft_vocab_size.
+# A run's output folder when the recipe sets heads.draft_vocab_size (.headstart.lock: one run
+# at a time in the folder, train/lock.py).
 RUN_FILES = {"heads", "checkpoints", "metrics.jsonl", "recipe.yaml", "draft_vocab.safetensors"}
+RUN_FILES |= {".headstart.lock"}
 CHECKPOINT_FILES = {
     "model.safetensors",  # the trainee's state dict: heads (and LoRA) only, never the base
     "optimizer.bin",
@@ -220,12 +222,7 @@ def test_eagle1_run(tiny_task, tmp_path, capsys):
     out = tmp_path / "out"
     base = run(train.eagle, TINY_EAGLE, tiny_task, out, "heads.version=1", "training.max_steps=3")
     # EAGLE-1 predicts over the base's own lm_head: no draft vocabulary file.
-    assert {p.name for p in out.iterdir()} == {
-        "heads",
-        "checkpoints",
-        "metrics.jsonl",
-        "recipe.yaml",
-    }
+    assert {p.name for p in out.iterdir()} == RUN_FILES - {"draft_vocab.safetensors"}
     assert {p.name for p in (out / "heads").iterdir()} == HEADS_FILES
     draft = load_heads(out / "heads", base=load_tiny_base(tiny_task))
     assert isinstance(draft, EagleDraft) and draft.config.version == 1

@@ -1,0 +1,62 @@
+"""One run at a time in an output folder (train/lock.py): a second run on a folder that a live
+run holds is refused before any work, and a killed run leaves no lock behind."""
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import train.medusa
+from tests.train.conftest import TINY_MEDUSA, run
+from train.lock import LOCK_NAME, lock_output, release_output_locks
+from train.typed_config import RecipeError
+
+ROOT = Path(__file__).parents[2]
+
+HOLD = """
+import sys, time
+from train.lock import lock_output
+lock_output("output.dir", sys.argv[1])
+print("held", flush=True)
+time.sleep(120)
+"""
+
+
+def hold_lock(folder: Path) -> subprocess.Popen:
+    """Another process holding `folder`'s lock, as a run in progress does."""
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLD, str(folder)], cwd=ROOT, stdout=subprocess.PIPE, text=True
+    )
+    assert holder.stdout.readline().strip() == "held"
+    return holder
+
+
+def test_a_folder_another_run_writes_is_refused_and_freed_when_it_dies(tiny_task, tmp_path, capsys):
+    out = tmp_path / "out"
+    lock_output("output.dir", out)  # not made yet: no live run's, and not made for it
+    assert not out.exists()
+    out.mkdir()
+    holder = hold_lock(out)
+    try:
+        with pytest.raises(RecipeError, match=rf"'output.dir' is {out}, which another run is wr"):
+            lock_output("output.dir", out)
+        assert f"pid {holder.pid} on " in (out / LOCK_NAME).read_text()
+        with pytest.raises(SystemExit) as exit_:  # the training script, before the base loads
+            run(train.medusa, TINY_MEDUSA, tiny_task, out)
+        assert exit_.value.code == 2
+        assert f"(pid {holder.pid} on " in capsys.readouterr().err
+        sys.path.insert(0, str(ROOT / "scripts"))
+        import distill
+
+        assert distill.main([str(TINY_MEDUSA), f"data.output_dir={out}"]) == 2
+        assert "which another run is writing now" in capsys.readouterr().err
+    finally:
+        holder.kill()  # as a kill ends a run: the OS drops its lock
+        holder.wait()
+    lock_output("output.dir", out)  # free now; taking it again in this process is a no-op
+    lock_output("output.dir", out)
+    release_output_locks()
+    holder = hold_lock(out)  # released: another process takes it
+    holder.kill()
+    holder.wait()

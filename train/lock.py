@@ -1,0 +1,58 @@
+"""One run at a time in an output folder.
+
+A second run started on a folder that a live run writes (the command rerun while the first
+still runs, or the workers a killed `accelerate launch` left behind) would interleave their
+checkpoints, answer shards and metrics. The main process of a run holds an OS file lock
+(`flock`) on `FOLDER/.headstart.lock` while it works; the OS releases it however the process
+ends, so a kill leaves no stale lock behind. Where the platform or the filesystem has no
+`flock`, nothing is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+from pathlib import Path
+
+from train.typed_config import RecipeError
+
+LOCK_NAME = ".headstart.lock"
+_held: dict[str, int] = {}  # resolved folder -> the descriptor holding its lock
+
+
+def lock_output(key: str, folder: str | Path) -> None:
+    """Take `folder`'s lock for this process, or a RecipeError naming the run that holds it.
+    A folder not made yet is no live run's (nothing is made for it: bad input found later
+    leaves nothing behind); a run takes the lock again once it has made the folder. Taking a
+    lock this process holds already does nothing."""
+    try:
+        import fcntl
+    except ImportError:  # Windows
+        return
+    path = Path(folder)
+    real = str(path.resolve())
+    if real in _held or not path.is_dir():
+        return
+    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
+        os.close(fd)
+        raise RecipeError(
+            f"'{key}' is {folder}, which another run is writing now ({holder}): wait for it "
+            "to end or stop it, or give another folder"
+        ) from None
+    except OSError:  # a filesystem without flock (some network ones): not checked
+        os.close(fd)
+        return
+    os.ftruncate(fd, 0)
+    os.write(fd, f"pid {os.getpid()} on {socket.gethostname()}".encode())
+    _held[real] = fd
+
+
+def release_output_locks() -> None:
+    """Release every lock this process holds (a run's end; tests run several in one process)."""
+    while _held:
+        _, fd = _held.popitem()
+        os.close(fd)  # closing the descriptor releases its flock
