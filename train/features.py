@@ -17,6 +17,7 @@ from pathlib import Path
 
 import torch
 import torch.nn.functional as F
+from accelerate import PartialState
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
@@ -38,7 +39,8 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             f"{recipe.data.output_dir}: its .jsonl shards hold no answers; run scripts/distill.py "
             "with this recipe (it resumes a killed run) or point data.output_dir at its answers"
         )
-    if notes := distilled_otherwise(recipe.data.output_dir, recipe, tokenizer):
+    said = PartialState().is_main_process  # notes once, not once per process
+    if said and (notes := distilled_otherwise(recipe.data.output_dir, recipe, tokenizer)):
         # Heads learn to draft what the base wrote under that template: allowed (data from
         # elsewhere is a choice), but said, since it is mostly a recipe mix-up.
         warnings.warn(
@@ -47,7 +49,7 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             "and data.system_prompt as distill had them, unless this is meant.",
             stacklevel=2,
         )
-    if keys := selected_otherwise(recipe.data.output_dir, recipe):
+    if said and (keys := selected_otherwise(recipe.data.output_dir, recipe)):
         print(
             f"note: training reads all {len(records)} conversations in {recipe.data.output_dir}; "
             f"{', '.join(keys)} choose what scripts/distill.py answers, not what training reads "
