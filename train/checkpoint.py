@@ -109,23 +109,25 @@ def load_checkpoint(accelerator, path: Path, optimizer=None, scheduler=None) -> 
     """Restore accelerate's state from `path`; returns its trainer state.
 
     The optimizer's saved state brings back its learning rates and weight decay, and the
-    scheduler's its base rates: the recipe's, which may change between a run and its
-    resumption (they are not in `RESUME_FIXED`), are put back over them, each group's rate as the schedule
-    (stretched to a new length, or not) gives it at the step resumed. Otherwise a new learning
-    rate would be recorded in the run's recipe but never used, and a finished run given more
-    steps would take its first one at the old schedule's end value.
+    scheduler's its base rates. The recipe's, which may change between a run and its
+    resumption (they are not in `RESUME_FIXED`), are put back over them: each group's rate as
+    the schedule (stretched to a new length, or not) gives it at the step resumed. Otherwise a
+    new learning rate would be recorded in the run's recipe but never used, and a finished run
+    given more steps would take its first one at the old schedule's end value.
     """
-    groups = optimizer.param_groups if optimizer is not None else []
-    recipe = [(g.get("initial_lr", g["lr"]), g["weight_decay"]) for g in groups]  # as built
+    built = optimizer.param_groups if optimizer is not None else []
+    recipe = [(g.get("initial_lr", g["lr"]), g["weight_decay"]) for g in built]
     accelerator.load_state(str(path))
     inner = getattr(scheduler, "scheduler", scheduler)  # accelerate's wrapper holds it
-    lambdas = getattr(inner, "lr_lambdas", None)
-    if groups and lambdas is not None:
+    lambdas = getattr(inner, "lr_lambdas", None)  # None: DeepSpeed's own scheduler
+    if recipe and lambdas is not None:
+        groups = optimizer.param_groups  # loading the state replaced the group dicts
         for group, (lr, decay), factor in zip(groups, recipe, lambdas):
             group["initial_lr"], group["weight_decay"] = lr, decay
             group["lr"] = lr * factor(inner.last_epoch)
         inner.base_lrs = [lr for lr, _ in recipe]
-        inner._last_lr = [group["lr"] for group in groups]  # get_last_lr(): this step's rate
+        # get_last_lr(), which the log reads: this step's rate, as scheduler.step() sets it
+        inner._last_lr = [group["lr"] for group in groups]
     return json.loads((path / STATE_NAME).read_text())
 
 

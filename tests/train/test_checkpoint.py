@@ -1,6 +1,7 @@
 """Resume's check of a checkpoint against the recipe (the runs themselves: test_recipes.py)."""
 
 import json
+import math
 import shutil
 from pathlib import Path
 
@@ -160,3 +161,47 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypa
         save_final(recipe, heads, Accelerator(cpu=True), {})
     assert f"The heads are saved in {folder}; push them again" in str(stop.value)
     assert (folder / "model.safetensors").is_file()
+
+
+def test_a_resumed_optimizer_takes_the_recipes_rates_at_the_step_resumed(tmp_path):
+    """A finished 4-step run resumed for 8 steps at another learning rate and weight decay:
+    the optimizer itself, before its first step, holds the new rate on the 8-step schedule."""
+    import torch
+    from accelerate import Accelerator
+
+    from train.checkpoint import load_checkpoint
+    from train.steps import make_optimizer
+
+    def prepared(rate: float, decay: float, steps: int):
+        accelerator = Accelerator(cpu=True)
+        recipe = load_recipe(
+            None,
+            [
+                f"training.learning_rate={rate}",
+                f"training.weight_decay={decay}",
+                "training.warmup_steps=1",
+            ],
+        )
+        model = torch.nn.Linear(2, 2)
+        optimizer, scheduler = make_optimizer(recipe, model.parameters(), steps)
+        return accelerator, *accelerator.prepare(model, optimizer, scheduler)
+
+    accelerator, model, optimizer, scheduler = prepared(1e-3, 0.0, 4)
+    for _ in range(4):
+        model(torch.ones(1, 2)).sum().backward()
+        optimizer.step()
+        scheduler.step()
+    assert optimizer.param_groups[0]["lr"] == 0.0  # the 4-step schedule's end
+    accelerator.save_state(str(tmp_path / "ckpt"))
+    (tmp_path / "ckpt" / STATE_NAME).write_text("{}")
+    accelerator, model, optimizer, scheduler = prepared(1e-2, 0.1, 8)
+    load_checkpoint(accelerator, tmp_path / "ckpt", optimizer, scheduler)
+    # the 8-step schedule at step 4: cosine from the peak after 1 warm-up step, 3 of 7 done
+    want = 1e-2 * 0.5 * (1 + math.cos(math.pi * 3 / 7))
+    group = optimizer.param_groups[0]
+    assert group["lr"] == pytest.approx(want) and group["weight_decay"] == 0.1
+    assert scheduler.get_last_lr() == [group["lr"]]
+    scheduler.step()  # and on from there on the new schedule
+    assert optimizer.param_groups[0]["lr"] == pytest.approx(
+        1e-2 * 0.5 * (1 + math.cos(math.pi * 4 / 7))
+    )
