@@ -8,6 +8,7 @@ import copy
 import warnings
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -66,31 +67,45 @@ def windowed_cache_layers(config) -> list[str]:
     )
 
 
-# Bases whose HF `generate` computes the whole sequence again (no cache) at the step that first
-# passes a longrope switch, so that every cached token has the long factors: transformers'
-# Phi-3 family overrides `prepare_inputs_for_generation` to do so.
-RECOMPUTE_AT_ROPE_SWITCH = ("phi3", "phimoe", "phi4_multimodal")
+# Bases whose HF `generate` computes the whole sequence again (no cache) at the step whose cache
+# first holds `config.original_max_position_embeddings` tokens, whatever their rope (for
+# longrope: so that every cached token has the long factors): transformers' Phi-3 family
+# overrides `prepare_inputs_for_generation` to do so.
+RECOMPUTE_AT_ORIGINAL_CONTEXT = ("phi3", "phimoe", "phi4_multimodal")
 
 
-def rope_factor_switch(config) -> tuple[int, bool] | None:
-    """Where a longrope base (Phi-3-128k, Phi-3.5-mini, Phi-4-mini) switches to its long rope
-    factors: (the position, whether HF `generate` then computes the sequence again); None for
-    any other rope.
+@dataclass(frozen=True)
+class PositionRules:
+    """Where a base's HF `generate`, one token a step, computes otherwise than one forward of a
+    tree would: trees must not reach a position of `crossings` from below (plain steps cross
+    it), and at `recompute_at` cached tokens the whole sequence is computed again."""
 
-    transformers picks a forward's factors from its last position alone: long for every token of
-    it once that position reaches `original_max_position_embeddings`. HF `generate` feeds one
-    token a step, so a token's factors follow its own position; a tree forward that reaches the
-    switch from below would rotate its first tokens, the root always kept, with the long ones.
+    crossings: tuple[int, ...] = ()
+    recompute_at: int | None = None
+
+
+def position_rules(config) -> PositionRules:
+    """The base's `PositionRules`: a longrope base (Phi-3.5-mini, Phi-4-mini) switches to its
+    long factors at `original_max_position_embeddings`, and the Phi-3 family recomputes there.
+
+    transformers picks a forward's longrope factors from its last position alone: long for every
+    token of it once that position reaches the switch. HF `generate` feeds one token a step, so
+    a token's factors follow its own position; a tree forward that reaches the switch from below
+    would rotate its first tokens, the root always kept, with the long ones.
     """
+    crossings, recompute_at = set(), None
     params = getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None)
     params = params or {}
     per_layer_type = [p for p in params.values() if isinstance(p, dict)]
     for p in [params, *per_layer_type]:
         if p.get("rope_type", p.get("type")) == "longrope":
             switch = p.get("original_max_position_embeddings")
-            switch = int(switch or config.original_max_position_embeddings)
-            return switch, getattr(config, "model_type", None) in RECOMPUTE_AT_ROPE_SWITCH
-    return None
+            crossings.add(int(switch or config.original_max_position_embeddings))
+    original = getattr(config, "original_max_position_embeddings", None)
+    if getattr(config, "model_type", None) in RECOMPUTE_AT_ORIGINAL_CONTEXT and original:
+        recompute_at = int(original)
+        crossings.add(recompute_at)  # a tree must not jump over it
+    return PositionRules(tuple(sorted(crossings)), recompute_at)
 
 
 # What a base's generation_config may set that makes HF `generate` change the logits before it

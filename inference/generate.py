@@ -39,7 +39,7 @@ from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in
 from inference.base_checks import (
     base_logits,
     check_base_takes_trees,
-    rope_factor_switch,
+    position_rules,
     warn_unapplied_logits_settings,
 )
 from inference.draft import Draft, Drafter, Sampling
@@ -47,6 +47,7 @@ from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
 from inference.prompt import prompt_ids, prompt_tensor
+from inference.stopping import Stopping
 from inference.tree import rank_paths, tree_from_parents
 
 # A CPU reads the whole lm_head weight once per call whatever its rows: SmolLM2's (49k x 576,
@@ -198,6 +199,19 @@ class SpeculativeGenerator:
         )
         return hidden, aux
 
+    def _tree_fits(self, prefix: int, nodes: int, max_positions: int, rules) -> bool:
+        """Whether a tree of `nodes` may verify after `prefix` cached tokens, or a plain step
+        must: near the end of the base's context (plain steps to it), past a draft model's
+        own, across a longrope switch (`PositionRules`: HF's one-token steps rotate the tokens
+        before it with the short factors), and at the Phi-3 family's recompute."""
+        limit = self.drafter.max_positions
+        return not (
+            prefix + nodes + 1 > max_positions
+            or (limit is not None and prefix + nodes + 1 > limit)
+            or prefix == rules.recompute_at
+            or any(prefix < p <= prefix + nodes - 1 for p in rules.crossings)
+        )
+
     def _verify(
         self, draft, hidden: torch.Tensor, sampling: Sampling, acceptance: str
     ) -> Acceptance:
@@ -282,7 +296,7 @@ class SpeculativeGenerator:
             max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer
         )
         max_positions = self.base.config.max_position_embeddings
-        rope_switch = rope_factor_switch(self.base.config)
+        rules = position_rules(self.base.config)
         if len(ids) > max_positions:
             raise ValueError(
                 f"the prompt has {len(ids)} tokens, more than the base's context of "
@@ -314,42 +328,9 @@ class SpeculativeGenerator:
         timings["draft"] += time.perf_counter() - t0
         timings["prefill_base"], timings["prefill_draft"] = timings["base"], timings["draft"]
         sequence = torch.cat([ids, ids.new_tensor([root])])
-        generated: list[int] = []
-        # A stop string may begin in the prompt (a chat prompt ends in "assistant\n": "\n\n"
-        # ends one token in); HF reads the whole sequence's tail too. Its last tokens are decoded
-        # before the answer's, and only a match that ends in a new token's text stops.
-        context: list[int] = []
-        if stop_strings:
-            context = ids[-2 * max(map(len, stop_strings)) :].tolist()
-        # The text's length without the U+FFFD that stand for a character whose bytes are still
-        # coming (an emoji's over byte-level tokens): the token that completes it may leave the
-        # text no longer, and a stop string ending in it must still be found.
-        text_len = len(tokenizer.decode(context).rstrip("\ufffd")) if stop_strings else 0
-
-        def finish(new: list[int]) -> tuple[list[int], bool]:
-            """Cut `new` at EOS / a stop string / max_new_tokens; say whether to stop."""
-            nonlocal text_len
-            done = False
-            room = max_new_tokens - len(generated)
-            if len(new) >= room:
-                new, done = new[:room], True
-            for i, t in enumerate(new):
-                if t in eos:
-                    new, done = new[: i + 1], True
-                    stats["finished"] = True
-                    break
-            if stop_strings:  # stop at the token that completes a stop string, as HF does
-                for i in range(len(new)):
-                    text = tokenizer.decode(context + generated + new[: i + 1])
-                    if any(text.find(s, max(text_len - len(s) + 1, 0)) >= 0 for s in stop_strings):
-                        new, done = new[: i + 1], True
-                        stats["finished"] = True
-                        break
-                    text_len = len(text.rstrip("\ufffd"))
-            return new, done
-
-        first, done = finish([root])
-        generated.extend(first)
+        stopping = Stopping(ids.tolist(), max_new_tokens, eos, stop_strings or [], tokenizer)
+        first, done = stopping.cut([root])
+        stats["finished"] = stopping.finished
         yield first
         if self.arms and (
             self.policy is None or [a.options for a in self.policy.arms] != list(self.arms)
@@ -373,18 +354,9 @@ class SpeculativeGenerator:
                 self.drafter.configure(**options)
                 self._configured = options
             nodes = 1 if options is None else self.drafter.max_nodes
-            if prefix + nodes + 1 > max_positions and prefix + 2 <= max_positions:
-                # the tree no longer fits the context but a token does: plain steps to the end
+            if options is not None and not self._tree_fits(prefix, nodes, max_positions, rules):
                 options, nodes, arm = None, 1, None
-            limit = self.drafter.max_positions
-            if options is not None and limit is not None and prefix + nodes + 1 > limit:
-                options, nodes, arm = None, 1, None  # past the drafter's context: plain steps
-            recompute = bool(rope_switch) and rope_switch[1] and prefix == rope_switch[0]
-            if recompute or (rope_switch and prefix < rope_switch[0] <= prefix + nodes - 1):
-                # A tree reaching a longrope base's switch would rotate its first tokens with
-                # the long factors, where HF's one-token steps use the short: plain steps across
-                # it, and on the Phi-3 family the sequence computed again there, as HF does.
-                options, nodes, arm = None, 1, None
+            recompute = prefix == rules.recompute_at
             if options is not None and (after_plain or reconfigured):
                 # Feeding the plain steps' tokens to a drafter with its own cache costs more the
                 # longer the run of plain steps: not a cost of this step's setting. So does a
@@ -404,7 +376,7 @@ class SpeculativeGenerator:
             if prefix + nodes + 1 > max_positions:
                 warnings.warn(
                     f"generation stopped at the base's context length ({max_positions} positions) "
-                    f"after {len(generated)} of max_new_tokens={max_new_tokens} tokens",
+                    f"after {len(stopping.generated)} of max_new_tokens={max_new_tokens} tokens",
                     stacklevel=3,
                 )
                 break
@@ -453,9 +425,9 @@ class SpeculativeGenerator:
                         drafted, static = [(j,) for j in range(len(ranking))], False
                         deepest = (ranking.index(new[0]),) if new[0] in ranking else ()
                 policy.update(arm, len(new), seconds, drafted, deepest, static)
-            new, done = finish(new)
+            new, done = stopping.cut(new)
+            stats["finished"] = stopping.finished
             stats["accepted_lengths"].append(len(new))
-            generated.extend(new)
             sequence = torch.cat([sequence, sequence.new_tensor(new)])
             yield new
         timings["total"] = time.perf_counter() - t_start

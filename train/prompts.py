@@ -323,7 +323,7 @@ def _json_records(path: Path):
             while i < len(text) and text[i] in " \t\r\n,":
                 i += 1
             if i >= len(text):  # cut off: records may be missing
-                line = text.count(chr(10)) + 1
+                line = text.rstrip().count(chr(10)) + 1  # its last line
                 raise PromptSourceError(f"{path}:{line}: the JSON list has no closing ']'")
             if text[i] == "]":
                 if text[i + 1 :].strip():

@@ -109,6 +109,7 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     with stop_on_bad_input():
         check_writable("output.dir", recipe.output.dir)
         if accelerator.is_main_process:  # its workers write beside it
+            Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # locked from the start
             lock_output("output.dir", recipe.output.dir)
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
@@ -351,7 +352,6 @@ class MetricsLog:
         self.path = Path(recipe.output.dir) / "metrics.jsonl"
         if accelerator.is_main_process:
             self.path.parent.mkdir(parents=True, exist_ok=True)
-            lock_output("output.dir", self.path.parent)  # made now, if it was not: this run's
             if self.path.is_file():
                 # Lines past `start_step` come from a run killed after its last checkpoint: this
                 # run logs those steps again. A fresh run (start_step 0) starts a new file.

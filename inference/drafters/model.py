@@ -71,8 +71,10 @@ class ModelDrafter(Drafter):
             )
         self.model = model
         self.vocab_size = own if vocab_size is None else vocab_size
-        # positions past its context would index past its position embeddings (GPT-2's)
-        self.max_positions = getattr(model.config, "max_position_embeddings", None)
+        # Positions past its context would index past a table of position embeddings (GPT-2's);
+        # a rotary one computes any position (drafting worse there, but still drafting).
+        rotary = getattr(getattr(model, "model", None), "rotary_emb", None) is not None
+        self.max_positions = None if rotary else model.config.max_position_embeddings
         if num_tokens is None and choices is None:
             num_tokens = 4
         self.configure(num_tokens, choices)

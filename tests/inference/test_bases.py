@@ -235,3 +235,8 @@ def test_a_draft_model_of_a_shorter_context_drafts_within_it():
         got = SpeculativeGenerator(base, draft, **options).generate(prompt, 60, eos_token_id=[])
         assert torch.equal(got.sequences, want), options
         assert got.accepted_lengths[-30:] == [1] * 30, options  # plain past position 64
+    rotary = make_tiny_llama(max_position_embeddings=64)  # the base, said to have 64: it
+    # rotates any position, so it drafts (whole chains) past 64
+    gen = SpeculativeGenerator(base, rotary, num_tokens=3, adaptive=False)
+    got = gen.generate(prompt, 60, eos_token_id=[])
+    assert torch.equal(got.sequences, want) and got.accepted_lengths[-5:-1] == [4] * 4

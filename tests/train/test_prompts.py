@@ -140,7 +140,7 @@ def test_json_array_records_carry_their_line(tmp_path):
     with pytest.raises(PromptSourceError, match=re.escape(f"{broken}:4: invalid JSON")):
         read_source(str(broken))
     cut = tmp_path / "cut.json"  # a copy cut short: its last records are missing
-    cut.write_text('[{"prompt": "a"},\n {"prompt": "b"}')
+    cut.write_text('[{"prompt": "a"},\n {"prompt": "b"}\n')
     with pytest.raises(PromptSourceError, match=re.escape(f"{cut}:2: the JSON list has no clos")):
         read_source(str(cut))
     cut.write_text('[{"prompt": "a"}]\n{"prompt": "b"}')  # a list, then a JSON Lines record
