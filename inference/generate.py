@@ -37,6 +37,7 @@ from inference.acceptance import (
 from inference.adaptive import AdaptivePolicy, check_arms
 from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
 from inference.base_checks import (
+    PositionRules,
     base_logits,
     check_base_takes_trees,
     position_rules,
@@ -199,7 +200,7 @@ class SpeculativeGenerator:
         )
         return hidden, aux
 
-    def _tree_fits(self, prefix: int, nodes: int, max_positions: int, rules) -> bool:
+    def _tree_fits(self, prefix: int, nodes: int, max_positions: int, rules: PositionRules) -> bool:
         """Whether a tree of `nodes` may verify after `prefix` cached tokens, or a plain step
         must: near the end of the base's context (plain steps to it), past a draft model's
         own, across a longrope switch (`PositionRules`: HF's one-token steps rotate the tokens

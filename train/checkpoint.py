@@ -60,10 +60,16 @@ def checkpoints_dir(output_dir: str | Path) -> Path:
     return Path(output_dir) / "checkpoints"
 
 
+def complete_checkpoints(output_dir: str | Path) -> list[Path]:
+    """The complete checkpoints (not one a kill cut short), oldest first."""
+    done = [p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()]
+    return sorted(done, key=checkpoint_step)
+
+
 def latest_checkpoint(output_dir: str | Path) -> Path | None:
     """The newest complete checkpoint, or None."""
-    done = [p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()]
-    return max(done, key=checkpoint_step, default=None)
+    done = complete_checkpoints(output_dir)
+    return done[-1] if done else None
 
 
 def checkpoint_step(path: Path) -> int:
@@ -309,10 +315,7 @@ def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
     """
     if math.isfinite(loss):
         return
-    done = sorted(
-        (p for p in checkpoints_dir(output_dir).glob("step-*") if (p / STATE_NAME).is_file()),
-        key=checkpoint_step,
-    )
+    done = complete_checkpoints(output_dir)
     if not done:
         then = "rerun (no checkpoint was written yet)"
     else:
