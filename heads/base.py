@@ -415,6 +415,14 @@ def layer_inputs(
 
 
 @torch.no_grad()
+def output_logits(base: PreTrainedModel, hidden: torch.Tensor) -> torch.Tensor:
+    """The base's logits from its decoder's last hidden states (..., H), as its forward returns
+    them: its output embeddings (in their dtype), then `logits_scaling`'s transform."""
+    head, scaling = base.get_output_embeddings(), logits_scaling(base)
+    logits = head(hidden.to(head.weight.dtype))
+    return scaling(logits) if scaling else logits
+
+
 def read_hidden_states(
     model: PreTrainedModel, input_ids: torch.Tensor, layer_ids: Sequence[int], **kwargs
 ) -> tuple[torch.Tensor, torch.Tensor, list[torch.Tensor]]:
@@ -424,5 +432,4 @@ def read_hidden_states(
     """
     out = model.model(input_ids=input_ids, output_hidden_states=True, **kwargs)
     last = out.last_hidden_state
-    logits, scaling = model.lm_head(last), logits_scaling(model)
-    return scaling(logits) if scaling else logits, last, [out.hidden_states[i] for i in layer_ids]
+    return output_logits(model, last), last, [out.hidden_states[i] for i in layer_ids]

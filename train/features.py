@@ -21,7 +21,7 @@ from accelerate import PartialState
 from torch.utils.data import Dataset
 from tqdm.auto import tqdm
 
-from heads.base import logits_scaling
+from heads.base import logits_scaling, output_logits
 from train.corpus import as_conversation, corpus_chunks
 from train.data import build_examples, conversation_examples, pad_batch, read_distilled
 from train.distilled import distilled_otherwise, selected_otherwise
@@ -299,7 +299,7 @@ def base_targets(
     if top is not None and draft_ids is not None and not full:
         bias = None if lm_head.bias is None else lm_head.bias[draft_ids]
         return scaling(F.linear(h, lm_head.weight[draft_ids], bias)), top, None
-    whole = scaling(lm_head(h))  # (n, V), as the base's forward returns them (Granite, Cohere)
+    whole = output_logits(base, h)  # (n, V), as the base's forward returns them
     top = whole.argmax(-1) if top is None else top
     kept = None if not logits else whole if draft_ids is None else whole[:, draft_ids]
     return kept, top, whole if full else None

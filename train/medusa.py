@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
-from heads.base import logits_scaling
+from heads.base import output_logits
 from heads.checkpoint import load_state_checked
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
@@ -87,7 +87,6 @@ class MedusaTrainee(Trainee):
                 original = base_features(self.base, ids, attn)["hidden"]
         else:
             hidden = original = base_features(self.base, ids, attn)["hidden"]
-        lm_head = self.base.get_output_embeddings()
         # Rows whose next token is a target: the base's distribution there is head k's label
         # for position t = row - k - 1.
         next_is_target = shift_left(mask, 1, False)  # (B,T)
@@ -109,12 +108,7 @@ class MedusaTrainee(Trainee):
         metrics: dict[str, tuple] = {}  # (sum, number): a batch's mean, or summed held out
         greedy, kl = base_top, None  # (n,): the token greedy verification accepts at each row
         if self.lora:  # Medusa-2 is served on the adapted base: its greedy token, its KL term
-            scaling = logits_scaling(self.base) or (lambda x: x)  # as base_targets reads them
-            adapted = (
-                scaling(lm_head(hidden[next_is_target].to(lm_head.weight.dtype)))
-                .float()
-                .log_softmax(-1)
-            )  # (n, V)
+            adapted = output_logits(self.base, hidden[next_is_target]).float().log_softmax(-1)
             greedy = adapted.argmax(-1)
             p = base_logits.float().softmax(-1)
             kl = (p * (p.clamp(min=1e-12).log() - adapted)).sum() / n  # KL(original || adapted)
