@@ -171,10 +171,19 @@ class EagleDraft(PretrainedHeads):
         dropped = [n for n in theirs if n not in taken and n != "input_layernorm.weight"]
         if dropped:
             notes.append(f"the base layer's {', '.join(dropped)}: not in a Llama layer, left out")
+        # Granite's layers scale their residual branches and attention scores by config values
+        scaled = [
+            f"{key} {value}"
+            for key in ("residual_multiplier", "attention_multiplier")
+            if (value := getattr(base.config, key, None)) is not None
+            and value != (self.config.head_dim**-0.5 if key == "attention_multiplier" else 1.0)
+        ]
+        if scaled:
+            notes.append(f"the base layer's {', '.join(scaled)}: not in a Llama layer, left out")
         act = getattr(base.config, "hidden_act", None) or getattr(
             base.config, "hidden_activation", "silu"
         )  # Gemma's name
-        if act != self.config.hidden_act:
+        if act != self.config.hidden_act and any(n.startswith("mlp.") for n in taken):
             notes.append(
                 f"the MLP: copied from the base's, under {self.config.hidden_act} instead of its "
                 f"{act} (the engines' Llama draft layer has silu only)"

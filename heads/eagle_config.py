@@ -165,7 +165,7 @@ class EagleConfig(HeadsConfig):
             num_attention_heads=base_config.num_attention_heads,
             num_key_value_heads=base_config.num_key_value_heads,
             head_dim=getattr(base_config, "head_dim", None) or H // base_config.num_attention_heads,
-            rms_norm_eps=base_config.rms_norm_eps,
+            rms_norm_eps=norm_eps(base_config),
             rope_parameters=draft_rope_parameters(base_config),
             max_position_embeddings=base_config.max_position_embeddings,
             vocab_size=base_config.vocab_size,
@@ -346,6 +346,17 @@ class EagleConfig(HeadsConfig):
             data.pop("aux_layer_ids", None)
             data["fc_bias"] = bool(data.pop("bias", False))
         return super().from_dict(data)
+
+
+def norm_eps(base_config) -> float:
+    """The epsilon of the base's norms, whatever its config calls it: the draft's RMSNorms take it
+    (LayerNorm families such as Cohere and StableLM name it layer_norm_eps, StarCoder2
+    norm_epsilon)."""
+    for key in ("rms_norm_eps", "layer_norm_eps", "norm_epsilon", "norm_eps"):
+        eps = getattr(base_config, key, None)
+        if eps is not None:
+            return float(eps)
+    return EagleConfig.rms_norm_eps
 
 
 def draft_rope_parameters(base_config) -> dict:

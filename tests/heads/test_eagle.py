@@ -280,3 +280,26 @@ def test_training_reads_a_bases_logits_as_its_forward_returns_them(kind):
     torch.testing.assert_close(kept, want[0][:, draft_ids])
     sliced, _, _ = base_targets(base, last[0], draft_ids, top=top)  # the offline path
     torch.testing.assert_close(sliced, want[0][:, draft_ids])
+
+
+def test_init_from_base_names_what_a_granite_or_starcoder2_layer_does_otherwise():
+    # Granite scales its residual branches and attention scores by config values the Llama
+    # layer lacks; StarCoder2's MLP (c_fc / c_proj) is not copied, so no activation is named
+    from transformers import (
+        GraniteConfig,
+        GraniteForCausalLM,
+        Starcoder2Config,
+        Starcoder2ForCausalLM,
+    )
+
+    granite = GraniteForCausalLM(GraniteConfig(**TINY, residual_multiplier=0.22))
+    draft = EagleDraft(EagleConfig.from_base(granite.config, version=3))
+    notes = " ".join(draft.init_from_base(granite))
+    assert "residual_multiplier 0.22" in notes and "attention_multiplier 1.0" in notes
+    coder = Starcoder2ForCausalLM(Starcoder2Config(**TINY))
+    draft = EagleDraft(EagleConfig.from_base(coder.config, version=3))
+    notes = " ".join(draft.init_from_base(coder))
+    assert "mlp.c_fc.weight" in notes and "midlayer.mlp.up_proj.weight" in notes
+    assert "the MLP: copied" not in notes
+    llama = make_tiny_llama()  # a Llama's layer carries over whole
+    assert EagleDraft(EagleConfig.from_base(llama.config, version=3)).init_from_base(llama) == []

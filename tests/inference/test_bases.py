@@ -31,8 +31,10 @@ def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
             sliding_window=8,
         )
     )
-    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers"):
+    with pytest.raises(ValueError, match="DynamicSlidingWindowLayer cache layers") as refused:
         SpeculativeGenerator(sliding)
+    assert "as in Mistral v0.1" in str(refused.value)  # and what to do instead:
+    assert "export (scripts/export.py)" in str(refused.value)
     from inference.drafters.model import ModelDrafter
 
     with pytest.raises(ValueError, match="the draft model has DynamicSlidingWindowLayer cache"):
@@ -77,6 +79,13 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
         want = base.generate(prompt, max_new_tokens=24, do_sample=False, eos_token_id=None)
         got = gen.generate(prompt, max_new_tokens=24, eos_token_id=[]).sequences
         assert torch.equal(got, want), cls.__name__
+        if cls is GraniteForCausalLM:  # EAGLE-1 drafts on the base's logits, scaled too
+            from heads import EagleConfig, EagleDraft
+            from inference.drafters.eagle import EagleDrafter
+
+            draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
+            log_probs = EagleDrafter(draft, base)._log_probs(hidden)
+            torch.testing.assert_close(log_probs, (base.lm_head(hidden) / 8).log_softmax(-1))
     capped = make_tiny_llama()
     capped.lm_head.weight.mul_(8)
     forward = capped.forward
@@ -133,11 +142,12 @@ def test_adaptive_with_options_numpy_counts_and_unmerged_adapters():
     SpeculativeGenerator(peft.merge_and_unload())
 
 
-@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3"])
+@pytest.mark.parametrize("family", ["qwen2", "qwen3", "mistral", "phi3", "cohere", "stablelm"])
 def test_other_llama_style_bases_decode_their_own_greedy_output(family):
     # The README's "Your own model": bases of other families with full attention (Qwen2's
-    # attention biases, Qwen3's q/k norms, Phi-3's fused projections) decode with fresh Medusa
-    # heads and a fresh EAGLE-3 draft started from the base, token for token as their generate
+    # attention biases, Qwen3's q/k norms, Phi-3's fused projections, Cohere's and StableLM's
+    # LayerNorms, whose epsilon their configs name otherwise) decode with fresh Medusa heads and
+    # a fresh EAGLE-3 draft started from the base, token for token as their generate
     import transformers
 
     from heads import EagleConfig, EagleDraft
@@ -147,12 +157,16 @@ def test_other_llama_style_bases_decode_their_own_greedy_output(family):
         "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
         "mistral": ("MistralConfig", "MistralForCausalLM"),
         "phi3": ("Phi3Config", "Phi3ForCausalLM"),
+        "cohere": ("CohereConfig", "CohereForCausalLM"),
+        "stablelm": ("StableLmConfig", "StableLmForCausalLM"),
     }[family]
     from tests.conftest import TINY
 
     torch.manual_seed(0)
     config = getattr(transformers, config_class)(**TINY)
     config._attn_implementation = "sdpa"
+    if family in ("cohere", "stablelm"):
+        config.layer_norm_eps = 3e-4  # the draft's norms take it
     base = getattr(transformers, model_class)(config).eval().requires_grad_(False)
     base.config.name_or_path = f"tiny-{family}"
     prompt = torch.tensor([[1, 5, 9, 22, 7]])
@@ -166,9 +180,15 @@ def test_other_llama_style_bases_decode_their_own_greedy_output(family):
         "mistral": [],
         # fused qkv_proj / gate_up_proj: the midlayer's stay as built
         "phi3": ["midlayer.self_attn.q_proj.weight", "midlayer.mlp.up_proj.weight", "qkv_proj"],
+        # LayerNorms: the draft's RMSNorms stay as built; StableLM's biases have no place
+        "cohere": ["midlayer.hidden_norm.weight"],
+        "stablelm": ["midlayer.hidden_norm.weight", "input_layernorm.bias"],
     }[family]
     assert all(name in notes for name in named) and bool(notes) == bool(named), notes
-    for heads in (medusa, eagle):
+    eps = getattr(config, "layer_norm_eps", None) or config.rms_norm_eps
+    assert eagle.config.rms_norm_eps == eps
+    eagle1 = EagleDraft(EagleConfig.from_base(base.config, version=1))
+    for heads in (medusa, eagle, eagle1):
         for options in ({}, {"adaptive": False}):
             got = SpeculativeGenerator(base, heads, **options).generate(prompt, 24, eos_token_id=[])
             assert torch.equal(got.sequences, want), (family, type(heads).__name__, options)
