@@ -25,6 +25,7 @@ from tqdm.auto import tqdm
 from transformers import DynamicCache
 
 from heads import EagleConfig, EagleDraft
+from heads.base import output_logits
 from heads.checkpoint import load_state_checked
 from heads.eagle import check_vocab_map
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
@@ -153,8 +154,9 @@ class EagleTrainee(Trainee):
         pred, true = out[valid], shift_left(hidden, 1)[valid]
         rows = shift_left(row_of, 1, -1)[valid]
         target = base_logits[rows].float().softmax(-1)
-        lm_head = self.base.get_output_embeddings()
-        logits = lm_head(pred.to(lm_head.weight.dtype))  # EAGLE-1 shares the base lm_head
+        # EAGLE-1 shares the base lm_head, and its logits are the base's for f_{t+1}: scaled as
+        # the base's forward scales them (Granite, Cohere, Gemma-2), as the targets are
+        logits = output_logits(self.base, pred)
         own = int(next_is_target.sum())
         feature_loss = F.smooth_l1_loss(pred.float(), true.float(), reduction="sum") / (n * H)
         token_loss = soft_target_ce(logits, target) / n

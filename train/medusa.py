@@ -19,7 +19,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from heads import MedusaConfig, MedusaHeads
-from heads.base import output_logits
+from heads.base import logits_scaling, output_logits
 from heads.checkpoint import load_state_checked
 from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
 from train.config import Recipe
@@ -62,6 +62,10 @@ class MedusaTrainee(Trainee):
         self.decay, self.soft = recipe.training.loss_decay, recipe.training.soft_labels
         self.kl_weight = recipe.heads.kl_weight
         self.warmup = recipe.heads.heads_loss_warmup_steps
+        # The heads' logits are trained as the base's: scaled as its forward scales its own
+        # (Granite, Cohere, Gemma-2), so a fresh head is the base's distribution and a shared,
+        # frozen lm_head can match the targets' scale. Drafting reads their ranks only.
+        self.scaling = logits_scaling(base)
         V = base.config.vocab_size
         draft_of = torch.full((V,), -1, dtype=torch.long)  # base id -> draft id (-1: not drafted)
         ids = heads.token_map if heads.token_map is not None else torch.arange(V)
@@ -125,6 +129,8 @@ class MedusaTrainee(Trainee):
                 break
             # Heads train in fp32 whatever the base's dtype (a shared lm_head keeps the base's).
             logits = self.heads.head_logits(k, hidden[valid])  # (n_k, V_draft)
+            if self.scaling is not None:
+                logits = self.scaling(logits)
             rows = shift_left(row_of, k + 1, -1)[valid]
             if targets is not None:
                 keep = in_vocab[rows]

@@ -23,6 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from heads.base import logits_scaling
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
 from inference.mask import frontier_attention_mask
@@ -55,6 +56,8 @@ class EagleDrafter(Drafter):
         self.draft = draft
         self.embed = base.get_input_embeddings()
         self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
+        # EAGLE-1's logits are the base's, scaled as its forward scales them (as trained)
+        self.scaling = logits_scaling(base) if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
         if choices is None:  # the dynamic tree's defaults
             top_k = min(4, self._vocab()) if top_k is None else top_k
@@ -166,7 +169,10 @@ class EagleDrafter(Drafter):
         return self.draft.fc.weight.dtype
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.draft.compute_logits(hidden, self.base_lm_head).float().log_softmax(-1)
+        logits = self.draft.compute_logits(hidden, self.base_lm_head)
+        if self.scaling is not None:
+            logits = self.scaling(logits)
+        return logits.float().log_softmax(-1)
 
     @torch.no_grad()
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
