@@ -46,11 +46,23 @@ def check_base_takes_trees(base: PreTrainedModel) -> None:
     other = windowed_cache_layers(base.config)
     if other:
         raise ValueError(
-            f"the base has {', '.join(other)} cache layers (sliding-window or other non-full "
-            "attention narrower than its context, e.g. Gemma-2/3 or Mistral v0.1): tree "
-            "verification keeps and crops the KV cache by position, which needs full attention "
-            "in every layer"
+            f"{not_full_attention(other)}: tree verification keeps and crops the KV cache by "
+            "position, which needs full attention in every layer, so headstart's generator "
+            "cannot decode this base. Heads trained for it still export (scripts/export.py) "
+            "for an engine that serves it; to decode with headstart, choose a base with full "
+            "attention"
         )
+
+
+def not_full_attention(kinds: list[str]) -> str:
+    """What `windowed_cache_layers`' kinds are, in words."""
+    what = (
+        "sliding-window attention narrower than the context, as in Mistral v0.1 or Gemma-2/3"
+        if all("Sliding" in kind for kind in kinds)
+        else "layers other than full attention: a sliding window, or Mamba, convolution or "
+        "linear-attention layers"
+    )
+    return f"the base has {', '.join(kinds)} cache layers ({what})"
 
 
 def windowed_cache_layers(config) -> list[str]:

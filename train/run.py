@@ -27,6 +27,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from heads import load_base
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
+from inference.base_checks import not_full_attention, windowed_cache_layers
 from train.checkpoint import (
     TrainingDiverged,
     built_on_dtype,
@@ -240,6 +241,13 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None
             file=sys.stderr,
         )
         raise SystemExit(2)
+    windowed = windowed_cache_layers(base.config)
+    if windowed:  # said before hours of training, not first when decoding is refused
+        accelerator.print(
+            f"note: {not_full_attention(windowed)}: headstart's generator cannot decode it "
+            "(tree verification needs full attention in every layer); the heads train and "
+            "export (scripts/export.py) for an engine that serves this base"
+        )
     return base, tokenizer
 
 

@@ -173,3 +173,34 @@ def test_an_output_folder_this_user_cannot_write_is_refused_before_the_base(
     argv = [str(TINY_MEDUSA), f"data.output_dir={locked}/answers"]
     assert distill.main(argv) == 2
     assert f"is {locked}/answers, but {locked} is not writable" in capsys.readouterr().err
+
+
+def test_a_base_the_generator_cannot_decode_is_said_when_training_starts(
+    tmp_path, capsys, smollm2_tokenizer
+):
+    # A sliding window narrower than the context: the heads train and export, but the
+    # generator refuses the base; that is said before the training, not found out after it.
+    import torch
+    from accelerate import Accelerator
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from tests.conftest import TINY
+    from train.run import load_frozen_base
+
+    torch.manual_seed(0)
+    tok = smollm2_tokenizer
+    config = MistralConfig(**{**TINY, "vocab_size": len(tok), "sliding_window": 16})
+    MistralForCausalLM(config).save_pretrained(tmp_path / "base")
+    tok.save_pretrained(tmp_path / "base")
+    recipe = load_recipe(TINY_MEDUSA, [f"model.name_or_path={tmp_path / 'base'}"])
+    load_frozen_base(recipe, Accelerator(cpu=True))
+    out = capsys.readouterr().out
+    assert "DynamicSlidingWindowLayer cache layers (sliding-window attention" in out
+    assert "headstart's generator cannot decode it" in out
+    config.sliding_window = None  # full attention: nothing to say
+    MistralForCausalLM(config).save_pretrained(tmp_path / "full")
+    tok.save_pretrained(tmp_path / "full")
+    load_frozen_base(
+        load_recipe(TINY_MEDUSA, [f"model.name_or_path={tmp_path / 'full'}"]), Accelerator(cpu=True)
+    )
+    assert "cannot decode" not in capsys.readouterr().out
