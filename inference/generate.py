@@ -27,7 +27,6 @@ from heads.base import check_model, input_device, layer_inputs
 from heads.cpu import repack_stale
 from inference.acceptance import (
     Acceptance,
-    verify_greedy,
     verify_greedy_walk,
     verify_sampling,
     verify_sampling_walk,
@@ -247,8 +246,9 @@ class SpeculativeGenerator:
                 draft.q_rows,
             )
         logits = self.lm_head(hidden)
-        if sampling.greedy:
-            return verify_greedy(tokens, logits, tree)
+        if sampling.greedy:  # the rows on the accepted path only: on a CPU one argmax over
+            # (N, V) costs more than tau over (V,) (0.45 against 0.07 ms a row for SmolLM2)
+            return verify_greedy_walk(tokens, tree, logits.__getitem__)
         return verify_sampling(
             tokens,
             self._warp(logits, sampling),
