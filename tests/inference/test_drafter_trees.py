@@ -1,7 +1,8 @@
 """How the EAGLE and draft-model drafters fill their trees: a static tree's node holds its
 parent's ranked token, a dynamic tree ranks its root's top k as the one-level static tree holds
 them, and the options and arms that choose between chains, static and dynamic trees (within the
-drafter's vocabulary)."""
+drafter's vocabulary); and that EAGLE's and Medusa's trees hold what the draft predicts from the
+whole sequence, against references that read no drafter state."""
 
 import pytest
 import torch
@@ -286,3 +287,104 @@ def test_medusa_default_trees_fit_a_truncated_vocabulary_under_their_ranks():
     prompt = torch.randint(3, 256, (1, 8), generator=_seeded(1))
     ref = base.generate(prompt, max_new_tokens=12, do_sample=False, eos_token_id=None)
     assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
+
+
+def _draft_reference(drafter, base, sequence: torch.Tensor):
+    """EAGLE's draft run from scratch over the whole sequence (no draft cache): pair t is the
+    base's feature at t with token t + 1; the last pair's output drafts the token after the
+    root. Returns (the draft's outputs (T-1,H), the features it read)."""
+    from heads import read_hidden_states
+
+    draft, ids = drafter.draft, sequence[None]
+    version = draft.config.version
+    layers = list(draft.config.aux_layer_ids) if version == 3 else []
+    _, last, aux = read_hidden_states(base, ids, layers)
+    features = draft.fuse(torch.cat(aux, -1)) if version == 3 else last  # (1,T,H)
+    T = ids.shape[1]
+    out = draft(
+        base.get_input_embeddings()(ids[:, 1:]), features[:, :-1], torch.arange(T - 1)[None]
+    )
+    return out[0], features[0, :-1]
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_an_eagle_dynamic_tree_drafts_what_the_draft_predicts_from_the_whole_sequence(version):
+    # Against a reference that feeds no cache: a shifted feed, the wrong root output or a node
+    # expanded from another parent's output drafts other tokens (the output stays the base's
+    # greedy one whatever the drafter proposes, so the invariant tests cannot see them).
+    from inference.drafters.eagle import EagleDrafter
+
+    base = make_tiny_llama()
+    config = EagleConfig.from_base(base.config, version=version)
+    draft = EagleDraft(config)
+    torch.manual_seed(3)
+    for p in draft.parameters():  # a draft with opinions, so that ranks differ
+        p.data.normal_(0, 0.5)
+    drafter = EagleDrafter(draft, base, top_k=2, depth=3, total_tokens=11)  # every candidate
+    seen, propose = [], EagleDrafter.propose
+
+    def spy(self, sequence, sampling):
+        out = propose(self, sequence, sampling)
+        seen.append((sequence.clone(), out))
+        return out
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(EagleDrafter, "propose", spy)
+        SpeculativeGenerator(base, drafter, adaptive=False).generate(prompt, max_new_tokens=10)
+    assert len(seen) >= 3
+    with torch.no_grad():
+        for sequence, proposal in seen:
+            out, features = _draft_reference(drafter, base, sequence)
+            parents, tokens = proposal.tree.parents.tolist(), proposal.tokens
+            assert max(proposal.tree.depths.tolist()) == 3  # expanded twice
+            # each node's path: the draft's outputs after the root, fed back as features
+            hidden = {0: out[-1]}
+            for node in range(1, len(parents)):
+                ranked = drafter._log_probs(hidden[parents[node]][None])[0].topk(2).indices
+                assert tokens[node] in draft.to_base_ids(ranked), (node, "not a top-2 token")
+                path = [node]
+                while parents[path[-1]] > 0:
+                    path.append(parents[path[-1]])
+                path = path[::-1]  # depth 1 .. this node
+                if node in parents:  # expanded: its output drafts its children
+                    ids = torch.cat([sequence[1:], tokens[path]])[None]
+                    fed = [hidden[0]] + [hidden[p] for p in path[:-1]]
+                    feats = torch.cat([features, torch.stack(fed)])[None]
+                    hidden[node] = draft(
+                        base.get_input_embeddings()(ids), feats, torch.arange(ids.shape[1])[None]
+                    )[0, -1]
+
+
+def test_a_medusa_tree_holds_each_heads_top_tokens_after_the_roots_base_state():
+    # Head k drafts depth k + 1 from the base's state that produced the root (the last one),
+    # against a reference from a full forward of the sequence, not the drafter's own feed.
+    from heads import MedusaConfig, MedusaHeads
+    from inference.drafters.medusa import MedusaDrafter
+
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    torch.manual_seed(3)
+    for block in heads.blocks:  # heads that differ from the base and from each other
+        torch.nn.init.normal_(block.layers[0].weight, std=0.5)
+    seen, propose = [], MedusaDrafter.propose
+
+    def spy(self, sequence, sampling):
+        out = propose(self, sequence, sampling)
+        seen.append((sequence.clone(), out))
+        return out
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(MedusaDrafter, "propose", spy)
+        gen = SpeculativeGenerator(base, heads, adaptive=False)
+        gen.generate(prompt, max_new_tokens=10)
+    assert len(seen) >= 3
+    with torch.no_grad():
+        for sequence, proposal in seen:
+            state = base.model(input_ids=sequence[None]).last_hidden_state[0, -2]  # gave the root
+            depths = proposal.tree.depths
+            for k in range(2):
+                top = heads.head_logits(k, state[None])[0].topk(4).indices
+                drafted = proposal.tokens[depths == k + 1]
+                assert drafted.numel() and torch.isin(drafted, top).all(), (k, drafted, top)
