@@ -289,6 +289,24 @@ def test_medusa_default_trees_fit_a_truncated_vocabulary_under_their_ranks():
     assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
 
 
+def _proposals(drafter_cls, gen) -> list:
+    """(sequence, draft) of each of the generator's steps over a random 12-token prompt (at
+    least 3 steps), its drafter of class `drafter_cls`."""
+    seen, propose = [], drafter_cls.propose
+
+    def spy(self, sequence, sampling):
+        out = propose(self, sequence, sampling)
+        seen.append((sequence.clone(), out))
+        return out
+
+    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(drafter_cls, "propose", spy)
+        gen.generate(prompt, max_new_tokens=10)
+    assert len(seen) >= 3
+    return seen
+
+
 def _draft_reference(drafter, base, sequence: torch.Tensor):
     """EAGLE's draft run from scratch over the whole sequence (no draft cache): pair t is the
     base's feature at t with token t + 1; the last pair's output drafts the token after the
@@ -321,18 +339,7 @@ def test_an_eagle_dynamic_tree_drafts_what_the_draft_predicts_from_the_whole_seq
     for p in draft.parameters():  # a draft with opinions, so that ranks differ
         p.data.normal_(0, 0.5)
     drafter = EagleDrafter(draft, base, top_k=2, depth=3, total_tokens=11)  # every candidate
-    seen, propose = [], EagleDrafter.propose
-
-    def spy(self, sequence, sampling):
-        out = propose(self, sequence, sampling)
-        seen.append((sequence.clone(), out))
-        return out
-
-    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(EagleDrafter, "propose", spy)
-        SpeculativeGenerator(base, drafter, adaptive=False).generate(prompt, max_new_tokens=10)
-    assert len(seen) >= 3
+    seen = _proposals(EagleDrafter, SpeculativeGenerator(base, drafter, adaptive=False))
     with torch.no_grad():
         for sequence, proposal in seen:
             out, features = _draft_reference(drafter, base, sequence)
@@ -367,19 +374,7 @@ def test_a_medusa_tree_holds_each_heads_top_tokens_after_the_roots_base_state():
     torch.manual_seed(3)
     for block in heads.blocks:  # heads that differ from the base and from each other
         torch.nn.init.normal_(block.layers[0].weight, std=0.5)
-    seen, propose = [], MedusaDrafter.propose
-
-    def spy(self, sequence, sampling):
-        out = propose(self, sequence, sampling)
-        seen.append((sequence.clone(), out))
-        return out
-
-    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
-    with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(MedusaDrafter, "propose", spy)
-        gen = SpeculativeGenerator(base, heads, adaptive=False)
-        gen.generate(prompt, max_new_tokens=10)
-    assert len(seen) >= 3
+    seen = _proposals(MedusaDrafter, SpeculativeGenerator(base, heads, adaptive=False))
     with torch.no_grad():
         for sequence, proposal in seen:
             state = base.model(input_ids=sequence[None]).last_hidden_state[0, -2]  # gave the root
