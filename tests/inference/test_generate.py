@@ -184,10 +184,22 @@ def test_an_eagle3_vocabulary_map_in_any_order_loads_and_drafts_the_same(tmp_pat
     loaded = load_heads(tmp_path, base)
     assert torch.equal(loaded.d2t, permuted.d2t) and not torch.equal(loaded.d2t, eagle3.d2t)
     prompt = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(6)).repeat(1, 3)
-    ref = SpeculativeGenerator(base, eagle3, **options).generate(prompt, max_new_tokens=32)
-    out = SpeculativeGenerator(base, loaded, **options).generate(prompt, max_new_tokens=32)
+    from inference.drafters.eagle import EagleDrafter
+
+    drafts, propose = [], EagleDrafter.propose  # every step's tree, of both generators
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(
+            EagleDrafter, "propose", lambda s, q, m: drafts.append(propose(s, q, m)) or drafts[-1]
+        )
+        ref = SpeculativeGenerator(base, eagle3, **options).generate(prompt, max_new_tokens=32)
+        steps = len(drafts)
+        out = SpeculativeGenerator(base, loaded, **options).generate(prompt, max_new_tokens=32)
     assert torch.equal(out.sequences, ref.sequences)
     assert out.accepted_lengths == ref.accepted_lengths
+    assert steps > 0 and len(drafts) == 2 * steps
+    for mine, theirs in zip(drafts[:steps], drafts[steps:]):  # the same trees, token for token
+        assert torch.equal(mine.tokens, theirs.tokens)
+        assert torch.equal(mine.tree.parents, theirs.tree.parents)
 
 
 def check_greedy_equals_base(
