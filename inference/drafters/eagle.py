@@ -23,7 +23,7 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
-from heads.base import logits_scaling
+from heads.base import output_logits
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
 from inference.mask import frontier_attention_mask
@@ -55,9 +55,9 @@ class EagleDrafter(Drafter):
     ) -> None:
         self.draft = draft
         self.embed = base.get_input_embeddings()
-        self.base_lm_head = base.get_output_embeddings() if draft.config.version == 1 else None
-        # EAGLE-1's logits are the base's, scaled as its forward scales them (as trained)
-        self.scaling = logits_scaling(base) if draft.config.version == 1 else None
+        # EAGLE-1 ranks on the base's logits of its output, as its forward computes them (scaled
+        # for Granite, Cohere, Gemma-2) and as training reads them
+        self.logits_base = base if draft.config.version == 1 else None
         self.aux_layer_ids = tuple(draft.config.aux_layer_ids) if draft.config.version == 3 else ()
         if choices is None:  # the dynamic tree's defaults
             top_k = min(4, self._vocab()) if top_k is None else top_k
@@ -169,9 +169,10 @@ class EagleDrafter(Drafter):
         return self.draft.fc.weight.dtype
 
     def _log_probs(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.draft.compute_logits(hidden, self.base_lm_head)
-        if self.scaling is not None:
-            logits = self.scaling(logits)
+        if self.logits_base is None:
+            logits = self.draft.compute_logits(hidden)
+        else:  # on the draft's device, where a dispatched base keeps its lm_head on another one
+            logits = output_logits(self.logits_base, hidden).to(hidden.device)
         return logits.float().log_softmax(-1)
 
     @torch.no_grad()
