@@ -289,9 +289,10 @@ def test_medusa_default_trees_fit_a_truncated_vocabulary_under_their_ranks():
     assert torch.equal(gen.generate(prompt, max_new_tokens=12, eos_token_id=[]).sequences, ref)
 
 
-def _proposals(drafter_cls, gen) -> list:
-    """(sequence, draft) of each of the generator's steps over a random 12-token prompt (at
-    least 3 steps), its drafter of class `drafter_cls`."""
+def proposals(drafter_cls, gen, prompt=None, max_new_tokens: int = 10) -> tuple[list, list]:
+    """(sequence, draft) of each of the generator's greedy steps (at least 3) over `prompt` (a
+    random 12-token one by default), its drafter of class `drafter_cls`, and the accepted
+    lengths."""
     seen, propose = [], drafter_cls.propose
 
     def spy(self, sequence, sampling):
@@ -299,12 +300,13 @@ def _proposals(drafter_cls, gen) -> list:
         seen.append((sequence.clone(), out))
         return out
 
-    prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
+    if prompt is None:
+        prompt = torch.randint(3, 256, (1, 12), generator=_seeded(1))
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(drafter_cls, "propose", spy)
-        gen.generate(prompt, max_new_tokens=10)
+        out = gen.generate(prompt, max_new_tokens=max_new_tokens)
     assert len(seen) >= 3
-    return seen
+    return seen, out.accepted_lengths
 
 
 def _draft_reference(drafter, base, sequence: torch.Tensor):
@@ -330,6 +332,7 @@ def test_an_eagle_dynamic_tree_drafts_what_the_draft_predicts_from_the_whole_seq
     # Against a reference that feeds no cache: a shifted feed, the wrong root output or a node
     # expanded from another parent's output drafts other tokens (the output stays the base's
     # greedy one whatever the drafter proposes, so the invariant tests cannot see them).
+    # tests/train/test_trained_drafts.py checks the same with drafts whose paths are accepted.
     from inference.drafters.eagle import EagleDrafter
 
     base = make_tiny_llama()
@@ -339,28 +342,35 @@ def test_an_eagle_dynamic_tree_drafts_what_the_draft_predicts_from_the_whole_seq
     for p in draft.parameters():  # a draft with opinions, so that ranks differ
         p.data.normal_(0, 0.5)
     drafter = EagleDrafter(draft, base, top_k=2, depth=3, total_tokens=11)  # every candidate
-    seen = _proposals(EagleDrafter, SpeculativeGenerator(base, drafter, adaptive=False))
-    with torch.no_grad():
-        for sequence, proposal in seen:
-            out, features = _draft_reference(drafter, base, sequence)
-            parents, tokens = proposal.tree.parents.tolist(), proposal.tokens
-            assert max(proposal.tree.depths.tolist()) == 3  # expanded twice
-            # each node's path: the draft's outputs after the root, fed back as features
-            hidden = {0: out[-1]}
-            for node in range(1, len(parents)):
-                ranked = drafter._log_probs(hidden[parents[node]][None])[0].topk(2).indices
-                assert tokens[node] in draft.to_base_ids(ranked), (node, "not a top-2 token")
-                path = [node]
-                while parents[path[-1]] > 0:
-                    path.append(parents[path[-1]])
-                path = path[::-1]  # depth 1 .. this node
-                if node in parents:  # expanded: its output drafts its children
-                    ids = torch.cat([sequence[1:], tokens[path]])[None]
-                    fed = [hidden[0]] + [hidden[p] for p in path[:-1]]
-                    feats = torch.cat([features, torch.stack(fed)])[None]
-                    hidden[node] = draft(
-                        base.get_input_embeddings()(ids), feats, torch.arange(ids.shape[1])[None]
-                    )[0, -1]
+    seen, _ = proposals(EagleDrafter, SpeculativeGenerator(base, drafter, adaptive=False))
+    check_eagle_drafts(drafter, base, seen, top_k=2, depth=3)
+
+
+@torch.no_grad()
+def check_eagle_drafts(drafter, base, seen: list, top_k: int, depth: int) -> None:
+    """Each dynamic tree of `seen` (from `proposals`) expands `depth` levels of the draft's top
+    `top_k` tokens after each node, the draft's outputs computed afresh from the sequence."""
+    draft = drafter.draft
+    for sequence, proposal in seen:
+        out, features = _draft_reference(drafter, base, sequence)
+        parents, tokens = proposal.tree.parents.tolist(), proposal.tokens
+        assert max(proposal.tree.depths.tolist()) == depth  # expanded depth - 1 times
+        # each node's path: the draft's outputs after the root, fed back as features
+        hidden = {0: out[-1]}
+        for node in range(1, len(parents)):
+            ranked = drafter._log_probs(hidden[parents[node]][None])[0].topk(top_k).indices
+            assert tokens[node] in draft.to_base_ids(ranked), (node, f"not a top-{top_k} token")
+            path = [node]
+            while parents[path[-1]] > 0:
+                path.append(parents[path[-1]])
+            path = path[::-1]  # depth 1 .. this node
+            if node in parents:  # expanded: its output drafts its children
+                ids = torch.cat([sequence[1:], tokens[path]])[None]
+                fed = [hidden[0]] + [hidden[p] for p in path[:-1]]
+                feats = torch.cat([features, torch.stack(fed)])[None]
+                hidden[node] = draft(
+                    base.get_input_embeddings()(ids), feats, torch.arange(ids.shape[1])[None]
+                )[0, -1]
 
 
 def test_a_medusa_tree_holds_each_heads_top_tokens_after_the_roots_base_state():
@@ -374,12 +384,18 @@ def test_a_medusa_tree_holds_each_heads_top_tokens_after_the_roots_base_state():
     torch.manual_seed(3)
     for block in heads.blocks:  # heads that differ from the base and from each other
         torch.nn.init.normal_(block.layers[0].weight, std=0.5)
-    seen = _proposals(MedusaDrafter, SpeculativeGenerator(base, heads, adaptive=False))
-    with torch.no_grad():
-        for sequence, proposal in seen:
-            state = base.model(input_ids=sequence[None]).last_hidden_state[0, -2]  # gave the root
-            depths = proposal.tree.depths
-            for k in range(2):
-                top = heads.head_logits(k, state[None])[0].topk(4).indices
-                drafted = proposal.tokens[depths == k + 1]
-                assert drafted.numel() and torch.isin(drafted, top).all(), (k, drafted, top)
+    seen, _ = proposals(MedusaDrafter, SpeculativeGenerator(base, heads, adaptive=False))
+    check_medusa_drafts(heads, base, seen, ranks=4)  # the default tree's: ranks 0-3
+
+
+@torch.no_grad()
+def check_medusa_drafts(heads, base, seen: list, ranks: int) -> None:
+    """At each depth k + 1 of the trees of `seen` (from `proposals`), head k's top `ranks`
+    tokens from the base's last state of the sequence (the one that gave the root)."""
+    for sequence, proposal in seen:
+        state = base.model(input_ids=sequence[None]).last_hidden_state[0, -2]
+        depths = proposal.tree.depths
+        for k in range(heads.config.num_heads):
+            top = heads.to_base_ids(heads.head_logits(k, state[None])[0].topk(ranks).indices)
+            drafted = proposal.tokens[depths == k + 1]
+            assert drafted.numel() and torch.isin(drafted, top).all(), (k, drafted, top)

@@ -179,3 +179,19 @@ def medusa_run(tiny_task, tmp_path_factory):
 def eagle3_run(tiny_task, tmp_path_factory):
     """The EAGLE-3 run."""
     return captured_run("eagle3", train.eagle, TINY_EAGLE, tiny_task, tmp_path_factory, EAGLE3_RUN)
+
+
+@pytest.fixture(scope="session")
+def eagle1_run(tiny_task, tmp_path_factory):
+    """An EAGLE-1 run as long as the EAGLE-3 one."""
+    overrides = [*EAGLE3_RUN, "heads.version=1"]
+    return captured_run("eagle1", train.eagle, TINY_EAGLE, tiny_task, tmp_path_factory, overrides)
+
+
+@pytest.fixture(scope="session")
+def medusa2_run(tiny_task, tmp_path_factory):
+    """A Medusa-2 run (heads and a LoRA adapter on the base) as long as the Medusa one."""
+    overrides = [*MEDUSA_RUN, "heads.lora_r=4", "training.learning_rate=0.005"]
+    return captured_run(
+        "medusa2", train.medusa, TINY_MEDUSA, tiny_task, tmp_path_factory, overrides
+    )

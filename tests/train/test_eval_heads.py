@@ -72,8 +72,7 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
     assert {k: got[k]["answers"] for k in got} == {"all": 40, "early": 20, "(no category)": 20}
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])  # a few seconds: not slow
 def test_walk_tau_is_the_tau_a_fixed_chain_decodes_at(kind, medusa_run, eagle3_run, tiny_task):
     """Decode the base's greedy answer with the trained heads as a fixed chain (fp32), then score
     that answer as the trainer's held-out evaluation does: walk_tau equals the decode's tau."""

@@ -1,0 +1,119 @@
+"""Decoding with drafts trained on the tiny task of conftest.py: they know the base's answers, so
+most drafted paths are accepted whole. The invariant tests of tests/inference draft at random
+and accept few tokens (an untrained EAGLE draft almost none); here every step accepts several,
+so the draft's cache and feature feed after a multi-token acceptance, and Medusa's state after
+one, are exercised: the output is the base's greedy one, the accepted paths are long, and each
+tree is what the draft predicts from the whole sequence (computed afresh, without its cache)."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from transformers import AutoTokenizer
+
+from heads import load_heads
+from heads.lora import with_heads_adapter
+from inference import EagleDrafter, MedusaDrafter, SpeculativeGenerator
+from tests.inference.test_drafter_trees import check_eagle_drafts, check_medusa_drafts, proposals
+from tests.train.conftest import SYSTEM_PROMPT, load_tiny_base
+
+NEW_TOKENS = 30  # the answers end at EOS after 24 letters
+# name: (run, generator options, longest accepted path, least tau over the prompts). The
+# longest is each tree's depth and the bonus token, but for EAGLE-3 five deep, trained two deep;
+# each least tau is 0.25-0.6 under the one measured.
+CASES = {
+    "medusa-chain": ("medusa", {"choices": "chain-2"}, 3, 2.3),
+    "medusa-tree": ("medusa", {"choices": [(0,), (1,), (0, 0), (0, 1), (1, 0)]}, 3, 2.3),
+    "eagle1-dynamic": ("eagle1", {"top_k": 2, "depth": 3, "total_tokens": 8}, 4, 2.9),
+    "eagle1-deep": ("eagle1", {"top_k": 2, "depth": 5, "total_tokens": 12}, 6, 3.6),
+    "eagle1-static": (
+        "eagle1",
+        {"choices": [(0,), (1,), (0, 0), (0, 1), (0, 0, 0), (1, 0)]},
+        4,
+        2.9,
+    ),
+    "eagle3-chain": ("eagle3", {"top_k": 1, "depth": 3, "total_tokens": 4}, 4, 2.9),
+    "eagle3-dynamic": ("eagle3", {"top_k": 2, "depth": 3, "total_tokens": 8}, 4, 3.2),
+    "eagle3-deep": ("eagle3", {"top_k": 2, "depth": 5, "total_tokens": 12}, 5, 3.3),
+}
+
+
+def letter_prompt(tokenizer, letter: str) -> torch.Tensor:
+    """(1, T) ids of a tiny-task question, as the answers were distilled."""
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"Recite the letters from '{letter}'."},
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_trained_drafts_give_the_base_greedy_output_on_long_accepted_paths(
+    name, request, tiny_task
+):
+    kind, options, longest, least_tau = CASES[name]
+    out = request.getfixturevalue(f"{kind}_run")[0]
+    base = load_tiny_base(tiny_task)
+    heads = load_heads(out / "heads", base=base)
+    gen = SpeculativeGenerator(base, heads, adaptive=False, **options)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    taus, paths = [], []
+    for letter in "aceh":
+        prompt = letter_prompt(tokenizer, letter)
+        ref = base.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        got = gen.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(got.sequences, ref), (name, letter)
+        taus.append(got.mean_accepted_length)
+        paths.extend(got.accepted_lengths)
+    assert max(paths) == longest and min(taus) >= least_tau, (name, taus, paths)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle1", "eagle3"])
+def test_trained_drafts_draft_after_long_accepted_paths_what_they_predict(kind, request, tiny_task):
+    # The tree checks of tests/inference/test_drafter_trees.py, on steps that follow paths of
+    # 2-4 accepted tokens (the drafter feeds them all to its draft, or reads the last's state).
+    out = request.getfixturevalue(f"{kind}_run")[0]
+    base = load_tiny_base(tiny_task)
+    heads = load_heads(out / "heads", base=base)
+    prompt = letter_prompt(AutoTokenizer.from_pretrained(tiny_task.base_dir), "c")
+    if kind == "medusa":
+        drafter = MedusaDrafter(heads, [(0,), (1,), (0, 0), (0, 1), (1, 0)])
+    else:
+        drafter = EagleDrafter(heads, base, top_k=2, depth=3, total_tokens=8)
+    gen = SpeculativeGenerator(base, drafter, adaptive=False)
+    seen, accepted = proposals(type(drafter), gen, prompt, max_new_tokens=16)
+    # every step but the first (no letter yet) and the last took drafted tokens
+    assert min(accepted[1:-1]) >= 2 and max(accepted) >= 3, accepted
+    if kind == "medusa":
+        check_medusa_drafts(heads, base, seen, ranks=2)
+    else:
+        check_eagle_drafts(drafter, base, seen, top_k=2, depth=3)
+
+
+def test_medusa2_heads_draft_on_the_base_with_their_adapter_merged(medusa2_run, tiny_task):
+    """Medusa-2 heads are served on the base with their LoRA merged (`with_heads_adapter`, as
+    scripts/eval_heads.py scores them): the output is that base's greedy one, and the heads,
+    trained on it, draft its answers."""
+    heads_dir = medusa2_run[0] / "heads"
+    with pytest.warns(UserWarning, match="Medusa-2 heads were trained on the base with the LoRA"):
+        heads = load_heads(heads_dir, base=load_tiny_base(tiny_task))
+    merged = with_heads_adapter(load_tiny_base(tiny_task), heads)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the merged base is the one they read
+        heads = load_heads(heads_dir, base=merged)
+    plain = load_tiny_base(tiny_task)
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    gen = SpeculativeGenerator(merged, heads, adaptive=False, choices="chain-2")
+    changed = 0
+    for letter in "bdg":
+        prompt = letter_prompt(tokenizer, letter)
+        ref = merged.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        got = gen.generate(prompt, max_new_tokens=NEW_TOKENS)
+        assert torch.equal(got.sequences, ref), letter
+        assert got.mean_accepted_length >= 2.2, (letter, got.accepted_lengths)  # 2.5 measured
+        before = plain.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        changed += not torch.equal(before, ref)
+    assert changed  # the adapter changed the base's answers: the heads followed the new ones
