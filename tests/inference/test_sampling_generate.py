@@ -20,6 +20,7 @@ from inference import (
     tree_from_parents,
 )
 from inference.acceptance import warp_probs
+from inference.draft import Sampling
 from tests.conftest import TINY, make_tiny_llama
 
 V = 8
@@ -205,6 +206,53 @@ def test_speculative_sampling_matches_base_law_top_k(kind):
     base, gen = _gen(kind)
     stat, critical = chi_square(gen, base, seeds(kind, 3), temperature=0.8, top_p=0.95, top_k=3)
     assert stat < critical, (kind, stat, critical)
+
+
+@pytest.mark.parametrize("padded", [False, True])
+@pytest.mark.parametrize(
+    "settings", [dict(temperature=1.0), dict(temperature=0.7, top_k=3, top_p=0.9)]
+)
+def test_a_draft_model_reports_the_law_it_draws_its_chain_from(settings, padded):
+    """Row i of a sampled chain's draft_probs is the draft model's warped law after node i, from
+    a fresh forward of the sequence and the chain so far (the verifier's min(1, p/q) needs the q
+    each token was drawn from: a q misreported at 1.15 T passes the law tests above at 1,500
+    answers), and the first drafted token follows row 0 (Pearson over 1,000 draws; a padded
+    draft's law is 0 past its 6 tokens)."""
+    if padded:  # a draft over the first 6 of the base's 8 tokens
+        model = make_tiny_llama(
+            seed=3, vocab_size=6, bos_token_id=0, eos_token_id=0, pad_token_id=0
+        )
+        model.lm_head.weight.mul_(SCALE)
+    else:
+        model = peaky_tiny(seed=3)
+    drafter = ModelDrafter(model, num_tokens=3, vocab_size=V)
+    sequence, counts, draws = PROMPT[0], torch.zeros(V), 1000
+    for seed in range(draws):
+        sampling = Sampling(**settings, generator=torch.Generator().manual_seed(seed))
+        draft = drafter.propose(sequence, sampling)
+        assert draft.sampled.tolist() == [False, True, True, True]
+        counts[draft.tokens[1]] += 1
+        if seed < 4:
+            for i in range(3):
+                ids = torch.cat([sequence, draft.tokens[1 : i + 1]])[None]
+                rows = model.config.vocab_size  # a padded draft reads a token past it as 0
+                logits = torch.full((V,), float("-inf"))
+                logits[:rows] = model(torch.where(ids < rows, ids, 0)).logits[0, -1].float()
+                q = warp_probs(
+                    logits,
+                    settings["temperature"],
+                    settings.get("top_k", 0),
+                    settings.get("top_p", 1.0),
+                )
+                torch.testing.assert_close(draft.draft_probs[i], q)
+                assert q[draft.tokens[i + 1]] > 0
+            assert not draft.draft_probs[3].any()  # a leaf: nothing drawn from it
+    expected = draft.draft_probs[0] * draws
+    cells = expected > 5
+    assert counts[~cells].sum() <= 5 * (~cells).sum()  # the rest all but never drawn
+    stat = ((counts - expected)[cells] ** 2 / expected[cells]).sum()
+    df = int(cells.sum()) - 1
+    assert df >= 1 and torch.special.gammaincc(torch.tensor(df / 2), stat / 2) > 1e-3, (stat, df)
 
 
 class TopKAsSampled(Drafter):

@@ -12,9 +12,9 @@ is chi-square with the summed ranks.
 This checks every position, where test_sampling_generate checks the joint law of tokens 2-3,
 on the cases that one leaves out: an EAGLE-3 draft over a reduced vocabulary, adaptive arms
 switched at random under sampling, EOS and stop strings under sampling, cuts inside accepted
-paths, a draft equal to the base (its deep paths accepted most), temperatures off 1, and each
-case on its own block of seeds. A generator sampling at another temperature than the one
-judged is caught (so the test can fail)."""
+paths, a draft equal to the base (its deep paths accepted most), a draft model's sampled chains
+(q != p), temperatures off 1, and each case on its own block of seeds. A generator sampling at
+another temperature than the one judged is caught (so the test can fail)."""
 
 import random
 
@@ -206,6 +206,11 @@ CASES = {
         ),
         dict(temperature=1.0),
         {"eos_token_id": [3, 6]},
+    ),
+    "draft-model-sampled-chain-cold": (  # q != p: chains drawn from another model's law
+        lambda b: SpeculativeGenerator(b, peaky_tiny(seed=3), num_tokens=3),
+        dict(temperature=0.8, top_p=0.9),
+        {},
     ),
 }
 
