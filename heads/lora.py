@@ -100,3 +100,30 @@ def with_heads_adapter(base: nn.Module, heads) -> nn.Module:
     merged = merged.merge_and_unload()
     repack_stale(merged)  # load_base's prepacked CPU weights: the merged ones, not the old
     return merged
+
+
+def base_as_served(base: nn.Module, folders) -> tuple[nn.Module, str | None]:
+    """`base` as the heads of `folders` (paths or Hub repo ids) are served, and the folder whose
+    adapter it took: with the LoRA adapter of the Medusa-2 heads among them merged in
+    (`with_heads_adapter`); `base` and None when none has one or the base has it merged already.
+    Two Medusa-2 folders raise ValueError: each read the base with its own adapter."""
+    from heads.checkpoint import load_heads, read_config, resolve_folder
+
+    adapted = [name for name in folders if read_config(resolve_folder(name)).get("base_lora")]
+    if len(adapted) > 1:
+        raise ValueError(
+            f"{' and '.join(map(str, adapted))} are Medusa-2 heads, each trained beside its own "
+            "LoRA adapter on the base: serve one of them at a time"
+        )
+    if not adapted:
+        return base, None
+    heads = load_heads(adapted[0])
+    if lora_merged(base, heads.config.base_lora_probe) is not False:
+        return base, None  # merged already (or a probe that cannot tell: left as given)
+    return with_heads_adapter(base, heads), str(adapted[0])
+
+
+SERVED_NOTE = (
+    "the base with the LoRA adapter of the Medusa-2 heads {} merged: the model they were "
+    "trained on and are served with"
+)

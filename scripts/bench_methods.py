@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
+from heads.lora import SERVED_NOTE, base_as_served
 from inference import (
     NgramDrafter,
     NgramTable,
@@ -133,6 +134,13 @@ def parse_methods(
 def build_methods(names: list[str], args: argparse.Namespace):
     """Load the base (and heads, draft model); returns (base, tokenizer, methods)."""
     base, tokenizer = load_base(args.base, **load_options(args))
+    # Medusa-2 heads are served on the base with their adapter merged: every method runs on
+    # it, the baseline too (the model being made faster); results.json's settings name it.
+    args.base_adapter_of = None
+    if any(name.startswith("heads") for name in names):
+        base, args.base_adapter_of = base_as_served(base, args.heads)
+        if args.base_adapter_of:
+            print(f"bench: {SERVED_NOTE.format(args.base_adapter_of)}", file=sys.stderr)
     if getattr(args, "chat_template", None):  # every prompt is rendered with it
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     device = next(base.parameters()).device

@@ -7,7 +7,12 @@ tree is what the draft predicts from the whole sequence (computed afresh, withou
 
 from __future__ import annotations
 
+import io
+import json
+import shutil
+import sys
 import warnings
+from pathlib import Path
 
 import pytest
 import torch
@@ -117,3 +122,52 @@ def test_medusa2_heads_draft_on_the_base_with_their_adapter_merged(medusa2_run, 
         before = plain.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
         changed += not torch.equal(before, ref)
     assert changed  # the adapter changed the base's answers: the heads followed the new ones
+
+
+def test_chat_and_bench_serve_medusa2_heads_on_their_merged_base(
+    medusa2_run, tiny_task, tmp_path, monkeypatch, capsys
+):
+    """scripts/chat.py and scripts/bench.py given Medusa-2 heads decode with the base their
+    adapter is merged into, and say so: the answer is that base's greedy one (not the plain
+    base's), bench's baseline is that base, and two Medusa-2 folders are refused."""
+    scripts = str(Path(__file__).parents[2] / "scripts")
+    monkeypatch.syspath_prepend(scripts)
+    import bench
+    import chat
+
+    heads_dir = medusa2_run[0] / "heads"
+    tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
+    prompt = letter_prompt(tokenizer, "d")
+    answers = {}
+    for name, model in (
+        ("plain", load_tiny_base(tiny_task)),
+        ("merged", with_heads_adapter(load_tiny_base(tiny_task), load_heads(heads_dir))),
+    ):
+        ids = model.generate(prompt, max_new_tokens=NEW_TOKENS, do_sample=False)
+        answers[name] = tokenizer.decode(ids[0, prompt.shape[1] :], skip_special_tokens=True)
+    assert answers["merged"] != answers["plain"]
+    base = ["--base", str(tiny_task.base_dir), "--threads", "1"]
+    turn = "Recite the letters from 'd'."
+    monkeypatch.setattr(sys, "stdin", io.StringIO(turn + "\n"))
+    argv = [*base, "--heads", str(heads_dir), "--system-prompt", SYSTEM_PROMPT, "--compare"]
+    assert chat.main([*argv, "--max-new-tokens", str(NEW_TOKENS)]) == 0
+    out, err = capsys.readouterr()
+    assert out == answers["merged"] + "\n"
+    assert f"chat: the base with the LoRA adapter of the Medusa-2 heads {heads_dir}" in err
+    assert "identical" in err
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"prompt": turn, "category": "letters"}) + "\n")
+    argv = [*base, "--prompts", str(prompts), "--system-prompt", SYSTEM_PROMPT, "--runs", "1"]
+    argv += ["--max-new-tokens", str(NEW_TOKENS), "--methods", "heads", "--tree", "chain-2"]
+    argv += ["--heads", str(heads_dir), "--out", str(tmp_path / "bench")]
+    assert bench.main(argv) == 0
+    assert "bench: the base with the LoRA adapter of the Medusa-2 heads" in capsys.readouterr().err
+    results = json.loads((tmp_path / "bench" / "results.json").read_text())
+    assert results["settings"]["base_adapter_of"] == str(heads_dir)
+    (record,) = [r for r in results["records"] if r["method"] != "baseline"]
+    assert record["identical"] and record["tau"] >= 2.0, record  # 2.23 measured
+    # two Medusa-2 folders: refused (a copy of the same heads stands for another run's)
+    other = tmp_path / "other-heads"
+    shutil.copytree(heads_dir, other)
+    assert bench.main([*argv[:-2], str(other), "--out", str(tmp_path / "b2")]) == 2
+    assert "each trained beside its own LoRA adapter" in capsys.readouterr().err
