@@ -39,6 +39,7 @@ import bench_report  # noqa: E402  (scripts/ is not a package)
 from bench import prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
+from heads.lora import SERVED_NOTE, base_as_served  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
 from inference.adaptive import AdaptivePolicy  # noqa: E402
 from inference.drafters import make_drafter  # noqa: E402
@@ -230,6 +231,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
         base, tokenizer = load_base(args.base, device=args.device)
+        base, adapter_of = base_as_served(base, [args.heads])  # Medusa-2: its adapter merged
+        if adapter_of:
+            print(f"bench_arms: {SERVED_NOTE.format(adapter_of)}", file=sys.stderr)
         heads = load_heads(args.heads, base=base)
         device = next(base.parameters()).device
         arms = args.arms
@@ -268,6 +272,7 @@ def main(argv: list[str] | None = None) -> int:
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
         "machine": bench_report.machine_info(),
         "base": args.base,
+        "base_adapter_of": adapter_of,
         "heads": args.heads,
         "prompts": {"source": args.prompts, "count": len(ids)},
         "max_new_tokens": args.max_new_tokens,

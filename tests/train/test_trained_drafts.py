@@ -127,12 +127,13 @@ def test_medusa2_heads_draft_on_the_base_with_their_adapter_merged(medusa2_run, 
 def test_chat_and_bench_serve_medusa2_heads_on_their_merged_base(
     medusa2_run, tiny_task, tmp_path, monkeypatch, capsys
 ):
-    """scripts/chat.py and scripts/bench.py given Medusa-2 heads decode with the base their
-    adapter is merged into, and say so: the answer is that base's greedy one (not the plain
+    """scripts/chat.py, bench.py and bench_arms.py given Medusa-2 heads decode with the base
+    their adapter is merged into, and say so: the answer is that base's greedy one (not the plain
     base's), bench's baseline is that base, and two Medusa-2 folders are refused."""
     scripts = str(Path(__file__).parents[2] / "scripts")
     monkeypatch.syspath_prepend(scripts)
     import bench
+    import bench_arms
     import chat
 
     heads_dir = medusa2_run[0] / "heads"
@@ -166,6 +167,12 @@ def test_chat_and_bench_serve_medusa2_heads_on_their_merged_base(
     assert results["settings"]["base_adapter_of"] == str(heads_dir)
     (record,) = [r for r in results["records"] if r["method"] != "baseline"]
     assert record["identical"] and record["tau"] >= 2.0, record  # 2.23 measured
+    argv_arms = [*base, "--prompts", str(prompts), "--max-new-tokens", "8", "--heads"]
+    argv_arms += [str(heads_dir), "--arms", '[{"choices": "chain-2"}]', "--out", str(tmp_path)]
+    assert bench_arms.main(argv_arms) == 0
+    assert "bench_arms: the base with the LoRA adapter" in capsys.readouterr().err
+    arms = json.loads((tmp_path / "arms.json").read_text())
+    assert arms["base_adapter_of"] == str(heads_dir)
     # two Medusa-2 folders: refused (a copy of the same heads stands for another run's)
     other = tmp_path / "other-heads"
     shutil.copytree(heads_dir, other)
