@@ -9,7 +9,9 @@ and after merging. `load_heads` reads those entries of the base it is given to t
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Iterable
 from contextlib import nullcontext
 from typing import Any
 
@@ -19,6 +21,11 @@ from torch import nn
 from heads.base import parameter_values
 
 LORA_FOLDER = "lora"  # the adapter's subfolder of a heads folder (peft's save_pretrained)
+# what the scripts say when they serve Medusa-2 heads (`base_as_served`)
+SERVED_NOTE = (
+    "the base with the LoRA adapter of the Medusa-2 heads {} merged: the model they were "
+    "trained on and are served with"
+)
 
 
 def lora_probe(peft_model: nn.Module, k: int = 8, gather=None) -> dict[str, Any]:
@@ -102,7 +109,9 @@ def with_heads_adapter(base: nn.Module, heads) -> nn.Module:
     return merged
 
 
-def base_as_served(base: nn.Module, folders) -> tuple[nn.Module, str | None]:
+def base_as_served(
+    base: nn.Module, folders: Iterable[str | os.PathLike]
+) -> tuple[nn.Module, str | None]:
     """`base` as the heads of `folders` (paths or Hub repo ids) are served, and the folder whose
     adapter it took: with the LoRA adapter of the Medusa-2 heads among them merged in
     (`with_heads_adapter`); `base` and None when none has one or the base has it merged already.
@@ -121,9 +130,3 @@ def base_as_served(base: nn.Module, folders) -> tuple[nn.Module, str | None]:
     if lora_merged(base, heads.config.base_lora_probe) is not False:
         return base, None  # merged already (or a probe that cannot tell: left as given)
     return with_heads_adapter(base, heads), str(adapted[0])
-
-
-SERVED_NOTE = (
-    "the base with the LoRA adapter of the Medusa-2 heads {} merged: the model they were "
-    "trained on and are served with"
-)

@@ -138,7 +138,10 @@ def build_methods(names: list[str], args: argparse.Namespace):
     # it, the baseline too (the model being made faster); results.json's settings name it.
     args.base_adapter_of = None
     if any(name.startswith("heads") for name in names):
-        base, args.base_adapter_of = base_as_served(base, args.heads)
+        try:
+            base, args.base_adapter_of = base_as_served(base, args.heads)
+        except (ValueError, OSError) as e:
+            raise BenchError(f"--heads: {e}") from e
         if args.base_adapter_of:
             print(f"bench: {SERVED_NOTE.format(args.base_adapter_of)}", file=sys.stderr)
     if getattr(args, "chat_template", None):  # every prompt is rendered with it

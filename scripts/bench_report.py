@@ -179,9 +179,11 @@ def markdown(results: dict) -> str:
     )
     prompts = results["prompts"]
     turns = "first user turn" if prompts["turns"] == "first" else "every user turn, in context"
+    adapter = s.get("base_adapter_of")  # results.json files before it lack it
+    merged = f" with the LoRA adapter of the Medusa-2 heads `{adapter}` merged" if adapter else ""
     return "\n".join(
         [
-            f"# Speculative decoding benchmark: `{results['base']}`",
+            f"# Speculative decoding benchmark: `{results['base']}`{merged}",
             "",
             f"{results['date']} on {device} ({machine['torch_threads']} torch threads); torch "
             f"{results['versions']['torch']}, transformers {results['versions']['transformers']}.",

@@ -43,6 +43,14 @@ def make_tiny_llama(seed: int = 0, attn: str = "sdpa", **overrides) -> LlamaForC
     return model
 
 
+@pytest.fixture(autouse=True)
+def keep_torch_threads():
+    """The scripts' main set torch's thread count (--threads): give other tests theirs back."""
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama() -> LlamaForCausalLM:
     return make_tiny_llama()

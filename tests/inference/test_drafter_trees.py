@@ -395,7 +395,7 @@ def check_medusa_drafts(heads, base, seen: list, ranks: int) -> None:
     for sequence, proposal in seen:
         state = base.model(input_ids=sequence[None]).last_hidden_state[0, -2]
         depths = proposal.tree.depths
-        for k in range(heads.config.num_heads):
+        for k in range(int(depths.max())):  # head k drafts depth k + 1
             top = heads.to_base_ids(heads.head_logits(k, state[None])[0].topk(ranks).indices)
             drafted = proposal.tokens[depths == k + 1]
             assert drafted.numel() and torch.isin(drafted, top).all(), (k, drafted, top)

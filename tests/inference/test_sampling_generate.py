@@ -37,9 +37,11 @@ def one_thread():
     torch.set_num_threads(old)
 
 
-def peaky_tiny(seed=0):
-    """A tiny Llama over 8 tokens whose next-token distributions are far from uniform."""
-    base = make_tiny_llama(seed=seed, vocab_size=V, bos_token_id=0, eos_token_id=0, pad_token_id=0)
+def peaky_tiny(seed=0, vocab_size=V):
+    """A tiny Llama over 8 tokens (or `vocab_size`) whose next-token distributions are far from
+    uniform."""
+    ids = dict(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    base = make_tiny_llama(seed=seed, vocab_size=vocab_size, **ids)
     base.lm_head.weight.mul_(SCALE)
     return base
 
@@ -116,11 +118,7 @@ def _gen(kind, lazy_logits=None):
     if kind == "draft-model-sampled":  # chains sampled from q, accepted with min(1, p/q)
         return base, SpeculativeGenerator(base, peaky_tiny(seed=3), num_tokens=2)
     if kind == "draft-model-padded":  # a draft over the first 6 of the base's 8 tokens
-        draft = make_tiny_llama(
-            seed=3, vocab_size=6, bos_token_id=0, eos_token_id=0, pad_token_id=0
-        )
-        draft.lm_head.weight.mul_(SCALE)
-        return base, SpeculativeGenerator(base, draft, num_tokens=2)
+        return base, SpeculativeGenerator(base, peaky_tiny(seed=3, vocab_size=6), num_tokens=2)
     if kind == "draft-model-tree":  # point masses: the draft's ranked tokens on a static tree
         return base, SpeculativeGenerator(
             base, peaky_tiny(seed=3), choices=[(0,), (1,), (0, 0), (1, 0)]
@@ -218,13 +216,7 @@ def test_a_draft_model_reports_the_law_it_draws_its_chain_from(settings, padded)
     each token was drawn from: a q misreported at 1.15 T passes the law tests above at 1,500
     answers), and the first drafted token follows row 0 (Pearson over 1,000 draws; a padded
     draft's law is 0 past its 6 tokens)."""
-    if padded:  # a draft over the first 6 of the base's 8 tokens
-        model = make_tiny_llama(
-            seed=3, vocab_size=6, bos_token_id=0, eos_token_id=0, pad_token_id=0
-        )
-        model.lm_head.weight.mul_(SCALE)
-    else:
-        model = peaky_tiny(seed=3)
+    model = peaky_tiny(seed=3, vocab_size=6 if padded else V)  # padded: the first 6 tokens
     drafter = ModelDrafter(model, num_tokens=3, vocab_size=V)
     sequence, counts, draws = PROMPT[0], torch.zeros(V), 1000
     for seed in range(draws):

@@ -11,14 +11,6 @@ from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from tests.conftest import make_tiny_llama
 
 
-@pytest.fixture(autouse=True)
-def keep_torch_threads():
-    """bench.main sets torch's thread count (--threads); give other tests theirs back."""
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
-
-
 def _tiny(tok, **overrides):
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     ids["pad_token_id"] = tok.pad_token_id
