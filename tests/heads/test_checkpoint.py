@@ -118,6 +118,7 @@ def test_eagle3_layout_is_engines(tiny_llama, tmp_path):
     assert cfg["eagle_aux_hidden_state_layer_ids"] == [1, 1, 0]
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [0, 0, -1]
     assert cfg["headstart_format"] == 2
+    assert cfg["tie_word_embeddings"] is False  # SGLang would draft with embed_tokens instead
     t = load_file(tmp_path / "model.safetensors")
     assert t["fc.weight"].shape == (64, 192)
     assert t["midlayer.self_attn.q_proj.weight"].shape[1] == 128
@@ -136,6 +137,7 @@ def test_eagle1_layout_is_plain_llama(tiny_llama, tmp_path):
         cfg["model_type"] == "llama"
         and cfg["num_hidden_layers"] == 1
         and "draft_vocab_size" not in cfg
+        and cfg["tie_word_embeddings"] is False
     )
     t = load_file(tmp_path / "model.safetensors")
     assert t["fc.weight"].shape == (64, 128)

@@ -95,7 +95,9 @@ def test_eagle3_rope_scaling_carries_over():
     base = make_tiny_llama(rope_parameters=scaling)
     draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
     torch.testing.assert_close(draft.rotary_emb.inv_freq, base.model.rotary_emb.inv_freq)
-    assert draft.config.to_dict()["rope_scaling"]["rope_type"] == "llama3"
+    written = draft.config.to_dict()
+    assert written["rope_scaling"]["rope_type"] == "llama3"
+    assert written["rope_theta"] == 500000.0  # engines that read the top-level key
 
 
 def test_vocab_map_roundtrip_and_errors(tiny_llama):

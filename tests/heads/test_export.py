@@ -87,11 +87,22 @@ def test_refusals(tiny_llama, medusa_dir, tmp_path):
     EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
     with pytest.raises(ExportError, match="Medusa heads"):
         export_heads(tmp_path / "e1", "tgi", tmp_path / "t2")
+    # TGI and TensorRT-LLM read lm_head row j as token j: a draft vocabulary's rows would
+    # draft other tokens than the heads rank
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=128)
+    reduced = MedusaHeads(config)
+    reduced.init_from_base(tiny_llama, token_map=torch.arange(0, 256, 2))
+    reduced.save_pretrained(tmp_path / "reduced")
+    for target in ("tgi", "trtllm"):
+        with pytest.raises(ExportError, match="no reduced draft vocabulary"):
+            export_heads(tmp_path / "reduced", target, tmp_path / target)
+        assert not (tmp_path / target).exists()
 
 
-def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_path):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_path, dtype):
     draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
-    draft.save_pretrained(tmp_path / "e1")
+    draft.save_pretrained(tmp_path / "e1", dtype=dtype)  # the bias in the weights' dtype
     export_heads(tmp_path / "e1", "sglang", tmp_path / "s1")
     native = json.loads((tmp_path / "e1/config.json").read_text())
     sglang = json.loads((tmp_path / "s1/config.json").read_text())

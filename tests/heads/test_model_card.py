@@ -1,0 +1,52 @@
+"""The model card's serving lines: each kind of heads gets the vLLM method, draft path and
+token count, and the SGLang algorithm and draft path, that serve it as headstart drafts."""
+
+import torch
+from transformers import LlamaConfig
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from heads.hub import model_card
+from tests.conftest import TINY
+
+BASE = LlamaConfig(**{**TINY, "num_hidden_layers": 8})  # aux layers 2, 4, 5: engines serve them
+
+
+def _vllm(method: str, model: str, tokens: int) -> str:
+    return (
+        f'speculative_config={{"method": "{method}", "model": "{model}", '
+        f'"num_speculative_tokens": {tokens}}}'
+    )
+
+
+def test_eagle3_card_serves_the_repo_in_both_engines():
+    draft = EagleDraft(EagleConfig.from_base(BASE, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(0, 256, 8))
+    card = model_card(draft.config, "me/d3")
+    assert _vllm("eagle3", "me/d3", 5) in card
+    assert "--speculative-algorithm EAGLE3 --speculative-draft-model-path me/d3 " in card
+    assert "export_heads" not in card
+
+
+def test_eagle1_card_sends_sglang_through_its_export_and_the_export_vllm_back():
+    config = EagleDraft(EagleConfig.from_base(BASE, version=1)).config
+    card = model_card(config, "me/d1")
+    assert _vllm("eagle", "me/d1", 5) in card
+    # SGLang builds EAGLE-1 under its own architecture name: the card exports first
+    assert "export_heads('me/d1', 'sglang', 'draft-sglang')" in card
+    assert "--speculative-algorithm EAGLE --speculative-draft-model-path draft-sglang " in card
+    # the card of that export: SGLang reads it as it is, vLLM its native layout again
+    card = model_card(config, "me/d1-sglang", sglang_layout=True)
+    assert 'export_heads("me/d1-sglang", "vllm", "draft-vllm")' in card
+    assert _vllm("eagle", "draft-vllm", 5) in card
+    assert "--speculative-algorithm EAGLE --speculative-draft-model-path me/d1-sglang " in card
+
+
+def test_medusa_cards_draft_one_token_per_head_on_the_base_they_read():
+    config = MedusaConfig.from_base(BASE, num_heads=2)
+    config.base_model_name_or_path = "org/base"
+    card = model_card(MedusaHeads(config).config, "me/m")
+    assert 'LLM(model="org/base"' in card and _vllm("medusa", "me/m", 2) in card
+    assert "SGLang does not serve Medusa heads" in card and "launch_server" not in card
+    config.base_lora = "lora"  # Medusa-2: served on the base with the adapter merged
+    card = model_card(config, "me/m2")
+    assert 'LLM(model="BASE_WITH_LORA_MERGED"' in card and 'LLM(model="org/base"' not in card
