@@ -10,6 +10,7 @@ and after merging. `load_heads` reads those entries of the base it is given to t
 from __future__ import annotations
 
 import os
+import sys
 import warnings
 from collections.abc import Iterable
 from contextlib import nullcontext
@@ -21,11 +22,6 @@ from torch import nn
 from heads.base import parameter_values
 
 LORA_FOLDER = "lora"  # the adapter's subfolder of a heads folder (peft's save_pretrained)
-# what the scripts say when they serve Medusa-2 heads (`base_as_served`)
-SERVED_NOTE = (
-    "the base with the LoRA adapter of the Medusa-2 heads {} merged: the model they were "
-    "trained on and are served with"
-)
 
 
 def lora_probe(peft_model: nn.Module, k: int = 8, gather=None) -> dict[str, Any]:
@@ -110,12 +106,13 @@ def with_heads_adapter(base: nn.Module, heads) -> nn.Module:
 
 
 def base_as_served(
-    base: nn.Module, folders: Iterable[str | os.PathLike]
+    base: nn.Module, folders: Iterable[str | os.PathLike], program: str
 ) -> tuple[nn.Module, str | None]:
     """`base` as the heads of `folders` (paths or Hub repo ids) are served, and the folder whose
     adapter it took: with the LoRA adapter of the Medusa-2 heads among them merged in
-    (`with_heads_adapter`); `base` and None when none has one or the base has it merged already.
-    Two Medusa-2 folders raise ValueError: each read the base with its own adapter."""
+    (`with_heads_adapter`), said on stderr as `program`'s; `base` and None when none has one or
+    the base has it merged already. Two Medusa-2 folders raise ValueError: each read the base
+    with its own adapter."""
     from heads.checkpoint import load_heads, read_config, resolve_folder
 
     adapted = [name for name in folders if read_config(resolve_folder(name)).get("base_lora")]
@@ -129,4 +126,9 @@ def base_as_served(
     heads = load_heads(adapted[0])
     if lora_merged(base, heads.config.base_lora_probe) is not False:
         return base, None  # merged already (or a probe that cannot tell: left as given)
+    print(
+        f"{program}: the base with the LoRA adapter of the Medusa-2 heads {adapted[0]} merged: "
+        "the model they were trained on and are served with",
+        file=sys.stderr,
+    )
     return with_heads_adapter(base, heads), str(adapted[0])

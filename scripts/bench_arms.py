@@ -39,7 +39,7 @@ import bench_report  # noqa: E402  (scripts/ is not a package)
 from bench import prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
-from heads.lora import SERVED_NOTE, base_as_served  # noqa: E402
+from heads.lora import base_as_served  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
 from inference.adaptive import AdaptivePolicy  # noqa: E402
 from inference.drafters import make_drafter  # noqa: E402
@@ -231,9 +231,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
         base, tokenizer = load_base(args.base, device=args.device)
-        base, adapter_of = base_as_served(base, [args.heads])  # Medusa-2: its adapter merged
-        if adapter_of:
-            print(f"bench_arms: {SERVED_NOTE.format(adapter_of)}", file=sys.stderr)
+        # Medusa-2: its adapter merged
+        base, adapter_of = base_as_served(base, [args.heads], "bench_arms")
         heads = load_heads(args.heads, base=base)
         device = next(base.parameters()).device
         arms = args.arms

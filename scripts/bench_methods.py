@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from heads.lora import SERVED_NOTE, base_as_served
+from heads.lora import base_as_served
 from inference import (
     NgramDrafter,
     NgramTable,
@@ -139,11 +139,9 @@ def build_methods(names: list[str], args: argparse.Namespace):
     args.base_adapter_of = None
     if any(name.startswith("heads") for name in names):
         try:
-            base, args.base_adapter_of = base_as_served(base, args.heads)
+            base, args.base_adapter_of = base_as_served(base, args.heads, "bench")
         except (ValueError, OSError) as e:
             raise BenchError(f"--heads: {e}") from e
-        if args.base_adapter_of:
-            print(f"bench: {SERVED_NOTE.format(args.base_adapter_of)}", file=sys.stderr)
     if getattr(args, "chat_template", None):  # every prompt is rendered with it
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
     device = next(base.parameters()).device

@@ -28,7 +28,7 @@ from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa:
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
-from heads.lora import SERVED_NOTE, base_as_served  # noqa: E402
+from heads.lora import base_as_served  # noqa: E402
 from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
 from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
 
@@ -139,9 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         torch.set_num_threads(args.threads)
     try:
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
-        base, adapter_of = base_as_served(base, args.heads)  # Medusa-2: its adapter merged
-        if adapter_of:
-            print(f"chat: {SERVED_NOTE.format(adapter_of)}", file=sys.stderr)
+        base, _ = base_as_served(base, args.heads, "chat")  # Medusa-2: its adapter merged
         # the template is needed for every turn: a tokenizer without one is said at once
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         gen = build_generator(args, base, tokenizer)

@@ -42,7 +42,7 @@ from bench import read_prompts  # noqa: E402  (scripts/ is not a package)
 from bench_methods import BenchError  # noqa: E402
 
 from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
-from heads.lora import SERVED_NOTE, base_as_served  # noqa: E402
+from heads.lora import base_as_served  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
 from train.data import read_distilled  # noqa: E402
 from train.eagle import EagleTrainee  # noqa: E402
@@ -136,9 +136,7 @@ def main(argv: list[str] | None = None) -> int:
     base, tokenizer = load_frozen_base(recipe, accelerator)
     try:
         # Medusa-2 heads are scored on the base with their adapter merged, as they are served
-        base, adapter_of = base_as_served(base, [args.heads])
-        if adapter_of:
-            print(f"eval_heads: {SERVED_NOTE.format(adapter_of)}", file=sys.stderr)
+        base, _ = base_as_served(base, [args.heads], "eval_heads")
         heads = load_heads(args.heads, base)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
