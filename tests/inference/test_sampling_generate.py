@@ -218,6 +218,7 @@ def test_a_draft_model_reports_the_law_it_draws_its_chain_from(settings, padded)
     draft's law is 0 past its 6 tokens)."""
     model = peaky_tiny(seed=3, vocab_size=6 if padded else V)  # padded: the first 6 tokens
     drafter = ModelDrafter(model, num_tokens=3, vocab_size=V)
+    rows = model.config.vocab_size  # a padded draft reads a token past it as 0
     sequence, counts, draws = PROMPT[0], torch.zeros(V), 1000
     for seed in range(draws):
         sampling = Sampling(**settings, generator=torch.Generator().manual_seed(seed))
@@ -227,7 +228,6 @@ def test_a_draft_model_reports_the_law_it_draws_its_chain_from(settings, padded)
         if seed < 4:
             for i in range(3):
                 ids = torch.cat([sequence, draft.tokens[1 : i + 1]])[None]
-                rows = model.config.vocab_size  # a padded draft reads a token past it as 0
                 logits = torch.full((V,), float("-inf"))
                 logits[:rows] = model(torch.where(ids < rows, ids, 0)).logits[0, -1].float()
                 q = warp_probs(

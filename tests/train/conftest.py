@@ -70,6 +70,16 @@ def write_distilled(folder: Path) -> Path:
     return folder
 
 
+def letter_prompt(tokenizer, letter: str) -> torch.Tensor:
+    """(1, T) ids of a tiny-task question, as the answers were distilled."""
+    messages = [
+        {"role": "system", "content": SYSTEM_PROMPT},
+        {"role": "user", "content": f"Recite the letters from '{letter}'."},
+    ]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
+
+
 @torch.no_grad()
 def fit_lm_head(base, examples: list[dict], pad_token_id: int, scale: float = 3.0) -> None:
     """Point the lm_head rows of the answer tokens at the hidden states that precede them."""

@@ -16,7 +16,7 @@ from transformers import AutoTokenizer
 import train.eagle
 import train.medusa
 from heads import load_heads
-from tests.train.conftest import LETTERS, N_RECORDS, SYSTEM_PROMPT, load_tiny_base
+from tests.train.conftest import LETTERS, N_RECORDS, letter_prompt, load_tiny_base
 from train.config import load_recipe
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -93,12 +93,7 @@ def test_walk_tau_is_the_tau_a_fixed_chain_decodes_at(kind, medusa_run, eagle3_r
     tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
     examples, taus = [], []
     for letter in "bdg":
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Recite the letters from '{letter}'."},
-        ]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer(text, add_special_tokens=False)["input_ids"]
+        prompt = letter_prompt(tokenizer, letter)[0].tolist()
         decoded = generator.generate(torch.tensor(prompt), max_new_tokens=20)
         answer = decoded.sequences[0, len(prompt) :].tolist()
         assert decoded.mean_accepted_length > 1.5  # the heads draft most of it
@@ -161,12 +156,7 @@ def test_held_out_metrics_weigh_every_row_the_same_whatever_the_batch_size(
     tokenizer = AutoTokenizer.from_pretrained(tiny_task.base_dir)
     examples = []
     for letter, new_tokens in (("b", 20), ("d", 7), ("g", 4)):
-        messages = [
-            {"role": "system", "content": SYSTEM_PROMPT},
-            {"role": "user", "content": f"Recite the letters from '{letter}'."},
-        ]
-        text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-        prompt = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"]
+        prompt = letter_prompt(tokenizer, letter)
         answer = base.generate(prompt, max_new_tokens=new_tokens, do_sample=False)[
             0, prompt.shape[1] :
         ]

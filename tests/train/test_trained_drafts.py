@@ -22,7 +22,7 @@ from heads import load_heads
 from heads.lora import with_heads_adapter
 from inference import EagleDrafter, MedusaDrafter, SpeculativeGenerator
 from tests.inference.test_drafter_trees import check_eagle_drafts, check_medusa_drafts, proposals
-from tests.train.conftest import SYSTEM_PROMPT, load_tiny_base
+from tests.train.conftest import SYSTEM_PROMPT, letter_prompt, load_tiny_base
 
 NEW_TOKENS = 30  # the answers end at EOS after 24 letters
 # name: (run, generator options, a path at least this long accepted, least tau over the
@@ -44,16 +44,6 @@ CASES = {
     "eagle3-dynamic": ("eagle3", {"top_k": 2, "depth": 3, "total_tokens": 8}, 4, 3.2),
     "eagle3-deep": ("eagle3", {"top_k": 2, "depth": 5, "total_tokens": 12}, 5, 3.3),
 }
-
-
-def letter_prompt(tokenizer, letter: str) -> torch.Tensor:
-    """(1, T) ids of a tiny-task question, as the answers were distilled."""
-    messages = [
-        {"role": "system", "content": SYSTEM_PROMPT},
-        {"role": "user", "content": f"Recite the letters from '{letter}'."},
-    ]
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
-    return torch.tensor([tokenizer(text, add_special_tokens=False)["input_ids"]])
 
 
 @pytest.mark.parametrize("name", list(CASES))
