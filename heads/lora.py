@@ -54,9 +54,9 @@ def lora_probe(peft_model: nn.Module, k: int = 8, gather=None) -> dict[str, Any]
 def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
     """Whether `base` computes with the probed adapter: a peft model, or its weight's entries
     nearer the merged values than the plain ones. None where the probe cannot tell (none
-    recorded, the weight not in this base, an adapter that changes nothing). An adapter whose
-    largest changes are below a low-precision base's rounding (bf16: ~0.4% of the weight) reads
-    as not merged."""
+    recorded, the weight not in this base, an adapter that changes nothing in the base's
+    precision: one whose largest changes are below bf16's rounding, ~0.4% of the weight, leaves
+    the base the same merged or not)."""
     if hasattr(base, "peft_config"):
         return True
     if not probe or probe["plain"] == probe["merged"]:
@@ -70,9 +70,11 @@ def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
     with torch.no_grad():
         values = weight.reshape(-1)[torch.tensor(probe["index"], device=weight.device)]
         values = values.float().cpu()
-    merged = (values - torch.tensor(probe["merged"])).abs().sum()
-    plain = (values - torch.tensor(probe["plain"])).abs().sum()
-    return bool(merged < plain)
+    # the probe's values as this base would hold them, rounded to its weight's dtype
+    merged, plain = (torch.tensor(probe[k]).to(weight.dtype).float() for k in ("merged", "plain"))
+    if torch.equal(merged, plain):
+        return None
+    return bool((values - merged).abs().sum() < (values - plain).abs().sum())
 
 
 def warn_unless_merged(config, base: nn.Module, where: str) -> None:

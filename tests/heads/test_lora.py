@@ -138,3 +138,60 @@ def test_medusa2_heads_are_given_the_base_with_their_adapter_merged(tmp_path):
     assert with_heads_adapter(base, load_heads(tmp_path / "heads")) is base  # merged already
     other = MedusaHeads(MedusaConfig.from_base(plain.config, num_heads=2))
     assert with_heads_adapter(plain, other) is plain  # Medusa-1: the base as it is
+
+
+def _medusa2_folder(folder: Path, plain, std: float) -> None:
+    """Medusa-2 heads saved in `folder` beside a q_proj adapter whose B entries have `std`."""
+    from heads import MedusaConfig, MedusaHeads
+
+    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
+    draw = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=std, generator=draw)
+    adapted.save_pretrained(folder / "lora")
+    config = MedusaConfig.from_base(
+        plain.config, num_heads=2, base_lora="lora", base_lora_probe=lora_probe(adapted)
+    )
+    MedusaHeads(config).init_from_base(plain).save_pretrained(folder)
+
+
+def test_the_scripts_serve_medusa2_heads_on_their_merged_base(tmp_path, capsys):
+    import pytest
+
+    from heads import MedusaConfig, MedusaHeads, load_heads
+    from heads.lora import base_as_served
+
+    plain = make_tiny_llama(seed=2)
+    _medusa2_folder(tmp_path / "m2", plain, std=0.05)
+    MedusaHeads(MedusaConfig.from_base(plain.config, num_heads=2)).save_pretrained(tmp_path / "m1")
+    probe = load_heads(tmp_path / "m2").config.base_lora_probe
+
+    assert base_as_served(plain, [tmp_path / "m1"], "bench.py") == (plain, None)
+    assert capsys.readouterr().err == ""
+    served, folder = base_as_served(plain, [tmp_path / "m1", tmp_path / "m2"], "bench.py")
+    assert folder == str(tmp_path / "m2") and lora_merged(served, probe) is True
+    assert "bench.py: the base with the LoRA adapter" in capsys.readouterr().err
+    assert base_as_served(served, [tmp_path / "m2"], "chat.py") == (served, None)  # merged
+    _medusa2_folder(tmp_path / "other", make_tiny_llama(seed=2), std=0.05)
+    with pytest.raises(ValueError, match="serve one of them at a time"):
+        base_as_served(make_tiny_llama(seed=2), [tmp_path / "m2", tmp_path / "other"], "x")
+
+
+def test_an_adapter_that_a_bf16_base_rounds_away_is_neither_merged_nor_warned_of(
+    tmp_path, capsys, recwarn
+):
+    from heads import load_heads
+    from heads.lora import base_as_served
+
+    plain = make_tiny_llama(seed=2)
+    _medusa2_folder(tmp_path / "m2", plain, std=1e-9)  # changes far below bf16's rounding
+    probe = load_heads(tmp_path / "m2").config.base_lora_probe
+    assert lora_merged(plain, probe) is False  # in float32 the adapter shows
+    base = plain.to(torch.bfloat16)  # merged or not, the same bf16 weights: nothing to tell
+    assert lora_merged(base, probe) is None
+    assert base_as_served(base, [tmp_path / "m2"], "chat.py") == (base, None)
+    assert capsys.readouterr().err == ""
+    load_heads(tmp_path / "m2", base=base)
+    assert not [w for w in recwarn if "LoRA" in str(w.message)]
