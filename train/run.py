@@ -10,10 +10,12 @@ import math
 import os
 import shutil
 import sys
+import warnings
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
 import torch
+import transformers
 from accelerate import Accelerator, PartialState
 from accelerate.utils import (
     DataLoaderConfiguration,
@@ -67,6 +69,9 @@ def stop_on_bad_input(errors: tuple[type[Exception], ...] = (FileNotFoundError, 
 def run_training(training_function, argv: list[str] | None, kind: str) -> None:
     """A training script's command line: a diverged loss ends with its message (exit 1)."""
     recipe = parse_args(argv, kind)
+    if int(os.environ.get("RANK", "0")) > 0:  # every process checks alike: the first one says
+        warnings.filterwarnings("ignore", category=UserWarning)
+        transformers.utils.logging.disable_progress_bar()
     try:
         training_function(recipe)
     except TrainingDiverged as e:  # raised on every process (the loss is reduced first)

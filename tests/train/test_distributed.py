@@ -21,11 +21,17 @@ from tests.train.test_resume import assert_same_run
 
 
 @pytest.mark.slow
-def test_two_processes(tiny_task, tmp_path):
+def test_two_processes(tiny_task, medusa_run, tmp_path):
     """Two CPU processes joined by gloo. `accelerate launch --cpu --num_processes 2` starts only
     one process (accelerate's simple launcher); `--multi_gpu` starts two through torchrun and the
-    recipe joins them on the CPU."""
+    recipe joins them on the CPU. They start from heads recorded for another base's name (of
+    the same sizes): each process checks them, and the first one warns."""
     out = tmp_path / "out"
+    start = tmp_path / "start"
+    shutil.copytree(medusa_run[0] / "heads", start)
+    config = json.loads((start / "config.json").read_text())
+    config["base_model_name_or_path"] = "someone/another-model"
+    (start / "config.json").write_text(json.dumps(config))
     command = [
         *(sys.executable, "-m", "accelerate.commands.launch"),
         *("--multi_gpu", "--num_processes", "2", "--num_machines", "1"),
@@ -34,11 +40,14 @@ def test_two_processes(tiny_task, tmp_path):
         str(ROOT / "train" / "medusa.py"),
         str(TINY_MEDUSA),
         *tiny_task.overrides(out),
+        f"training.init_heads={start}",
     ]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(ROOT)}
     result = subprocess.run(command, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     assert result.stdout.count("trainable parameters") == 1  # printed by the main process only
+    assert result.stderr.count("trained on 'someone/another-model'") == 1, result.stderr[-3000:]
+    assert result.stderr.count("Loading weights: 100%") == 1  # the base's, on the first process
     assert {p.name for p in (out / "heads").iterdir()} == HEADS_FILES
     assert isinstance(load_heads(out / "heads", base=load_tiny_base(tiny_task)), MedusaHeads)
     ckpt = out / "checkpoints" / "step-00000004"
