@@ -275,6 +275,9 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     out_dir.mkdir(parents=True, exist_ok=True)
     if state.is_main_process:  # made now, if it was not: this run's
         lock_output("data.output_dir", out_dir)
+    if not recorded:  # a folder new when checked: another run may have written it since
+        check_manifest(out_dir, settings)
+        check_template(out_dir, sha1)
     done = read_done_ids(out_dir)
     recorded = recorded_manifest(out_dir) if done else {}
     # Both backends' answers, or two dtypes' (model.dtype "auto" resolves per machine: bf16 on

@@ -13,6 +13,7 @@ import huggingface_hub
 import pytest
 
 from train.config import load_recipe
+from train.lock import LOCK_NAME
 
 ROOT = Path(__file__).parents[2]
 SCRIPT = ROOT / "scripts" / "distill.py"
@@ -146,6 +147,27 @@ def test_a_larger_limit_extends_a_run(tmp_path, tiny_base, capsys):
     assert json.loads((out / "manifest.json").read_text())["settings"]["limit"] == 6
     assert distill.main([recipe, "data.limit=4"]) == 2  # a smaller limit is a different set
     assert "limit: 6 in the manifest, 4 now" in capsys.readouterr().err
+
+
+def test_a_new_folder_written_meanwhile_by_another_run_is_checked_again(
+    tmp_path, tiny_base, capsys, monkeypatch
+):
+    """Two runs started on one new folder: the other one made it and finished while this one
+    loaded its base, with other settings; this one refuses it once it holds the folder."""
+    other, out = tmp_path / "other", tmp_path / "out"
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts_file(tmp_path), out))
+    assert distill.main([recipe, "data.limit=2", f"data.output_dir={other}"]) == 0
+    written = {p.name: p.read_bytes() for p in other.iterdir() if p.name != LOCK_NAME}
+    build_items = distill.build_items
+
+    def the_other_run_ends_meanwhile(*args, **kwargs):
+        shutil.copytree(other, out)
+        return build_items(*args, **kwargs)
+
+    monkeypatch.setattr(distill, "build_items", the_other_run_ends_meanwhile)
+    assert distill.main([recipe, "data.limit=2", "data.max_new_tokens=5"]) == 2
+    assert "max_new_tokens: 6 in the manifest, 5 now" in capsys.readouterr().err
+    assert {p.name: p.read_bytes() for p in out.iterdir() if p.name != LOCK_NAME} == written
 
 
 def test_more_samples_per_prompt_extend_a_run(tmp_path, tiny_base, capsys):
