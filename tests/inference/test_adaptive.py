@@ -138,6 +138,30 @@ def test_a_backed_off_arm_that_pays_again_is_found_and_kept():
     chosen = drive(policy, 100, lambda step, arm: (4, 1.5) if arm == 1 else (1, 1.0))
     # Exploits it; re-tries plain decoding after 32 steps (4 steps), not the backed-off 512.
     assert chosen.count(1) >= 90 and chosen.count(0) >= 4
+    # and should it falter again, it is itself re-tried after 32 steps, not after 512
+    assert policy.arms[1].interval == policy.explore_every
+
+
+def test_of_the_arms_due_the_longest_overdue_is_re_tried_first_and_never_the_best():
+    policy = AdaptivePolicy.from_options([None, {"a": 1}, {"a": 2}], warmup=1, explore_steps=1)
+    for arm, (tokens, seconds) in enumerate([(1, 1.0), (1, 2.0), (3, 1.0)]):
+        policy.update(arm, tokens, seconds)
+    policy.step = 200
+    policy.arms[0].last_step, policy.arms[0].interval = 100, 32  # due since step 132
+    policy.arms[1].last_step, policy.arms[1].interval = 10, 32  # due since step 42
+    policy.arms[2].last_step = 0  # the best arm, "due" the longest: it runs anyway
+    assert policy.choose() == 1
+
+
+def test_the_summary_gives_the_estimates_the_policy_decides_on():
+    policy = AdaptivePolicy.from_options([None, {"c": 1}, {"c": 2}])
+    policy.greedy = True
+    # a one-node tree whose node was accepted: 2 tokens a step, as the path's rate estimates
+    policy.update(1, 1, 1.0, drafted=[(0,)], accepted=(0,))
+    summary = policy.summary()
+    assert summary[1]["tokens_per_step"] == policy.estimate_tokens(1) == 2.0
+    assert summary[1]["tokens_per_s"] == 2.0 and summary[1]["steps"] == 1
+    assert summary[2]["tokens_per_s"] == 0.0 and summary[2]["steps"] == 0  # never run
 
 
 def test_an_arm_close_to_the_best_keeps_the_base_interval():

@@ -139,6 +139,11 @@ def test_multi_turn_categories_and_runs(folders, tmp_path):
     union = results["methods"][-1]
     assert union["name"] == "medusa+ngram" and union["kind"] == "medusa+ngram"
     assert union["options"]["ngram_tokens"] == 4 and union["options"]["arms"][0] is None
+    # the lookup's 4 tokens are deeper than the 2 heads' chain: a step accepts up to 4 drafted
+    assert (
+        union["draft_depth"] == 4
+        and len(results["summary"]["overall"]["medusa+ngram"]["accept_at_least"]) == 4
+    )
     assert {r["turn"] for r in records} == {0, 1} and all(r["identical"] for r in records)
     assert all(len(r["seconds_runs"]) == 2 for r in records)
     assert {r["id"] for r in records} == {81, 82, 83}
