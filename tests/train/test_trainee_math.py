@@ -10,7 +10,12 @@ import math
 import pytest
 import torch
 
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from train.config import load_recipe
+from train.eagle import EagleTrainee
+from train.features import base_features, frequent_tokens
 from train.losses import medusa_loss, shift_left, sim_tau, walk_accept_length
+from train.medusa import MedusaTrainee
 
 
 # a step right after a wrong step is never accepted in the walk
@@ -37,10 +42,6 @@ def test_medusa_loss_divides_by_rows_whose_next_token_is_a_target():
 
 
 def _medusa(tiny_llama, num_heads=1, extra=()):
-    from heads import MedusaConfig, MedusaHeads
-    from train.config import load_recipe
-    from train.medusa import MedusaTrainee
-
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=num_heads))
     heads.init_from_base(tiny_llama)
     recipe = load_recipe(None, [f"heads.num_heads={num_heads}", *extra])
@@ -91,29 +92,26 @@ def test_medusa_sim_tau_of_heads_always_right_counts_the_rows_before_the_answer(
     assert metrics["sim_tau"] == (3 * 4 + 2 + 1, 6)
 
 
-# KL(original || adapted), and the ramp weighs the heads' loss only
-def test_medusa2_kl_is_original_to_adapted_and_not_ramped(tiny_llama):
+def _medusa2(tiny_llama, *overrides: str):
+    """(adapted base, trainee, recipe): one Medusa head beside a LoRA adapter whose B is not
+    zero (the base it reads is changed from the start)."""
     import copy
 
     from peft import LoraConfig, get_peft_model
 
-    from heads import MedusaConfig, MedusaHeads
-    from train.config import load_recipe
-    from train.medusa import MedusaTrainee
-
     torch.manual_seed(0)
-    adapted = get_peft_model(
-        copy.deepcopy(tiny_llama),
-        LoraConfig(
-            r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0
-        ),
+    lora = LoraConfig(
+        r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0
     )
-    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1))
-    heads.init_from_base(tiny_llama)
-    recipe = load_recipe(
-        None, ["heads.num_heads=1", "heads.lora_r=4", "heads.heads_loss_warmup_steps=10"]
-    )
-    trainee = MedusaTrainee(adapted, heads, recipe)
+    adapted = get_peft_model(copy.deepcopy(tiny_llama), lora)
+    heads, _ = _medusa(tiny_llama)
+    recipe = load_recipe(None, ["heads.num_heads=1", "heads.lora_r=4", *overrides])
+    return adapted, MedusaTrainee(adapted, heads, recipe), recipe
+
+
+# KL(original || adapted), and the ramp weighs the heads' loss only
+def test_medusa2_kl_is_original_to_adapted_and_not_ramped(tiny_llama):
+    adapted, trainee, recipe = _medusa2(tiny_llama, "heads.heads_loss_warmup_steps=10")
     ids = torch.randint(3, 256, (1, 20))
     mask = torch.tensor([[0, 0] + [1] * 18])
     batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
@@ -134,26 +132,8 @@ def test_medusa2_kl_is_original_to_adapted_and_not_ramped(tiny_llama):
 
 # Medusa-2 heads read the ADAPTED base's hidden states
 def test_medusa2_heads_read_the_adapted_hidden_states(tiny_llama):
-    import copy
-
-    from peft import LoraConfig, get_peft_model
-
-    torch.manual_seed(0)
-    adapted = get_peft_model(
-        copy.deepcopy(tiny_llama),
-        LoraConfig(
-            r=4, target_modules=["q_proj", "v_proj"], init_lora_weights=False, lora_dropout=0.0
-        ),
-    )
-    from heads import MedusaConfig, MedusaHeads
-    from train.config import load_recipe
-    from train.medusa import MedusaTrainee
-
-    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=1))
-    heads.init_from_base(tiny_llama)
-    trainee = MedusaTrainee(
-        adapted, heads, load_recipe(None, ["heads.num_heads=1", "heads.lora_r=4"])
-    )
+    adapted, trainee, _ = _medusa2(tiny_llama)
+    heads = trainee.heads
     seen = []
     real = heads.head_logits
     heads.head_logits = lambda k, rows: (seen.append(rows), real(k, rows))[1]
@@ -168,10 +148,6 @@ def test_medusa2_heads_read_the_adapted_hidden_states(tiny_llama):
 
 
 def _eagle3(tiny_llama, ttt_steps, extra=()):
-    from heads import EagleConfig, EagleDraft
-    from train.config import load_recipe
-    from train.eagle import EagleTrainee
-
     torch.manual_seed(4)
     config = EagleConfig.from_base(
         tiny_llama.config, version=3, draft_vocab_size=256, aux_layer_ids=[0, 1, 1]
@@ -245,10 +221,6 @@ def test_eagle3_top4_misses_the_base_token_ranked_fifth(tiny_llama):
 
 
 def _eagle1(tiny_llama):
-    from heads import EagleConfig, EagleDraft
-    from train.config import load_recipe
-    from train.eagle import EagleTrainee
-
     draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
     recipe = load_recipe(None, ["heads.type=eagle", "heads.version=1", "heads.feature_noise=0"])
     return draft, recipe, EagleTrainee(tiny_llama, draft, recipe).eval()
@@ -286,8 +258,6 @@ def test_eagle1_weighs_a_per_element_feature_loss_and_counts_sim_tau_per_row(tin
 
 # the draft vocabulary: target tokens only, ties to the lower id, sorted
 def test_frequent_tokens_counts_targets_breaks_ties_low_and_sorts():
-    from train.features import frequent_tokens
-
     examples = [
         {"input_ids": [9, 9, 9, 9, 7, 7, 3, 5, 5], "loss_mask": [0, 0, 0, 0, 1, 1, 1, 1, 1]}
     ]
@@ -297,8 +267,6 @@ def test_frequent_tokens_counts_targets_breaks_ties_low_and_sorts():
 
 # aux features are the hidden states ENTERING the layers (index 0 = embeddings)
 def test_aux_features_are_the_inputs_of_the_layers(tiny_llama):
-    from train.features import base_features
-
     ids = torch.randint(3, 256, (1, 6))
     feats = base_features(tiny_llama, ids, torch.ones_like(ids), (0, 1, 1))
     H = tiny_llama.config.hidden_size
@@ -307,10 +275,6 @@ def test_aux_features_are_the_inputs_of_the_layers(tiny_llama):
 
 # EAGLE-1's feature noise is on the input features only, never on the targets
 def test_eagle1_noise_leaves_the_targets_clean(tiny_llama):
-    from heads import EagleConfig, EagleDraft
-    from train.config import load_recipe
-    from train.eagle import EagleTrainee
-
     draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
     recipe = load_recipe(None, ["heads.type=eagle", "heads.version=1", "heads.feature_noise=0.5"])
     trainee = EagleTrainee(tiny_llama, draft, recipe).train()
@@ -330,10 +294,6 @@ def test_eagle1_noise_leaves_the_targets_clean(tiny_llama):
 
 # hard labels map base ids to draft indices of a reduced vocabulary
 def test_medusa_hard_labels_with_a_reduced_vocabulary(tiny_llama):
-    from heads import MedusaConfig, MedusaHeads
-    from train.config import load_recipe
-    from train.medusa import MedusaTrainee
-
     token_map = torch.tensor([3, 7, 9, 12])
     config = MedusaConfig.from_base(tiny_llama.config, num_heads=1, truncated_vocab_size=4)
     heads = MedusaHeads(config).init_from_base(tiny_llama, token_map=token_map)
