@@ -59,7 +59,7 @@ def lora_merged(base: nn.Module, probe: dict[str, Any] | None) -> bool | None:
     the base the same merged or not)."""
     if hasattr(base, "peft_config"):
         return True
-    if not probe or probe["plain"] == probe["merged"]:
+    if not probe:
         return None
     try:  # a tied weight too; an offloaded one from its hook
         weight = parameter_values(base, probe["weight"])
