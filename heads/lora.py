@@ -97,12 +97,16 @@ def with_heads_adapter(base: nn.Module, heads) -> nn.Module:
     lora = getattr(heads.config, "base_lora", "")
     if not lora or lora_merged(base, heads.config.base_lora_probe) is not False:
         return base
+    return _merge_adapter(base, heads.source_folder, lora)
+
+
+def _merge_adapter(base: nn.Module, folder, lora: str) -> nn.Module:
+    """`base` with the adapter in `folder / lora` merged in."""
     from peft import PeftModel
 
     from heads.cpu import repack_stale
 
-    merged = PeftModel.from_pretrained(base, str(heads.source_folder), subfolder=lora)
-    merged = merged.merge_and_unload()
+    merged = PeftModel.from_pretrained(base, str(folder), subfolder=lora).merge_and_unload()
     repack_stale(merged)  # load_base's prepacked CPU weights: the merged ones, not the old
     return merged
 
@@ -111,13 +115,15 @@ def base_as_served(
     base: nn.Module, folders: Iterable[str | os.PathLike], program: str
 ) -> tuple[nn.Module, str | None]:
     """`base` as the heads of `folders` (paths or Hub repo ids) are served, and the folder whose
-    adapter it took: with the LoRA adapter of the Medusa-2 heads among them merged in
-    (`with_heads_adapter`), said on stderr as `program`'s; `base` and None when none has one or
-    the base has it merged already. Two Medusa-2 folders raise ValueError: each read the base
-    with its own adapter."""
-    from heads.checkpoint import load_heads, read_config, resolve_folder
+    adapter it took: with the LoRA adapter of the Medusa-2 heads among them merged in, said on
+    stderr as `program`'s; `base` and None when none has one or the base has it merged already.
+    Two Medusa-2 folders raise ValueError: each read the base with its own adapter. Reads the
+    heads' configs only (the scripts load the heads themselves, on the base returned)."""
+    from heads.checkpoint import read_config, resolve_folder
 
-    adapted = [name for name in folders if read_config(resolve_folder(name)).get("base_lora")]
+    paths = {name: resolve_folder(name) for name in folders}
+    configs = {name: (path, read_config(path)) for name, path in paths.items()}
+    adapted = [name for name, (_, config) in configs.items() if config.get("base_lora")]
     if len(adapted) > 1:
         raise ValueError(
             f"{' and '.join(map(str, adapted))} are Medusa-2 heads, each trained beside its own "
@@ -125,12 +131,12 @@ def base_as_served(
         )
     if not adapted:
         return base, None
-    heads = load_heads(adapted[0])
-    if lora_merged(base, heads.config.base_lora_probe) is not False:
+    folder, config = configs[adapted[0]]
+    if lora_merged(base, config.get("base_lora_probe")) is not False:
         return base, None  # merged already (or a probe that cannot tell: left as given)
     print(
         f"{program}: the base with the LoRA adapter of the Medusa-2 heads {adapted[0]} merged: "
         "the model they were trained on and are served with",
         file=sys.stderr,
     )
-    return with_heads_adapter(base, heads), str(adapted[0])
+    return _merge_adapter(base, folder, config["base_lora"]), str(adapted[0])
