@@ -225,3 +225,62 @@ def test_a_cache_filled_before_greedy_tokens_existed_still_serves(base, tmp_path
     fresh = features.collate(ds, [3, 4], pad_token_id=0, device="cpu")
     assert fresh["top"].shape == fresh["input_ids"].shape and fresh["top"].dtype == torch.long
     assert torch.equal(fresh["top"][0, : len(new[0]["input_ids"])], cache[3]["top"])
+
+
+def test_a_single_example_without_features_is_refused_up_front(base, tmp_path):
+    exs = examples(3)
+    fill(base, exs, tmp_path)
+    with pytest.raises(fc.FeatureCacheError, match=r"^1 examples have no features.*fill_cache"):
+        fc.FeatureCache(tmp_path, [*exs, examples(1, seed=5)[0]], torch.float32)
+
+
+def test_the_disk_check_counts_the_aux_states_of_eagle3(base, tmp_path, monkeypatch):
+    """EAGLE-3's cache holds 3H aux values per token beside H hidden: the disk check must count
+    them (4x the bytes), or a disk with room for "hidden" only fills up mid-way."""
+    exs = examples(4)
+    tokens = sum(len(e["input_ids"]) for e in exs)
+    hidden_only, with_aux = fc.bytes_per_token(64, False), fc.bytes_per_token(64, True)
+    assert with_aux > hidden_only
+    Usage = namedtuple("Usage", "total used free")
+    free = tokens * (hidden_only + with_aux) // 2  # room for "hidden", not for "aux" too
+    monkeypatch.setattr(shutil, "disk_usage", lambda _: Usage(10**12, 10**12 - free, free))
+    with pytest.raises(fc.FeatureCacheError, match="GiB free: free some space"):
+        fill(base, exs, tmp_path / "eagle3", aux=AUX)
+    assert not list((tmp_path / "eagle3").glob("features-r*"))
+    fill(base, exs, tmp_path / "medusa", aux=[])  # "hidden" only: fits
+
+
+def test_a_fill_killed_while_writing_a_shard_leaves_no_shard_under_its_name(
+    base, tmp_path, monkeypatch
+):
+    """A shard is written under a temporary name and renamed: killed mid-write, the cache holds
+    no torn shard (which read_index would refuse), and the rerun computes the examples."""
+    exs = examples(3)
+    real = fc.save_file
+
+    def killed_mid_write(tensors, path, metadata=None):
+        with open(path, "wb") as f:
+            f.write(b"half a shard")
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(fc, "save_file", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        fill(base, exs, tmp_path)
+    assert not list(tmp_path.glob("features-r*.safetensors"))
+    monkeypatch.setattr(fc, "save_file", real)
+    fill(base, exs, tmp_path)  # no "unreadable shard" error
+    cache = fc.FeatureCache(tmp_path, exs, torch.float32)
+    assert cache[2]["hidden"].shape == (len(exs[2]["input_ids"]), 64)
+
+
+def test_the_cache_records_the_dtype_of_the_base_it_was_filled_with(tmp_path):
+    """A run under model.dtype=auto keeps the dtype of the cache it builds on
+    (train.checkpoint.built_on_dtype reads it back): the cache must record it."""
+    from train.checkpoint import built_on_dtype
+
+    exs = examples(2)
+    fill(make_tiny_llama(seed=3), exs, tmp_path / "fp32")
+    fill(make_tiny_llama(seed=3).to(torch.bfloat16), exs, tmp_path / "bf16")
+    assert fc.cache_base_dtype(tmp_path / "fp32") == "float32"
+    assert fc.cache_base_dtype(tmp_path / "bf16") == "bfloat16"
+    assert built_on_dtype(None, str(tmp_path / "bf16"), torch.device("cpu")) == "bfloat16"

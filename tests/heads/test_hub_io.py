@@ -1,0 +1,158 @@
+"""Saving heads (bf16 weights beside an exact vocabulary map, no temporary folder left) and the
+Hub: a download's revision, token and Medusa-2 adapter; pushing again; the card's lines; why a
+push failed. Offline: the Hub is a fake."""
+
+from __future__ import annotations
+
+import fnmatch
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
+from heads.checkpoint import resolve_folder
+from heads.hub import HubPushError, model_card, push_folder
+from tests.conftest import make_tiny_llama
+
+
+def _eagle3_with_large_ids():
+    base = make_tiny_llama(vocab_size=4096)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    draft.set_vocab_map(torch.arange(1, 4096, 128))  # offsets up to 3938: not exact in bf16
+    return draft
+
+
+def test_a_bf16_save_casts_the_weights_but_not_the_vocabulary_map(tmp_path):
+    draft = _eagle3_with_large_ids()
+    folder = draft.save_pretrained(tmp_path / "bf16", dtype=torch.bfloat16)
+    saved = load_file(folder / "model.safetensors")
+    assert saved["fc.weight"].dtype == torch.bfloat16
+    assert saved["d2t"].dtype == draft.d2t.dtype and torch.equal(saved["d2t"], draft.d2t)
+    assert saved["t2d"].dtype == torch.bool and torch.equal(saved["t2d"], draft.t2d)
+    again = load_heads(folder)
+    assert torch.equal(again.d2t, draft.d2t)
+
+
+def test_saving_leaves_no_temporary_folder_beside_the_heads(tiny_llama, tmp_path):
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
+    heads.save_pretrained(tmp_path / "heads")
+    heads.save_pretrained(tmp_path / "heads")  # over an earlier save
+    assert [p.name for p in tmp_path.iterdir()] == ["heads"]
+
+
+def _fake_hub(monkeypatch, remote: Path, calls: list):
+    """snapshot_download as the Hub does it: the files of `remote` that allow_patterns match."""
+    import huggingface_hub
+
+    def snapshot_download(repo_id, revision=None, token=None, allow_patterns=None, **kwargs):
+        calls.append({"repo_id": repo_id, "revision": revision, "token": token})
+        local = remote.parent / f"snapshot-{len(calls)}"
+        for path in remote.rglob("*"):
+            name = path.relative_to(remote).as_posix()
+            if path.is_file() and any(fnmatch.fnmatch(name, p) for p in allow_patterns):
+                (local / name).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copy(path, local / name)
+        return str(local)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", snapshot_download)
+
+
+def test_a_hub_download_takes_the_revision_token_and_the_medusa2_adapter(
+    tiny_llama, tmp_path, monkeypatch
+):
+    remote = tmp_path / "remote"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(remote)
+    (remote / "lora").mkdir()
+    (remote / "lora" / "adapter_config.json").write_text("{}")  # a Medusa-2 adapter
+    (remote / "lora" / "adapter_model.safetensors").write_bytes(b"")
+    (remote / "pytorch_model.bin").write_bytes(b"pickle")  # never downloaded
+    calls = []
+    _fake_hub(monkeypatch, remote, calls)
+    folder = resolve_folder("me/medusa2", revision="v2", token="hf_secret")
+    assert calls == [{"repo_id": "me/medusa2", "revision": "v2", "token": "hf_secret"}]
+    assert (folder / "lora" / "adapter_config.json").is_file()
+    assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
+    assert not (folder / "pytorch_model.bin").exists()
+
+
+class FakeApi:
+    """HfApi as the Hub answers: creating a repo that exists fails unless exist_ok."""
+
+    repos: set = set()
+    cards: dict = {}
+
+    def __init__(self, token=None):
+        pass
+
+    def create_repo(self, repo_id, private=None, exist_ok=False):
+        if repo_id in self.repos and not exist_ok:
+            raise OSError(f"409 Conflict: You already created this model repo: {repo_id}")
+        self.repos.add(repo_id)
+
+    def upload_folder(self, folder_path, repo_id, commit_message):
+        self.cards[repo_id] = (Path(folder_path) / "README.md").read_text()
+        return f"https://hub/{repo_id}/commit/1"
+
+
+def test_pushing_again_to_a_repo_updates_it(tiny_llama, tmp_path, monkeypatch):
+    import huggingface_hub
+
+    FakeApi.repos, FakeApi.cards = set(), {}
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    folder = tmp_path / "heads"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)
+    assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/1"
+    assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/1"  # not a 409
+
+
+@pytest.mark.parametrize("version", [1, 3])
+def test_the_pushed_card_names_the_repo_in_every_serving_line(tmp_path, monkeypatch, version):
+    """EAGLE-1's card exports for SGLang from the repo; EAGLE-3's SGLang line reads it: both
+    must name the repo pushed to, not the REPO placeholder."""
+    import huggingface_hub
+
+    FakeApi.repos, FakeApi.cards = set(), {}
+    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+    base = make_tiny_llama(num_hidden_layers=8)
+    config = EagleConfig.from_base(base.config, version=version, draft_vocab_size=256)
+    EagleDraft(config).save_pretrained(tmp_path / "draft")
+    push_folder(tmp_path / "draft", "me/draft")
+    card = FakeApi.cards["me/draft"]
+    assert "REPO" not in card
+    if version == 1:
+        assert "export_heads('me/draft', 'sglang', 'draft-sglang')" in card
+    else:
+        assert "--speculative-draft-model-path me/draft " in card
+
+
+@pytest.mark.parametrize("offline", [False, True])
+def test_a_failed_push_says_why_offline_or_not(tiny_llama, tmp_path, monkeypatch, offline):
+    import huggingface_hub
+
+    import heads.hub
+
+    class Unreachable(FakeApi):
+        def create_repo(self, repo_id, private=None, exist_ok=False):
+            raise ConnectionError("Name or service not known")
+
+    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    monkeypatch.setattr(heads.hub, "hub_offline", lambda: offline)
+    folder = tmp_path / "heads"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)
+    with pytest.raises(HubPushError) as error:
+        push_folder(folder, "me/heads")
+    hint = "HF_HUB_OFFLINE is set: unset it to push" if offline else "Check the network"
+    assert hint in str(error.value)
+
+
+def test_the_card_names_a_hub_base_but_not_a_local_folder(tiny_llama, tmp_path):
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2)
+    config.base_model_name_or_path = "org/base"
+    assert "\nbase_model: org/base\n" in model_card(config, "me/m")
+    local = tmp_path / "my-base"
+    local.mkdir()
+    config.base_model_name_or_path = str(local)  # the Hub refuses such a base_model
+    assert "base_model:" not in model_card(config, "me/m")
