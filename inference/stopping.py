@@ -31,7 +31,9 @@ class Stopping:
         self.stop_strings, self.tokenizer = stop_strings, tokenizer
         self.generated: list[int] = []
         self.finished = False  # by EOS or a stop string (not max_new_tokens)
-        longest = max(map(len, stop_strings), default=0)
+        # A stop string may begin in the prompt: keep the tokens that can hold its part there.
+        # Counted in UTF-8 bytes, not characters: byte-level tokens spell an emoji in up to 4.
+        longest = max((len(s.encode()) for s in stop_strings), default=0)
         self.context = list(prompt[-2 * longest :]) if stop_strings else []
         # The text's length without the U+FFFD that stand for a character whose bytes are still
         # coming (an emoji's over byte-level tokens): the token that completes it may leave the

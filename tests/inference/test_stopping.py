@@ -1,9 +1,11 @@
 """When generation stops: eos (the generation config's, as HF), stop strings (as HF reads them,
 one beginning in the prompt too), max_new_tokens, streaming."""
 
+import pytest
 import torch
 
 from inference import SpeculativeGenerator
+from inference.stopping import Stopping
 from tests.conftest import make_tiny_llama, user_prompt_ids
 
 
@@ -81,3 +83,29 @@ def test_eos_comes_from_the_generation_config_as_in_hf():
     base.generation_config.eos_token_id = int(ref[1])
     out = SpeculativeGenerator(base, None, num_tokens=3).generate(prompt, max_new_tokens=10)
     assert out.sequences[0, 3:].tolist() == ref[:2].tolist() and out.finished
+
+
+class ByteTokenizer:
+    """Byte-level tokens: token id = one byte; a character's bytes not all there decode to
+    U+FFFD, as a byte-level BPE's do."""
+
+    def decode(self, ids):
+        return bytes(ids).decode("utf-8", errors="replace")
+
+
+def test_a_stop_string_ending_in_a_character_split_over_tokens_is_found():
+    emoji = list("😀".encode())  # 4 byte tokens, one character
+    stopping = Stopping(list(b"hi"), 10, set(), ["😀"], ByteTokenizer())
+    new, done = stopping.cut(emoji[:2])  # "hi\ufffd": the character is still coming
+    assert new == emoji[:2] and not done
+    new, done = stopping.cut(emoji[2:] + list(b"x"))
+    assert new == emoji[2:] and done and stopping.finished  # cut at the completing token
+
+
+@pytest.mark.parametrize("prompt, stop", [("ab X😀", "X😀Y"), ("ab X😀😀", "😀😀Y")])
+def test_a_stop_string_beginning_in_a_prompt_tail_of_multibyte_tokens_is_found(prompt, stop):
+    # The prompt ends in emoji of 4 byte tokens each: a stop string that begins there needs more
+    # prompt tokens than twice its characters ("😀😀Y": 9 tokens, 3 characters).
+    stopping = Stopping(list(prompt.encode()), 10, set(), [stop], ByteTokenizer())
+    new, done = stopping.cut(list(b"YZ"))
+    assert new == list(b"Y") and done and stopping.finished
