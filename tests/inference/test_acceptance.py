@@ -16,6 +16,7 @@ from inference.acceptance import (
     verify_greedy,
     verify_sampling,
     verify_sampling_batch,
+    verify_sampling_walk,
     verify_typical,
     warp_probs,
 )
@@ -292,3 +293,110 @@ def test_typical_prefers_likelier_path_and_greedy_at_zero_temperature():
     assert verify_typical(tokens, logits, SMALL, temperature=1.0).nodes.tolist() == [0, 2]
     greedy = verify_typical(tokens, logits, SMALL, temperature=0.0)
     assert isinstance(greedy, Acceptance) and greedy.nodes.tolist() == [0, 2]
+
+
+def test_top_p_drops_a_tail_whose_mass_equals_one_minus_top_p_exactly_as_hf():
+    # four equal tokens: tail masses 0.25, 0.5, 0.75, 1.0 are exact in float32. With top_p=0.5
+    # HF drops every token whose tail mass is <= 0.5: two tokens stay, not three.
+    logits = torch.zeros(1, 4)
+    for top_p, kept in ((0.5, 2), (0.75, 3)):
+        got = warp_probs(logits, 1.0, top_p=top_p)
+        want = TopPLogitsWarper(top_p)(None, logits.clone()).softmax(-1)
+        assert int((got > 0).sum()) == kept and torch.equal(got > 0, want > 0)
+        torch.testing.assert_close(got, want)
+    # a skewed row: masses 0.25, 0.25, 0.5; top_p=0.75 drops exactly the 0.25 tail
+    skewed = torch.tensor([[0.0, 0.0, math.log(2.0)]])
+    got = warp_probs(skewed, 1.0, top_p=0.75)
+    want = TopPLogitsWarper(0.75)(None, skewed.clone()).softmax(-1)
+    assert int((got > 0).sum()) == 2
+    torch.testing.assert_close(got, want)
+
+
+def test_top_k_of_one_is_the_argmax_one_hot_as_hf():
+    logits = torch.randn(3, 20, generator=torch.Generator().manual_seed(3))
+    got = warp_probs(logits, 0.8, top_k=1)
+    want = TopKLogitsWarper(1)(None, logits.clone() / 0.8).softmax(-1)
+    torch.testing.assert_close(got, want)
+    assert torch.equal(got, torch.nn.functional.one_hot(logits.argmax(-1), 20).float())
+
+
+def test_a_residual_that_empties_falls_back_to_the_parents_distribution(monkeypatch):
+    """The documented fallback: a rejection of a child whose acceptance probability was 1
+    (only possible through rounding) leaves r = p at that node, not p at the child. Forcing
+    every uniform draw to 1.0 makes that rejection happen deterministically."""
+    real_rand = torch.rand
+    monkeypatch.setattr(torch, "rand", lambda *a, **k: torch.ones_like(real_rand(*a, **k)))
+    tree = tree_from_parents([-1, 0])  # root -> 1
+    tokens = torch.tensor([0, 1])
+    cases = [
+        # sampled from q == p at the root: the residual max(0, p - q) is empty after a rejection
+        (torch.tensor([[0.5, 0.5, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]]), True),
+        # point mass: p at the root puts everything on node 1's token
+        (torch.tensor([[0.0, 1.0, 0.0, 0.0], [0.0, 0.0, 0.5, 0.5]]), False),
+    ]
+    for p, is_sampled in cases:
+        sampled = torch.tensor([False, is_sampled])
+        q = p.clone() if is_sampled else None
+        for seed in range(20):
+            dense = verify_sampling(
+                tokens, p, tree, q, sampled, torch.Generator().manual_seed(seed)
+            )
+            assert dense.nodes.tolist() == [0]
+            assert p[0, dense.bonus_token] > 0  # drawn from p at the root, never from p[1]
+            walk = verify_sampling_walk(
+                tokens, tree, p.__getitem__, q, sampled, torch.Generator().manual_seed(seed)
+            )
+            assert walk.nodes.tolist() == [0] and walk.bonus_token == dense.bonus_token
+
+
+def test_typical_threshold_is_the_parents_not_the_nodes_own():
+    # node 1's token has p = 0.05 under the root's flat distribution over 20 tokens (threshold
+    # 0.3 * exp(-H) ~ 0.015): typical. Node 1's own row is peaked (threshold 0.09), which must
+    # not matter: the threshold belongs to the distribution the token is judged under.
+    tree = tree_from_parents([-1, 0])
+    tokens = torch.tensor([0, 7])
+    p = torch.full((2, 20), 0.95 / 19)
+    p[0, 7] = 0.05
+    p[0] /= p[0].sum()
+    p[1] = 1e-4
+    p[1, 3] = 1.0
+    acc = verify_typical(
+        tokens, p.log(), tree, temperature=1.0, generator=torch.Generator().manual_seed(0)
+    )
+    assert acc.nodes.tolist() == [0, 1]
+
+
+def test_typical_divides_the_logits_by_the_temperature():
+    # root p = (0.6, 0.3, 0.1). At temperature 1 the 0.1 token passes (threshold 0.09); at
+    # temperature 0.5, p = softmax(log p / 0.5) gives it 0.022: rejected.
+    tree = tree_from_parents([-1, 0])
+    tokens = torch.tensor([0, 2])
+    logits = torch.tensor([[0.6, 0.3, 0.1], [0.2, 0.5, 0.3]]).log()
+    assert verify_typical(tokens, logits, tree, 1.0).nodes.tolist() == [0, 1]
+    assert verify_typical(tokens, logits, tree, 0.5).nodes.tolist() == [0]
+    # and the bonus comes from the temperature-0.5 distribution, where token 2 is rare
+    gen = torch.Generator().manual_seed(0)
+    bonuses = [
+        verify_typical(tokens, logits, tree, 0.5, generator=gen).bonus_token for _ in range(100)
+    ]
+    assert bonuses.count(2) < 12  # p = 0.022 (expected 2), against 0.19 (19) were logits * T
+
+
+def test_a_tiny_top_p_keeps_the_top_token_even_when_the_mass_sums_below_one():
+    # float32 cumsums of a softmax often end a few ulps under 1.0; with top_p = 1e-7 the
+    # threshold 1 - top_p is 0.99999988, at or above some rows' total mass: the most likely
+    # token must still stay (HF's min_tokens_to_keep), or the row is all -inf and NaN.
+    logits = torch.randn(200, 50, generator=torch.Generator().manual_seed(0)) * 3
+    got = warp_probs(logits, 1.0, top_p=1e-7)
+    assert not got.isnan().any()
+    assert torch.equal(got, torch.nn.functional.one_hot(logits.argmax(-1), 50).float())
+
+
+def test_typical_threshold_is_capped_at_posterior_threshold():
+    # root p = (0.9, 0.1): 0.3 * exp(-H) = 0.217, capped at 0.09, so the 0.1 token passes
+    tree = tree_from_parents([-1, 0])
+    tokens = torch.tensor([0, 1])
+    logits = torch.tensor([[0.9, 0.1], [0.5, 0.5]]).log()
+    assert verify_typical(tokens, logits, tree, 1.0).nodes.tolist() == [0, 1]
+    # a cap of 0.2 (below 0.217) rejects it
+    assert verify_typical(tokens, logits, tree, 1.0, posterior_threshold=0.2).nodes.tolist() == [0]

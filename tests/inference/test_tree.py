@@ -9,6 +9,7 @@ from inference.tree import (
     StaticTree,
     build_static_tree,
     chain_choices,
+    check_ranks,
     expected_accept_length,
     get_preset,
     rank_paths,
@@ -158,3 +159,22 @@ def test_sized_preset_too_big_for_one_head_names_it():
     assert tree_from_choices(get_preset("cpu-8", 1)).depth == 1  # head 0's top 7
     with pytest.raises(ValueError, match="'cpu-16' does not fit 1 head"):
         get_preset("cpu-16", 1)
+
+
+def test_check_ranks_refuses_a_rank_equal_to_the_vocabulary_size():
+    tree = tree_from_choices([(0,), (1,), (2,), (3,)])  # needs the rank-3 token: 4 tokens
+    check_ranks(tree, 4, "the heads")
+    with pytest.raises(ValueError, match="rank-3 token, but the vocabulary of the heads has 3"):
+        check_ranks(tree, 3, "the heads")
+
+
+def test_build_static_tree_ties_go_to_the_shallower_choice():
+    # (0,), (1,) and (0, 0) are all worth 0.5: after (0,), the shallower (1,) comes first
+    accuracies = [[0.5, 0.5], [1.0]]
+    assert build_static_tree(accuracies, 3) == [(0,), (1,)]
+    assert build_static_tree(accuracies, 4) == [(0,), (1,), (0, 0)]
+
+
+def test_a_depth_two_choice_without_its_first_rank_is_refused():
+    with pytest.raises(ValueError, match=r"choice \(1, 0\) needs its prefix \(1,\)"):
+        tree_from_choices([(0,), (1, 0)])
