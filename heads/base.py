@@ -374,18 +374,28 @@ def usable_device(device: str | torch.device) -> torch.device:
 
 def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:
     """What the base's forward does to its lm_head's logits, as the same operation (so the same
-    numbers as HF's): Granite divides them by `config.logits_scaling`, Cohere multiplies them by
-    `logit_scale`, Gemma-2 (and any base whose config sets `final_logit_softcapping`) soft-caps
-    them to tanh(logits / cap) * cap; None for a base that returns them as they are."""
+    numbers as HF's): Granite divides them by `config.logits_scaling` and HyperCLOVA X multiplies
+    them by it, Cohere (Command R, R7B: cohere, cohere2) multiplies them by `logit_scale`,
+    Falcon-H1 by `lm_head_multiplier`, Gemma-2 (and any base whose config sets
+    `final_logit_softcapping`) soft-caps them to tanh(logits / cap) * cap; None for a base that
+    returns them as they are. `inference.base_checks.base_logits` checks the result against the
+    base's forward."""
     cap = getattr(base.config, "final_logit_softcapping", None)
     if cap:
         return lambda logits: torch.tanh(logits / cap) * cap
     model_type = str(getattr(base.config, "model_type", ""))
-    divisor = getattr(base.config, "logits_scaling", 1.0)
-    if model_type.startswith("granite") and divisor != 1.0:
-        return lambda logits: logits / divisor
-    factor = getattr(base, "logit_scale", 1.0)
-    if model_type == "cohere" and factor != 1.0:
+    scaling = getattr(base.config, "logits_scaling", 1.0)
+    if model_type.startswith("granite") and scaling != 1.0:
+        return lambda logits: logits / scaling
+    if model_type == "hyperclovax" and scaling != 1.0:
+        return lambda logits: logits * scaling
+    if model_type.startswith("cohere"):
+        factor = getattr(base, "logit_scale", 1.0)  # set from the config by the CausalLM
+    elif model_type == "falcon_h1":
+        factor = getattr(getattr(base, "model", None), "lm_head_multiplier", 1.0)
+    else:
+        factor = 1.0
+    if factor != 1.0:
         return lambda logits: logits * factor
     return None
 

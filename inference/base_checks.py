@@ -182,9 +182,8 @@ def warn_unapplied_logits_settings(base: PreTrainedModel) -> None:
 
 def base_logits(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor]:
     """The base's logits from its decoder's last hidden states, as its own forward computes
-    them: the output embeddings, then the scaling that Granite (divides by
-    `config.logits_scaling`), Cohere (multiplies by `logit_scale`) or Gemma-2 (soft-caps by
-    `final_logit_softcapping`) apply after them; checked
+    them: the output embeddings, then the scaling that `heads.base.logits_scaling` knows
+    (Granite's, Cohere's, Gemma-2's soft-cap and others) applies after them; checked
     against the base's forward on one token, so that a base that changes its logits another way
     is refused, not sampled from another distribution.
 

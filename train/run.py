@@ -29,7 +29,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 from heads import load_base
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
-from inference.base_checks import not_full_attention, windowed_cache_layers
+from inference.base_checks import base_logits, not_full_attention, windowed_cache_layers
 from train.checkpoint import (
     TrainingDiverged,
     built_on_dtype,
@@ -246,6 +246,12 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None
             file=sys.stderr,
         )
         raise SystemExit(2)
+    if not zero3:  # (partitioned, the lm_head is not one to call on its own)
+        try:  # the heads learn the base's own logits: a transform after the lm_head must be known
+            base_logits(base)
+        except ValueError as error:
+            print(f"error: {error}", file=sys.stderr)
+            raise SystemExit(2) from None
     windowed = windowed_cache_layers(base.config)
     if windowed:  # said before hours of training, not first when decoding is refused
         accelerator.print(

@@ -53,6 +53,8 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
     # refused, not sampled around. (A Gemma-2 whose sliding window is narrower than its context,
     # every released one, is refused for that: the test above.)
     from transformers import (
+        Cohere2Config,
+        Cohere2ForCausalLM,
         CohereConfig,
         CohereForCausalLM,
         Gemma2Config,
@@ -68,6 +70,7 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
     for cls, config in (
         (GraniteForCausalLM, GraniteConfig(**TINY, logits_scaling=8.0)),
         (CohereForCausalLM, CohereConfig(**TINY, logit_scale=0.0625)),
+        (Cohere2ForCausalLM, Cohere2Config(**TINY, logit_scale=0.25)),  # Command R7B's
         (Gemma2ForCausalLM, gemma2),  # transformers runs it with eager attention only
     ):
         torch.manual_seed(0)
@@ -98,6 +101,31 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
     capped.forward = softcapped
     with pytest.raises(ValueError, match="computes its logits otherwise than its output embed"):
         SpeculativeGenerator(capped)
+
+
+@pytest.mark.parametrize("family", ["cohere2", "hyperclovax", "falcon_h1"])
+def test_the_logits_are_read_as_the_forward_scales_them(family):
+    # What training reads as the base's logits (heads.base.output_logits), for the bases that
+    # scale them after the lm_head beside the test above's: Command R7B multiplies them by
+    # logit_scale, HyperCLOVA X by logits_scaling (Granite divides), Falcon-H1 by
+    # lm_head_multiplier (a Mamba hybrid: trained for, not decoded).
+    import transformers
+
+    from heads.base import logits_scaling, output_logits
+    from tests.conftest import TINY
+
+    name, scale = {
+        "cohere2": ("Cohere2", {"logit_scale": 0.25}),
+        "hyperclovax": ("HyperCLOVAX", {"logits_scaling": 0.5}),
+        "falcon_h1": ("FalconH1", {"lm_head_multiplier": 0.3}),
+    }[family]
+    config = getattr(transformers, f"{name}Config")(**TINY, **scale)
+    torch.manual_seed(0)
+    base = getattr(transformers, f"{name}ForCausalLM")(config).eval().requires_grad_(False)
+    prompt = torch.tensor([[1, 5, 9, 22, 7]])
+    hidden = base.model(input_ids=prompt).last_hidden_state
+    assert logits_scaling(base) is not None
+    torch.testing.assert_close(output_logits(base, hidden), base(input_ids=prompt).logits)
 
 
 def test_a_draft_model_padded_to_fewer_rows_drafts_for_the_base():

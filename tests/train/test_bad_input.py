@@ -204,3 +204,40 @@ def test_a_base_the_generator_cannot_decode_is_said_when_training_starts(
         load_recipe(TINY_MEDUSA, [f"model.name_or_path={tmp_path / 'full'}"]), Accelerator(cpu=True)
     )
     assert "cannot decode" not in capsys.readouterr().out
+
+
+def test_a_base_that_changes_its_logits_an_unknown_way_is_refused_before_training(
+    tiny_base, monkeypatch, capsys
+):
+    # The heads learn the base's logits as heads.base.output_logits reads them: a transform
+    # after the lm_head that it does not know (here a soft-cap without its config key) would
+    # train them on other targets than the base's, so the run stops, as decoding would.
+    import torch
+    from accelerate import Accelerator
+
+    import train.run
+
+    real = train.run.load_base
+
+    def capped(*args, **kwargs):
+        base, tokenizer = real(*args, **kwargs)
+        forward = base.forward
+
+        def softcapped(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            out.logits = torch.tanh(out.logits)
+            return out
+
+        base.forward = softcapped
+        return base, tokenizer
+
+    monkeypatch.setattr(train.run, "load_base", capped)
+    recipe = load_recipe(TINY_MEDUSA, [f"model.name_or_path={tiny_base}"])
+    with pytest.raises(SystemExit) as stop:
+        train.run.load_frozen_base(recipe, Accelerator(cpu=True))
+    assert stop.value.code == 2
+    err = capsys.readouterr().err
+    assert "error: the LlamaForCausalLM base computes its logits otherwise" in err
+    monkeypatch.setattr(train.run, "load_base", real)
+    base, _ = train.run.load_frozen_base(recipe, Accelerator(cpu=True))  # as it is: trains
+    assert base.config.model_type == "llama"
