@@ -129,9 +129,15 @@ def _coerce(value: Any, tp: Any, name: str, where: str) -> Any:
         if number is not None and number.is_integer():
             return int(number)
         raise wrong()
-    if tp is float:
+    if tp is float:  # finite: YAML's .nan passes every range check, .inf most of them
         if isinstance(value, (int, float)) and not isinstance(value, bool):
-            return float(value)
+            try:
+                number = float(value)
+            except OverflowError:  # an int past float's range
+                raise wrong() from None
+            if math.isfinite(number):
+                return number
+            raise RecipeError(f"{where}: '{name}' expects a finite float, got {value!r}")
         number = _yaml11_number(value)  # learning_rate: 3e-4
         if number is not None:
             return number
