@@ -3,6 +3,7 @@ random Llama that uses the embedded tokenizer (tests/conftest.py's tiny_base).""
 
 import copy
 import sys
+import types
 
 import torch
 
@@ -148,3 +149,58 @@ def test_vllm_generator_with_a_stand_in_engine(monkeypatch):
     assert seen["params"]["temperature"] == 0.5 and seen["params"]["max_tokens"] == 3
     assert seen["params"]["stop_token_ids"] == [2]
     assert seen["llm"]["model"] == "some/model" and seen["llm"]["max_model_len"] == 2048
+
+
+def test_sampled_answers_draw_from_the_whole_top_p_distribution(tiny_base, monkeypatch):
+    # top_k=0 given explicitly, so that a checkpoint's generation_config top_k (Qwen's 20,
+    # HF's default 50) cannot truncate the distribution the heads are trained on
+    recipe = load_recipe(None, ["data.temperature=0.7", "data.top_p=0.9", "data.max_new_tokens=4"])
+    model, tok = load_base(str(tiny_base))
+    model.generation_config.top_k = 20
+    seen = []
+    real = model.generate
+
+    def spy(**kwargs):
+        seen.append(kwargs)
+        return real(**kwargs)
+
+    monkeypatch.setattr(model, "generate", spy)
+    answers = transformers_generator(model, tok, recipe, [tok.eos_token_id])([[5, 6, 7], [8, 9]])
+    assert len(answers) == 2 and seen
+    for kwargs in seen:
+        assert kwargs["do_sample"] is True
+        assert (kwargs.get("top_k"), kwargs["top_p"], kwargs["temperature"]) == (0, 0.9, 0.7)
+
+
+def test_the_vllm_engine_takes_the_seed_it_is_given(monkeypatch):
+    # an explicit seed (one per sample of a prompt) reaches the engine; else data.seed
+    seen = []
+
+    class LLM:
+        def __init__(self, **kwargs):
+            seen.append(kwargs)
+
+    monkeypatch.setitem(
+        sys.modules, "vllm", types.SimpleNamespace(LLM=LLM, SamplingParams=lambda **k: k)
+    )
+    recipe = load_recipe(None, ["data.temperature=0.5", "data.seed=3"])
+    vllm_generator("some/model", recipe, eos_ids=[2], seed=11)
+    vllm_generator("some/model", recipe, eos_ids=[2])
+    assert [kwargs["seed"] for kwargs in seen] == [11, 3]
+
+
+def test_the_templates_end_of_turn_is_added_beside_generation_config_eos_ids(smollm2_tokenizer):
+    # also when the generation_config names EOS ids of its own (none of them the turn end)
+    import copy
+
+    from train.answering import eos_token_ids
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.eos_token = "<|endoftext|>"
+    im_end = tok.convert_tokens_to_ids("<|im_end|>")
+
+    class Config:
+        eos_token_id = [tok.eos_token_id, 7]
+
+    ids = eos_token_ids(tok, Config(), tok.chat_template)
+    assert ids == sorted({tok.eos_token_id, 7, im_end})

@@ -5,8 +5,16 @@ from pathlib import Path
 
 import pytest
 
+from train import corpus
 from train.config import load_recipe
-from train.corpus import CHUNK_WORDS, as_conversation, chunk_documents, embedded_documents
+from train.corpus import (
+    CHUNK_WORDS,
+    as_conversation,
+    chunk_documents,
+    corpus_chunks,
+    embedded_documents,
+    file_documents,
+)
 from train.features import load_examples
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -78,3 +86,38 @@ def test_missing_text_corpus_is_clear(tiny_task, tmp_path, smollm2_tokenizer):
     recipe = _recipe(tiny_task, tmp_path, f"training.text_corpus=[{tmp_path / 'absent.txt'}]")
     with pytest.raises(FileNotFoundError, match="absent.txt: no such file or folder"):
         load_examples(recipe, smollm2_tokenizer)
+
+
+def test_a_three_character_heading_rule_is_dropped():
+    # the shortest underline (3 characters) is a rule too
+    assert corpus._unwrap("Notes\n---\n\nBody text.\n\n***\n") == ["Notes", "Body text."]
+    assert corpus._unwrap("a --- b\n\n--") == ["a --- b", "--"]  # not a rule on its own line
+
+
+def test_a_short_tail_is_dropped_and_a_long_one_kept():
+    # a tail under a quarter of the chunk size is left out
+    body = " ".join(["word"] * 20)
+    short_tail = chunk_documents([("t", body + "\n\n" + "tail " * 4)], words=20)
+    assert short_tail == [("t", body)]
+    long_tail = chunk_documents([("t", body + "\n\n" + "tail " * 5)], words=20)
+    assert len(long_tail) == 2 and long_tail[1][1].split() == ["tail"] * 5
+
+
+def test_chunks_of_several_files_come_in_a_seeded_shuffle(tmp_path):
+    # a token cap takes a mix of the sources, not the first file's chunks
+    for i in range(6):
+        (tmp_path / f"doc_{i}.txt").write_text(
+            "\n\n".join(f"doc{i} paragraph {j} " + "word " * 200 for j in range(3))
+        )
+    chunks = corpus_chunks([str(tmp_path)], seed=0)
+    in_file_order = chunk_documents(file_documents(tmp_path))
+    assert sorted(chunks) == sorted(in_file_order) and len(chunks) == 18
+    assert chunks != in_file_order
+    assert corpus_chunks([str(tmp_path)], seed=0) == chunks
+    assert corpus_chunks([str(tmp_path)], seed=1) != chunks
+
+
+def test_a_file_name_becomes_a_title_in_words(tmp_path):
+    # underscores and hyphens are spaces in the title the user turn asks about
+    (tmp_path / "release_notes-v2.md").write_text("Text.")
+    assert file_documents(tmp_path) == [("release notes v2", "Text.")]
