@@ -3,11 +3,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from transformers import GraniteMoeConfig, GraniteMoeForCausalLM
 
 import heads.base as base_module
 from heads import load_base
+from heads.base import default_dtype, input_device, logits_scaling, output_logits, usable_device
 from heads.cpu import PackedLinear, can_prepack
-from tests.conftest import user_prompt_ids
+from inference import SpeculativeGenerator
+from tests.conftest import TINY, make_tiny_llama, user_prompt_ids
 
 
 @pytest.mark.slow
@@ -168,3 +171,74 @@ def test_a_device_this_machine_cannot_use_is_a_clear_error():
     else:
         with pytest.raises(ValueError, match=r"'cuda:99', but torch sees \d+ cuda devices"):
             usable_device("cuda:99")
+
+
+def test_a_granite_moe_base_scales_its_logits_as_its_forward_does():
+    torch.manual_seed(0)
+    config = GraniteMoeConfig(
+        **TINY, logits_scaling=8.0, num_local_experts=2, num_experts_per_tok=1
+    )
+    config._attn_implementation = "sdpa"
+    base = GraniteMoeForCausalLM(config).eval().requires_grad_(False)
+    assert logits_scaling(base) is not None
+    ids = torch.tensor([[1, 5, 9, 22, 7]])
+    hidden = base.model(input_ids=ids).last_hidden_state
+    torch.testing.assert_close(output_logits(base, hidden), base(input_ids=ids).logits)
+    SpeculativeGenerator(base, None, num_tokens=3, adaptive=False)  # taken, not refused
+
+
+def test_the_input_device_is_the_embeddings_own():
+    model = make_tiny_llama().to("meta")
+    assert input_device(model) == torch.device("meta")
+
+
+def test_a_device_index_past_the_count_is_refused(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert usable_device("cuda:0") == torch.device("cuda:0")
+    with pytest.raises(ValueError, match=r"'cuda:1', but torch sees 1 cuda devices"):
+        usable_device("cuda:1")
+
+
+def test_bf16_is_the_default_on_a_gpu_that_computes_it(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    assert default_dtype("cuda") == torch.bfloat16
+    assert default_dtype("cpu") == torch.float32
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    assert default_dtype("cuda") == torch.float32
+
+
+def test_a_tokenizer_without_pad_token_pads_with_its_eos(tmp_path, smollm2_tokenizer):
+    # batched generate (distill, bench's HF runs) pads: load_base gives such a tokenizer its eos
+    import copy
+
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from heads import load_base
+
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.pad_token = None
+    config = LlamaConfig(**{**TINY, "vocab_size": len(tok), "pad_token_id": None})
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    tok.save_pretrained(tmp_path)
+    _, tokenizer = load_base(str(tmp_path), device="cpu")
+    assert tokenizer.pad_token == tokenizer.eos_token == "<|im_end|>"
+
+
+def test_a_base_loaded_for_training_is_not_prepacked(tmp_path, smollm2_tokenizer):
+    # prepacking keeps a second copy of every linear weight for frozen inference; a base loaded
+    # to be trained (Medusa-2's LoRA) is left plain
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from heads import load_base
+    from heads.cpu import PackedLinear, can_prepack
+
+    if not can_prepack():
+        pytest.skip("no oneDNN packed linear in this torch build")
+    config = LlamaConfig(**{**TINY, "vocab_size": len(smollm2_tokenizer)})
+    LlamaForCausalLM(config).save_pretrained(tmp_path)
+    smollm2_tokenizer.save_pretrained(tmp_path)
+    frozen, _ = load_base(str(tmp_path), device="cpu")
+    assert any(isinstance(m, PackedLinear) for m in frozen.modules())
+    trainable, _ = load_base(str(tmp_path), device="cpu", frozen=False)
+    assert not any(isinstance(m, PackedLinear) for m in trainable.modules())

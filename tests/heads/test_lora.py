@@ -6,7 +6,9 @@ import torch
 from accelerate import cpu_offload
 from peft import LoraConfig, get_peft_model
 
-from heads.lora import lora_merged, lora_probe
+from heads import MedusaConfig, MedusaHeads, load_heads
+from heads.cpu import can_prepack, prepack_linear_weights
+from heads.lora import base_as_served, lora_merged, lora_probe, with_heads_adapter
 from tests.conftest import make_tiny_llama
 
 
@@ -195,3 +197,96 @@ def test_an_adapter_that_a_bf16_base_rounds_away_is_neither_merged_nor_warned_of
     assert capsys.readouterr().err == ""
     load_heads(tmp_path / "m2", base=base)
     assert not [w for w in recwarn if "LoRA" in str(w.message)]
+
+
+def _adapted(plain, std=0.05):
+    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
+    draw = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in adapted.named_parameters():
+            if "lora_B" in name:
+                p.normal_(std=std, generator=draw)
+    return adapted
+
+
+def _medusa2(folder, plain, std=0.05):
+    adapted = _adapted(plain, std)
+    adapted.save_pretrained(folder / "lora")
+    config = MedusaConfig.from_base(
+        plain.config, num_heads=2, base_lora="lora", base_lora_probe=lora_probe(adapted)
+    )
+    MedusaHeads(config).init_from_base(plain).save_pretrained(folder)
+    return adapted
+
+
+def test_the_probe_holds_the_entries_the_adapter_changes_most_either_way():
+    adapted = _adapted(make_tiny_llama(seed=2))
+    probe = lora_probe(adapted, k=8)
+    module = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    delta = module.get_delta_weight("default").reshape(-1)
+    assert sorted(probe["index"]) == sorted(delta.abs().topk(8).indices.tolist())
+    assert any(delta[i] < 0 for i in probe["index"])  # negative changes count as much
+
+
+def test_a_probe_of_a_larger_weight_cannot_tell(tmp_path):
+    plain = make_tiny_llama(seed=2)
+    probe = lora_probe(_adapted(plain))
+    numel = plain.get_parameter(probe["weight"]).numel()
+    probe = {**probe, "index": [*probe["index"][:-1], numel]}  # one entry past this weight
+    assert lora_merged(plain, probe) is None
+
+
+def test_heads_whose_probe_cannot_tell_leave_the_base_as_given(tmp_path):
+    # heads saved without a probe (base_lora_probe None) cannot tell a merged base from a plain
+    # one: the base is left as given, never merged a second time
+    plain = make_tiny_llama(seed=2)
+    adapted = _medusa2(tmp_path / "m2", plain)
+    config = MedusaConfig.from_base(plain.config, num_heads=2, base_lora="lora")
+    MedusaHeads(config).init_from_base(plain).save_pretrained(tmp_path / "m2")  # no probe
+    heads = load_heads(tmp_path / "m2")
+    assert heads.config.base_lora == "lora" and not heads.config.base_lora_probe
+    merged = copy.deepcopy(adapted).merge_and_unload()
+    ids = torch.tensor([[1, 5, 9, 22]])
+    with torch.no_grad():
+        want = merged(input_ids=ids).logits
+        served = with_heads_adapter(merged, heads)
+        torch.testing.assert_close(served(input_ids=ids).logits, want)  # not merged twice
+
+
+def test_a_prepacked_cpu_base_computes_with_the_merged_adapter(tmp_path):
+    if not can_prepack():
+        import pytest
+
+        pytest.skip("no oneDNN packed linear in this torch build")
+    plain = make_tiny_llama(seed=2)
+    adapted = _medusa2(tmp_path / "m2", plain)
+    ids = torch.tensor([[1, 5, 9, 22]])
+    with torch.no_grad():
+        want = adapted(input_ids=ids).logits
+    base = copy.deepcopy(plain)
+    assert prepack_linear_weights(base) > 0  # as load_base packs a CPU base
+    served, folder = base_as_served(base, [tmp_path / "m2"], "chat")
+    assert folder == str(tmp_path / "m2")
+    with torch.no_grad():
+        torch.testing.assert_close(served(input_ids=ids).logits, want)
+
+
+def test_the_probe_goes_by_all_its_entries_not_the_one_furthest_off():
+    # three of four probed entries hold the merged values, one was moved elsewhere (the merged
+    # base edited afterwards): taken together the entries are nearer the merged values
+    base = make_tiny_llama(seed=2)
+    weight = base.model.layers[0].self_attn.q_proj.weight
+    index = [0, 1, 2, 3]
+    plain = weight.reshape(-1)[index].tolist()
+    merged = [v + 0.1 for v in plain]
+    with torch.no_grad():
+        flat = weight.view(-1)
+        flat[index] = torch.tensor(merged)
+        flat[3] = plain[3] - 0.3  # 0.4 from its merged value, 0.3 from its plain one
+    probe = {
+        "weight": "model.layers.0.self_attn.q_proj.weight",
+        "index": index,
+        "plain": plain,
+        "merged": merged,
+    }
+    assert lora_merged(base, probe) is True

@@ -3,14 +3,22 @@ a tree is refused, logits scaled after the lm_head are the forward's, a draft mo
 vocabulary drafts, an unmerged adapter is refused, longrope switches as in HF; and options given
 with adaptive=True."""
 
+import warnings
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache
+from transformers import DynamicCache, Phi3Config
 
 from heads import MedusaConfig, MedusaHeads
-from inference import SpeculativeGenerator
-from tests.conftest import make_tiny_llama
+from inference import SpeculativeGenerator, plain_generation_config
+from inference.base_checks import (
+    not_full_attention,
+    position_rules,
+    warn_unapplied_logits_settings,
+)
+from tests.conftest import TINY, make_tiny_llama
 
 
 def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
@@ -288,3 +296,56 @@ def test_a_draft_model_of_a_shorter_context_drafts_within_it():
     gen = SpeculativeGenerator(base, rotary, num_tokens=3, adaptive=False)
     got = gen.generate(prompt, 60, eos_token_id=[])
     assert torch.equal(got.sequences, want) and got.accepted_lengths[-5:-1] == [4] * 4
+
+
+def test_mixed_layer_kinds_are_not_said_to_be_a_sliding_window():
+    assert "as in Mistral v0.1" in not_full_attention(["DynamicSlidingWindowLayer"])
+    mixed = not_full_attention(["DynamicSlidingWindowLayer", "LinearAttentionLayer"])
+    assert "Mamba, convolution or linear-attention" in mixed and "Mistral" not in mixed
+
+
+def test_a_longrope_of_one_layer_type_sets_its_switch():
+    # transformers 5 may give rope_parameters per layer type: a longrope among them switches
+    longrope = {
+        "rope_type": "longrope",
+        "original_max_position_embeddings": 64,
+        "short_factor": [1.0] * 8,
+        "long_factor": [2.0] * 8,
+    }
+    config = SimpleNamespace(
+        rope_parameters={"full_attention": longrope, "sliding_attention": {"rope_type": "default"}},
+        model_type="llama",
+    )
+    assert position_rules(config).crossings == (64,)
+
+
+def test_a_phi3_without_longrope_still_keeps_trees_off_its_recompute_point():
+    config = Phi3Config(**TINY, original_max_position_embeddings=64)
+    rules = position_rules(config)
+    assert rules.recompute_at == 64 and rules.crossings == (64,)
+
+
+def test_min_new_tokens_of_the_generation_config_is_said_and_left_out():
+    base = make_tiny_llama()
+    base.generation_config.min_new_tokens = 5  # HF generate suppresses the eos until then
+    with pytest.warns(UserWarning, match="min_new_tokens=5"):
+        warn_unapplied_logits_settings(base)
+    assert plain_generation_config(base).min_new_tokens is None
+
+
+def test_a_base_that_scales_its_logits_slightly_is_refused():
+    # a scaling the verifier does not know changes the sampled law even at 0.5%: refused
+    base = make_tiny_llama()
+    forward = base.forward
+
+    def scaled(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = out.logits * 1.005
+        return out
+
+    base.forward = scaled
+    with pytest.raises(ValueError, match="computes its logits otherwise"):
+        SpeculativeGenerator(base)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        SpeculativeGenerator(make_tiny_llama())  # the unscaled base is taken

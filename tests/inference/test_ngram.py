@@ -119,3 +119,41 @@ def test_from_jsonl_errors_say_what_is_wrong(tmp_path, smollm2_tokenizer):
         NgramTable.from_jsonl(tmp_path / "list.jsonl", smollm2_tokenizer)
     with pytest.raises(ValueError, match="min_count=0"):
         NgramTable([[1, 2]], min_count=0)
+
+
+def test_the_sequence_match_continues_its_latest_occurrence():
+    # (1, 2) occurs at 0 (then 3) and at 3 (then 4): the latest earlier occurrence is proposed,
+    # the most recent phrasing being the better guess (prompt lookup's rule)
+    drafter = NgramDrafter(num_tokens=3, max_ngram=2)
+    assert drafter.lookup(torch.tensor([1, 2, 3, 1, 2, 4, 1, 2])) == [4, 1, 2]
+
+
+def test_an_unfinished_conversation_leaves_only_its_last_answer_without_the_end(
+    tmp_path, smollm2_tokenizer
+):
+    # distill marks a conversation whose LAST answer was cut (finished: false): the earlier
+    # answers of the same record ended by themselves and are followed by the end token
+    record = {
+        "conversations": [
+            {"from": "human", "value": "a"},
+            {"from": "gpt", "value": "first answer"},
+            {"from": "human", "value": "b"},
+            {"from": "gpt", "value": "second cut"},
+        ],
+        "finished": False,
+    }
+    (tmp_path / "a.jsonl").write_text(json.dumps(record) + "\n", encoding="utf-8")
+    table = NgramTable.from_jsonl(tmp_path, smollm2_tokenizer, eos_token_id=0, min_count=1)
+    first, cut = smollm2_tokenizer(["first answer", "second cut"], add_special_tokens=False)[
+        "input_ids"
+    ]
+    assert table.num_tokens == len(first) + len(cut) + 1
+    assert table.continuation(first, 1) == [0]  # the first answer's end is learnt
+    assert table.continuation(cut, 1) == []  # the cut one has none
+
+
+def test_the_longest_default_arm_is_shorter_on_a_cpu():
+    # on a CPU every drafted token costs the verifier; on a GPU a longer chain is nearly free
+    drafter = NgramDrafter()
+    assert drafter.default_arms(torch.device("cpu")) == [None, {"num_tokens": 3}, {"num_tokens": 6}]
+    assert drafter.default_arms(torch.device("cuda"))[-1] == {"num_tokens": 10}
