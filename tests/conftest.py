@@ -43,6 +43,19 @@ def make_tiny_llama(seed: int = 0, attn: str = "sdpa", **overrides) -> LlamaForC
     return model
 
 
+def change_logits(model, transform) -> None:
+    """`model`'s forward returns `transform(logits)` from now on: a base that changes its logits
+    after the lm_head in a way headstart does not know."""
+    forward = model.forward
+
+    def changed(*args, **kwargs):
+        out = forward(*args, **kwargs)
+        out.logits = transform(out.logits)
+        return out
+
+    model.forward = changed
+
+
 @pytest.fixture(autouse=True)
 def keep_torch_threads():
     """The scripts' main set torch's thread count (--threads): give other tests theirs back."""

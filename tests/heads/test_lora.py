@@ -142,21 +142,28 @@ def test_medusa2_heads_are_given_the_base_with_their_adapter_merged(tmp_path):
     assert with_heads_adapter(plain, other) is plain  # Medusa-1: the base as it is
 
 
-def _medusa2_folder(folder: Path, plain, std: float) -> None:
-    """Medusa-2 heads saved in `folder` beside a q_proj adapter whose B entries have `std`."""
-    from heads import MedusaConfig, MedusaHeads
-
+def _adapted(plain, std: float = 0.05):
+    """`plain` with a q_proj adapter whose B entries have `std` (seeded)."""
     adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
     draw = torch.Generator().manual_seed(0)
     with torch.no_grad():
         for name, p in adapted.named_parameters():
             if "lora_B" in name:
                 p.normal_(std=std, generator=draw)
+    return adapted
+
+
+def _medusa2_folder(folder: Path, plain, std: float = 0.05):
+    """Medusa-2 heads saved in `folder` beside `_adapted(plain, std)`'s adapter; returns it."""
+    from heads import MedusaConfig, MedusaHeads
+
+    adapted = _adapted(plain, std)
     adapted.save_pretrained(folder / "lora")
     config = MedusaConfig.from_base(
         plain.config, num_heads=2, base_lora="lora", base_lora_probe=lora_probe(adapted)
     )
     MedusaHeads(config).init_from_base(plain).save_pretrained(folder)
+    return adapted
 
 
 def test_the_scripts_serve_medusa2_heads_on_their_merged_base(tmp_path, capsys):
@@ -199,26 +206,6 @@ def test_an_adapter_that_a_bf16_base_rounds_away_is_neither_merged_nor_warned_of
     assert not [w for w in recwarn if "LoRA" in str(w.message)]
 
 
-def _adapted(plain, std=0.05):
-    adapted = get_peft_model(copy.deepcopy(plain), LoraConfig(r=2, target_modules=["q_proj"]))
-    draw = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in adapted.named_parameters():
-            if "lora_B" in name:
-                p.normal_(std=std, generator=draw)
-    return adapted
-
-
-def _medusa2(folder, plain, std=0.05):
-    adapted = _adapted(plain, std)
-    adapted.save_pretrained(folder / "lora")
-    config = MedusaConfig.from_base(
-        plain.config, num_heads=2, base_lora="lora", base_lora_probe=lora_probe(adapted)
-    )
-    MedusaHeads(config).init_from_base(plain).save_pretrained(folder)
-    return adapted
-
-
 def test_the_probe_holds_the_entries_the_adapter_changes_most_either_way():
     adapted = _adapted(make_tiny_llama(seed=2))
     probe = lora_probe(adapted, k=8)
@@ -240,7 +227,7 @@ def test_heads_whose_probe_cannot_tell_leave_the_base_as_given(tmp_path):
     # heads saved without a probe (base_lora_probe None) cannot tell a merged base from a plain
     # one: the base is left as given, never merged a second time
     plain = make_tiny_llama(seed=2)
-    adapted = _medusa2(tmp_path / "m2", plain)
+    adapted = _medusa2_folder(tmp_path / "m2", plain)
     config = MedusaConfig.from_base(plain.config, num_heads=2, base_lora="lora")
     MedusaHeads(config).init_from_base(plain).save_pretrained(tmp_path / "m2")  # no probe
     heads = load_heads(tmp_path / "m2")
@@ -259,7 +246,7 @@ def test_a_prepacked_cpu_base_computes_with_the_merged_adapter(tmp_path):
 
         pytest.skip("no oneDNN packed linear in this torch build")
     plain = make_tiny_llama(seed=2)
-    adapted = _medusa2(tmp_path / "m2", plain)
+    adapted = _medusa2_folder(tmp_path / "m2", plain)
     ids = torch.tensor([[1, 5, 9, 22]])
     with torch.no_grad():
         want = adapted(input_ids=ids).logits

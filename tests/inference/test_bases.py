@@ -18,7 +18,7 @@ from inference.base_checks import (
     position_rules,
     warn_unapplied_logits_settings,
 )
-from tests.conftest import TINY, make_tiny_llama
+from tests.conftest import TINY, change_logits, make_tiny_llama
 
 
 def test_bases_whose_forward_cannot_verify_a_tree_are_refused():
@@ -99,14 +99,7 @@ def test_bases_that_scale_their_logits_are_verified_on_the_forwards_logits():
             torch.testing.assert_close(log_probs, (base.lm_head(hidden) / 8).log_softmax(-1))
     capped = make_tiny_llama()
     capped.lm_head.weight.mul_(8)
-    forward = capped.forward
-
-    def softcapped(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = torch.tanh(out.logits)
-        return out
-
-    capped.forward = softcapped
+    change_logits(capped, torch.tanh)
     with pytest.raises(ValueError, match="computes its logits otherwise than its output embed"):
         SpeculativeGenerator(capped)
 
@@ -336,14 +329,7 @@ def test_min_new_tokens_of_the_generation_config_is_said_and_left_out():
 def test_a_base_that_scales_its_logits_slightly_is_refused():
     # a scaling the verifier does not know changes the sampled law even at 0.5%: refused
     base = make_tiny_llama()
-    forward = base.forward
-
-    def scaled(*args, **kwargs):
-        out = forward(*args, **kwargs)
-        out.logits = out.logits * 1.005
-        return out
-
-    base.forward = scaled
+    change_logits(base, lambda logits: logits * 1.005)
     with pytest.raises(ValueError, match="computes its logits otherwise"):
         SpeculativeGenerator(base)
     with warnings.catch_warnings():

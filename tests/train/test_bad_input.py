@@ -216,19 +216,13 @@ def test_a_base_that_changes_its_logits_an_unknown_way_is_refused_before_trainin
     from accelerate import Accelerator
 
     import train.run
+    from tests.conftest import change_logits
 
     real = train.run.load_base
 
     def capped(*args, **kwargs):
         base, tokenizer = real(*args, **kwargs)
-        forward = base.forward
-
-        def softcapped(*args, **kwargs):
-            out = forward(*args, **kwargs)
-            out.logits = torch.tanh(out.logits)
-            return out
-
-        base.forward = softcapped
+        change_logits(base, torch.tanh)
         return base, tokenizer
 
     monkeypatch.setattr(train.run, "load_base", capped)
