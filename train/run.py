@@ -246,12 +246,9 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None
             file=sys.stderr,
         )
         raise SystemExit(2)
-    if not zero3:  # (partitioned, the lm_head is not one to call on its own)
-        try:  # the heads learn the base's own logits: a transform after the lm_head must be known
+    if not zero3:  # the heads learn the base's own logits: a transform after the lm_head must
+        with stop_on_bad_input((ValueError,)):  # be known (partitioned, it cannot be called alone)
             base_logits(base)
-        except ValueError as error:
-            print(f"error: {error}", file=sys.stderr)
-            raise SystemExit(2) from None
     windowed = windowed_cache_layers(base.config)
     if windowed:  # said before hours of training, not first when decoding is refused
         accelerator.print(
