@@ -24,11 +24,6 @@ def check_generation_arguments(
     torch's integers too) and stop_strings as a list (one string, as HF takes it)."""
     if acceptance not in ("lossless", "typical"):
         raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
-    if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
-        raise ValueError(
-            "acceptance='typical' accepts from the temperature-scaled distribution, without "
-            "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
-        )
     if isinstance(stop_strings, str):  # one string, as HF takes it
         stop_strings = [stop_strings]
     if stop_strings and tokenizer is None:
@@ -50,6 +45,11 @@ def check_generation_arguments(
         raise ValueError(
             f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
             f"(1: off); got temperature={temperature}, top_k={top_k}, top_p={top_p}"
+        )
+    if acceptance == "typical" and temperature > 0 and (top_k or top_p < 1):
+        raise ValueError(
+            "acceptance='typical' accepts from the temperature-scaled distribution, without "
+            "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
         )
     return max_new_tokens, stop_strings
 

@@ -1,0 +1,111 @@
+"""generate's arguments and prompt checked on their own (the other tests go through a whole
+generator): valid ones normalised, each invalid one refused with its message, EOS ids, pad
+tokens, prompt ids."""
+
+from __future__ import annotations
+
+import warnings
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+
+from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
+from inference.prompt import prompt_ids
+
+
+def check(**kw):
+    args = dict(
+        max_new_tokens=4,
+        temperature=0.0,
+        top_k=0,
+        top_p=1.0,
+        acceptance="lossless",
+        stop_strings=None,
+        tokenizer=None,
+    )
+    return check_generation_arguments(**{**args, **kw})
+
+
+def test_valid_arguments_are_normalised():
+    assert check(max_new_tokens=np.int64(3)) == (3, None)
+    assert check(stop_strings="###", tokenizer=object()) == (4, ["###"])
+    assert check(temperature=0.7, top_k=5, top_p=1.0) == (4, None)
+    assert check(temperature=0.7, top_p=1.0, acceptance="typical") == (4, None)
+
+
+@pytest.mark.parametrize(
+    "kw, error, match",
+    [
+        (dict(max_new_tokens=0), ValueError, "max_new_tokens must be >= 1"),
+        (dict(max_new_tokens=True), TypeError, "max_new_tokens must be an int"),
+        (dict(max_new_tokens=2.0), TypeError, "max_new_tokens must be an int"),
+        (dict(top_p=0.0), ValueError, "0 < top_p <= 1"),
+        (dict(top_p=1.5), ValueError, "0 < top_p <= 1"),
+        (dict(temperature=-0.1), ValueError, "temperature >= 0"),
+        (dict(temperature=float("nan")), ValueError, "temperature >= 0"),
+        (dict(top_k=-1), ValueError, "top_k >= 0"),
+        (dict(top_k=True), TypeError, "top_k an int"),
+        (dict(acceptance="exact"), ValueError, "acceptance must be"),
+        (dict(stop_strings=["\n\n"]), ValueError, "need the tokenizer"),
+        (dict(stop_strings="\n\n"), ValueError, "need the tokenizer"),
+        (
+            dict(acceptance="typical", temperature=0.7, top_p=0.9),
+            ValueError,
+            "without top_k / top_p",
+        ),
+        (dict(acceptance="typical", temperature=0.7, top_k=5), ValueError, "without top_k / top_p"),
+    ],
+)
+def test_invalid_arguments_are_refused(kw, error, match):
+    with pytest.raises(error, match=match):
+        check(**kw)
+
+
+@pytest.mark.parametrize("kw", [dict(top_p=None), dict(temperature=None)])
+def test_typical_acceptance_says_which_argument_is_no_number(kw):
+    # its own rule reads temperature and top_p: they are checked to be numbers first
+    with pytest.raises(TypeError, match="temperature and top_p must be numbers"):
+        check(acceptance="typical", **{"temperature": 0.7, **kw})
+
+
+def test_eos_ids_prefer_the_generation_config_as_hf_does():
+    base = SimpleNamespace(
+        generation_config=SimpleNamespace(eos_token_id=[5, 7]),
+        config=SimpleNamespace(eos_token_id=2),
+    )
+    assert eos_ids(base, None) == {5, 7}
+    assert eos_ids(base, torch.tensor([3])) == {3}
+    assert eos_ids(base, {9, 8}) == {8, 9}
+    assert eos_ids(SimpleNamespace(generation_config=None, config=base.config), None) == {2}
+
+
+def test_a_pad_token_that_is_an_eos_token_is_not_warned_of():
+    """HF masks the pad token unless it is an EOS token; such a prompt is read as HF reads it."""
+    base = SimpleNamespace(generation_config=SimpleNamespace(pad_token_id=0), config=None)
+    ids = torch.tensor([4, 0, 5])
+    with pytest.warns(UserWarning, match=r"holds the pad token \(0\) at positions \[1\]"):
+        warn_pad_in_prompt(base, ids, None, eos={2})
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        warn_pad_in_prompt(base, ids, None, eos={0})
+        warn_pad_in_prompt(base, ids, torch.ones(3), eos={2})  # a mask given: nothing to say
+
+
+def test_prompt_ids_take_one_sequence_and_refuse_the_rest():
+    ids = torch.tensor([[3, 4, 5]])
+    assert prompt_ids(ids, torch.ones(1, 3, dtype=torch.long)).tolist() == [3, 4, 5]
+    assert prompt_ids([3, 4], [1, 1]).tolist() == [3, 4]
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        prompt_ids(torch.zeros(1, 0, dtype=torch.long))
+    with pytest.raises(ValueError, match="input_ids is empty"):
+        prompt_ids([])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2,\) for 3 prompt tokens"):
+        prompt_ids(ids, torch.ones(2, dtype=torch.long))
+    with pytest.raises(ValueError, match="masks some prompt tokens"):
+        prompt_ids(ids, torch.tensor([[1, 0, 1]]))
+    with pytest.raises(ValueError, match="masks some prompt tokens"):
+        prompt_ids(ids, torch.tensor([0, 0, 0]))
+    with pytest.raises(TypeError, match="input_ids is text"):
+        prompt_ids([3, "four"])
