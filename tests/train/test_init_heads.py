@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from safetensors.torch import save_file
 
 import train.eagle
 import train.medusa
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from tests.conftest import make_tiny_llama
 from tests.train.conftest import TINY_EAGLE, TINY_MEDUSA, load_tiny_base, run
 from tests.train.test_recipes import assert_base_untouched, heads_tensors, read_metrics
+from train.init_heads import read_init_heads
 
 # One update at a vanishing rate: the saved heads are the loaded ones, up to ~1e-12.
 STILL = ["training.max_steps=1", "training.learning_rate=1.0e-12", "training.eval_every_steps=1"]
@@ -138,3 +143,73 @@ def test_a_missing_folder_is_named(tiny_task, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "o", f"training.init_heads={tmp_path}/x")
     assert f"heads folder not found: {tmp_path}/x" in capsys.readouterr().err
+
+
+def _recipe(folder):
+    return SimpleNamespace(
+        training=SimpleNamespace(init_heads=str(folder)), heads=SimpleNamespace(lora_r=0)
+    )
+
+
+def _refusal(capsys, config, base, folder) -> str:
+    with pytest.raises(SystemExit) as exit_:
+        read_init_heads(_recipe(folder), config, base)
+    assert exit_.value.code == 2
+    return capsys.readouterr().err
+
+
+@pytest.fixture(scope="module")
+def base4():
+    return make_tiny_llama(num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def eagle3_folder(base4, tmp_path_factory):
+    folder = tmp_path_factory.mktemp("eagle3") / "heads"
+    config = EagleConfig.from_base(base4.config, draft_vocab_size=128)  # aux ids (1, 2, 3)
+    EagleDraft(config).save_pretrained(folder)
+    return folder
+
+
+def test_the_same_eagle3_draft_loads(base4, eagle3_folder):
+    config = EagleConfig.from_base(base4.config, draft_vocab_size=128)
+    tensors, where = read_init_heads(_recipe(eagle3_folder), config, base4)
+    assert where == str(eagle3_folder) and "fc.weight" in tensors
+
+
+def test_a_draft_of_other_aux_layers_is_refused(capsys, base4, eagle3_folder):
+    """Same shapes, other base layers read: its fc was trained on other states (I1)."""
+    config = EagleConfig.from_base(base4.config, draft_vocab_size=128, aux_layer_ids=[0, 1, 2])
+    err = _refusal(capsys, config, base4, eagle3_folder)
+    assert "is not the heads this recipe builds" in err
+    assert "aux_layer_ids: [1, 2, 3] there, [0, 1, 2] here" in err
+
+
+def test_a_draft_of_another_draft_vocabulary_is_refused(capsys, base4, eagle3_folder):
+    """(I2)"""
+    config = EagleConfig.from_base(base4.config, draft_vocab_size=64)
+    err = _refusal(capsys, config, base4, eagle3_folder)
+    assert "draft_vocab_size: 128 there, 64 here" in err
+
+
+def test_medusa_heads_of_another_base_depth_are_refused(capsys, base4, tmp_path):
+    """Heads of the same shapes whose base had another layer count: `check_base` (I3)."""
+    base2 = make_tiny_llama()  # 2 layers, same hidden and vocabulary sizes
+    assert base2.config.num_hidden_layers == 2
+    heads = MedusaHeads(MedusaConfig.from_base(base2.config, num_heads=2)).init_from_base(base2)
+    heads.save_pretrained(tmp_path / "heads")
+    config = MedusaConfig.from_base(base4.config, num_heads=2)
+    err = _refusal(capsys, config, base4, tmp_path / "heads")
+    assert "num_hidden_layers=2" in err and "has num_hidden_layers=4" in err
+
+
+def test_an_eagle1_draft_with_an_fc_bias_does_not_start_one_without(capsys, base4, tmp_path):
+    """EAGLE-1's fc bias (the reference's) is part of the shape: `fc_bias` is compared (I4)."""
+    biased = EagleConfig.from_base(base4.config, version=1, fc_bias=True)
+    draft = EagleDraft(biased)
+    assert draft.fc.bias is not None
+    draft.fc.bias.data.fill_(0.5)  # a zero bias is read as none (an SGLang export's)
+    draft.save_pretrained(tmp_path / "heads")
+    config = EagleConfig.from_base(base4.config, version=1)
+    err = _refusal(capsys, config, base4, tmp_path / "heads")
+    assert "fc_bias: True there, False here" in err

@@ -254,3 +254,14 @@ def test_resuming_with_the_base_in_another_dtype_says_which(tiny_task, tmp_path)
     (ckpt / "trainer_state.json").write_text(json.dumps(state))
     with pytest.raises(RecipeError, match="other weights of the base"):
         base_identity(load_tiny_base(tiny_task), ckpt)
+
+
+@pytest.mark.parametrize(
+    "avx512_bf16, amx, expected",
+    [(False, False, False), (True, False, True), (False, True, True), (True, True, True)],
+)
+def test_either_avx512_bf16_or_amx_counts_as_native_bf16(monkeypatch, avx512_bf16, amx, expected):
+    """(P5) A CPU with AMX tiles computes bf16 natively even where torch reports no AVX512-BF16."""
+    monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
+    monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
+    assert cpu_has_bf16() is expected
