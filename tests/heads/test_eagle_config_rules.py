@@ -8,6 +8,16 @@ import pytest
 
 from heads import EagleConfig
 
+# An EAGLE-1 draft's config.json as an engine's (or another trainer's) folder holds it.
+ENGINE_CONFIG = {
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLM"],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "vocab_size": 256,
+    "num_hidden_layers": 1,
+}
+
 
 def test_validate_refuses_an_aux_layer_id_equal_to_the_base_layer_count():
     """aux ids name the state *entering* layer i, i in [0, L): L itself is no base layer (E7)."""
@@ -25,14 +35,7 @@ def test_validate_refuses_a_draft_vocabulary_larger_than_the_base_one():
 
 def test_an_eagle1_config_of_format_1_reads_its_bias_key_as_the_fc_bias():
     """Format 1 wrote the EAGLE-1 fc bias as "bias": true (E11); it is no attention bias."""
-    tiny = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "vocab_size": 256,
-        "num_hidden_layers": 1,
-    }
+    tiny = dict(ENGINE_CONFIG)
     assert EagleConfig.from_dict({**tiny, "bias": True}).fc_bias is True
     config = EagleConfig.from_dict(dict(tiny))
     assert config.fc_bias is False and config.attention_bias is False
@@ -42,12 +45,9 @@ def test_an_eagle3_config_naming_no_draft_vocabulary_drafts_over_the_whole_one()
     """The engines draft over the whole vocabulary when draft_vocab_size is absent or null
     (E12): not EAGLE-3's default 32000."""
     data = {
-        "model_type": "llama",
+        **ENGINE_CONFIG,
         "architectures": ["LlamaForCausalLMEagle3"],
-        "hidden_size": 64,
-        "num_attention_heads": 4,
         "vocab_size": 50000,
-        "num_hidden_layers": 1,
         "eagle_aux_hidden_state_layer_ids": [1, 2, 3],
     }
     assert EagleConfig.from_dict(dict(data)).draft_vocab_size == 50000
@@ -109,15 +109,7 @@ def test_a_partial_rotary_factor_named_on_the_config_rotates_the_whole_head_at_t
 
 def test_a_top_level_rope_theta_is_read():
     """Engine configs name rope_theta at the top level, without rope_parameters (E21)."""
-    data = {
-        "model_type": "llama",
-        "architectures": ["LlamaForCausalLM"],
-        "hidden_size": 64,
-        "num_attention_heads": 4,
-        "vocab_size": 256,
-        "num_hidden_layers": 1,
-        "rope_theta": 500000.0,
-    }
+    data = {**ENGINE_CONFIG, "rope_theta": 500000.0}
     config = EagleConfig.from_dict(data)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 500000.0}
     assert EagleConfig.from_dict(config.to_dict()).rope_parameters["rope_theta"] == 500000.0

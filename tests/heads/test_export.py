@@ -290,14 +290,17 @@ def test_aux_layers_the_engines_would_collect_in_another_order_are_refused(tmp_p
 
 
 @pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
-@pytest.mark.parametrize("bias", [True, False])
-def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
+@pytest.mark.parametrize("bias, layers", [(True, 2), (False, 2), (False, 1)])
+def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias, layers):
     """FasterDecoding's and TGI's `medusa_lm_head` layout (what the tgi export writes) loads
-    with load_heads and drafts as the heads it came from."""
+    with load_heads and drafts as the heads it came from; a config without medusa_num_layers
+    means one layer, as the reference repos default it."""
     from heads import load_heads
 
     heads = MedusaHeads(
-        MedusaConfig.from_base(tiny_llama.config, num_heads=3, num_layers=2, medusa_fc_bias=bias)
+        MedusaConfig.from_base(
+            tiny_llama.config, num_heads=3, num_layers=layers, medusa_fc_bias=bias
+        )
     ).init_from_base(tiny_llama)
     with torch.no_grad():
         for p in heads.parameters():
@@ -306,14 +309,16 @@ def test_the_reference_medusa_layout_loads_back(tiny_llama, tmp_path, bias):
     export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
     loaded = load_heads(tmp_path / "tgi", base=tiny_llama)
     assert isinstance(loaded, MedusaHeads)
-    assert (loaded.config.num_heads, loaded.config.num_hidden_layers) == (3, 2)
+    assert (loaded.config.num_heads, loaded.config.num_hidden_layers) == (3, layers)
     assert loaded.config.base_model_name_or_path == "tiny-llama-0"
     hidden = torch.randn(1, 5, 64)
     torch.testing.assert_close(loaded(hidden), heads.eval()(hidden), rtol=0, atol=1e-6)
-    # as the reference repos ship it: only the Medusa keys in config.json
-    (tmp_path / "tgi" / "config.json").write_text(
-        json.dumps({"medusa_num_heads": 3, "medusa_num_layers": 2, "base_model_name_or_path": "x"})
-    )
+    # as the reference repos ship it: only the Medusa keys in config.json, medusa_num_layers
+    # left out for one layer (their default)
+    reference = {"medusa_num_heads": 3, "base_model_name_or_path": "x"}
+    if layers > 1:
+        reference["medusa_num_layers"] = layers
+    (tmp_path / "tgi" / "config.json").write_text(json.dumps(reference))
     torch.testing.assert_close(
         load_heads(tmp_path / "tgi")(hidden), heads(hidden), rtol=0, atol=1e-6
     )

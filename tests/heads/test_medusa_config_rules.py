@@ -3,13 +3,10 @@ map ids inside the vocabulary, a whole draft vocabulary saved in token order."""
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 
-from heads import MedusaConfig, MedusaHeads, load_heads
-from heads.export import export_heads
+from heads import MedusaConfig, MedusaHeads
 
 
 def test_validate_refuses_zero_heads():
@@ -19,23 +16,6 @@ def test_validate_refuses_zero_heads():
         MedusaConfig(num_heads=0).validate()
     with pytest.raises(ValueError, match="num_hidden_layers >= 0"):
         MedusaConfig(num_heads=1, num_hidden_layers=-1).validate()
-
-
-def test_a_reference_config_without_medusa_num_layers_means_one_layer(tiny_llama, tmp_path):
-    """The reference Medusa repos default medusa_num_layers to 1 (M4)."""
-    heads = MedusaHeads(
-        MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1)
-    ).init_from_base(tiny_llama)
-    with torch.no_grad():
-        for p in heads.parameters():
-            p.add_(0.01 * torch.randn_like(p))
-    heads.save_pretrained(tmp_path / "medusa")
-    export_heads(tmp_path / "medusa", "tgi", tmp_path / "tgi")
-    (tmp_path / "tgi" / "config.json").write_text(json.dumps({"medusa_num_heads": 2}))
-    loaded = load_heads(tmp_path / "tgi")
-    assert (loaded.config.num_heads, loaded.config.num_hidden_layers) == (2, 1)
-    hidden = torch.randn(1, 3, 64)
-    torch.testing.assert_close(loaded(hidden), heads.eval()(hidden), rtol=0, atol=1e-6)
 
 
 def test_a_token_map_naming_the_id_one_past_the_vocabulary_is_refused(tiny_llama):
