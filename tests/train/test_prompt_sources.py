@@ -5,17 +5,12 @@ collect; the embedded set's clipping, docstring prompts and stdlib cap."""
 import gzip
 import json
 import re
-from pathlib import Path
 
 import pytest
 
 import train.prompt_set as prompt_set
+from tests.train.test_prompts import write_jsonl
 from train.prompts import PromptSourceError, normalize_record, read_source
-
-
-def write_jsonl(path: Path, lines: list) -> Path:
-    path.write_text("".join((x if isinstance(x, str) else json.dumps(x)) + "\n" for x in lines))
-    return path
 
 
 def test_sharegpt_role_names_of_other_dumps_and_any_case():
@@ -106,24 +101,6 @@ def test_a_json_file_of_one_object_names_the_line_it_starts_on(tmp_path):
     single.write_text('\n{"oops": 1}\n')
     prompts, skipped = read_source(str(single), on_error="collect")
     assert prompts == [] and skipped[0].startswith(f"{single}:2: no 'conversations'")
-
-
-def test_an_hf_source_without_a_split_reads_train(monkeypatch):
-    # `hf:ORG/NAME` alone is the train split, as datasets' own default
-    calls = []
-
-    def fake_load_dataset(name, config, split):
-        calls.append((name, config, split))
-        return [{"prompt": "hub q"}]
-
-    import datasets
-
-    monkeypatch.setattr(datasets, "load_dataset", fake_load_dataset)
-    prompts, _ = read_source("hf:org/name")
-    assert calls == [("org/name", None, "train")]
-    assert prompts[0].source == "hf:org/name row 0"
-    with pytest.raises(PromptSourceError, match=r"expected hf:ORG/NAME\[:CONFIG\]:SPLIT"):
-        read_source("hf:org/name:a:b:c")
 
 
 def test_gzip_bytes_under_any_plain_name_are_said_so(tmp_path):

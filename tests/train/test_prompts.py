@@ -264,6 +264,11 @@ def test_hf_source_goes_through_load_dataset(monkeypatch):
     )
     read_source("hf:org/name:cfg:validation")
     assert calls[-1] == ("org/name", "cfg", "validation")
+    # `hf:ORG/NAME` alone is the train split, as datasets' own default
+    assert read_source("hf:org/name")[0][0].source == "hf:org/name row 0"
+    assert calls[-1] == ("org/name", None, "train")
+    with pytest.raises(PromptSourceError, match=r"expected hf:ORG/NAME\[:CONFIG\]:SPLIT"):
+        read_source("hf:org/name:a:b:c")
 
 
 def test_embedded_set_is_large_diverse_unique_and_deterministic():
