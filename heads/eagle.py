@@ -252,13 +252,18 @@ class EagleDraft(PretrainedHeads):
     def set_vocab_map(self, draft_to_base: torch.Tensor) -> None:
         """EAGLE-3: set d2t / t2d from the base ids kept in the draft vocabulary (draft index i is
         base id draft_to_base[i]; headstart passes them sorted)."""
-        ids = torch.as_tensor(draft_to_base, dtype=torch.long)
+        ids = torch.as_tensor(draft_to_base, dtype=torch.long).cpu()
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(f"need {self.config.draft_vocab_size} base ids, got {ids.numel()}")
-        self.d2t.copy_(ids - torch.arange(ids.numel()))
-        self.t2d.zero_()
-        self.t2d[ids] = True
-        check_vocab_map(self.d2t, self.t2d)
+        # Checked before anything is set: a refused map leaves the draft's own.
+        if ids.unique().numel() != ids.numel():
+            raise ValueError("the draft vocabulary's base ids must be distinct: one is repeated")
+        d2t = ids - torch.arange(ids.numel())
+        target_ids(d2t, self.t2d.numel())  # each id in the base vocabulary
+        t2d = torch.zeros(self.t2d.shape, dtype=torch.bool)
+        t2d[ids] = True
+        self.d2t.copy_(d2t)
+        self.t2d.copy_(t2d)
 
     def num_trainable_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters() if p.requires_grad)

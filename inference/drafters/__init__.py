@@ -70,6 +70,9 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                 "NgramDrafter(num_tokens=4)]"
             )
         return UnionDrafter([make_drafter(base, member) for member in heads_or_drafter])
+    if isinstance(heads_or_drafter, UnionDrafter):  # built by the caller: its members as a list's
+        for member in heads_or_drafter.drafters:
+            make_drafter(base, member)
     # Heads of another base, given as they are or inside their drafter: say so now.
     inner = [getattr(heads_or_drafter, name, None) for name in ("heads", "draft")]
     device = input_device(base)
@@ -82,16 +85,8 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                     f"the heads are on {where}, the base takes its inputs on {device}: move "
                     f"them with heads.to('{device}') (load_heads(..., base=base) places them)"
                 )
-    # a ModelDrafter checked its model's rows against its own vocab_size: it must be the base's
-    mismatch = isinstance(heads_or_drafter, ModelDrafter) and (
-        heads_or_drafter.vocab_size != base.config.vocab_size
-    )
-    if mismatch:
-        raise ValueError(
-            f"this ModelDrafter pads the draft model's logits to {heads_or_drafter.vocab_size} "
-            f"tokens, the base has {base.config.vocab_size}: build it with "
-            f"ModelDrafter(model, ..., vocab_size={base.config.vocab_size})"
-        )
+    if isinstance(heads_or_drafter, ModelDrafter):
+        check_padded_vocab(heads_or_drafter.vocab_size, base, "ModelDrafter(model, ..., ")
     if isinstance(heads_or_drafter, Drafter):
         if options:
             name = type(heads_or_drafter).__name__
@@ -109,6 +104,7 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
         return build(EagleDrafter, heads_or_drafter, base, **options)
     if isinstance(heads_or_drafter, PreTrainedModel):
         options.setdefault("vocab_size", base.config.vocab_size)  # more rows: refused there
+        check_padded_vocab(options["vocab_size"], base, "SpeculativeGenerator(base, model, ..., ")
         return build(ModelDrafter, heads_or_drafter, **options)
     if isinstance(heads_or_drafter, (str, os.PathLike)):
         raise TypeError(
@@ -118,3 +114,14 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
     raise TypeError(
         f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
     )
+
+
+def check_padded_vocab(vocab_size, base: PreTrainedModel, call: str) -> None:
+    """A draft model's logits are padded to `vocab_size` columns (its rows checked against it):
+    they must be the base's, whose probabilities the verifier sets beside them."""
+    if vocab_size != base.config.vocab_size:
+        raise ValueError(
+            f"the draft model's logits would be padded to vocab_size={vocab_size} tokens, the "
+            f"base has {base.config.vocab_size}: give {call}vocab_size={base.config.vocab_size}) "
+            "or leave vocab_size out"
+        )

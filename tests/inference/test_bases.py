@@ -143,6 +143,11 @@ def test_a_draft_model_padded_to_fewer_rows_drafts_for_the_base():
     with pytest.raises(ValueError, match=r"ModelDrafter\(model, ..., vocab_size=256\)"):
         SpeculativeGenerator(base, ModelDrafter(small, num_tokens=3))
     SpeculativeGenerator(base, ModelDrafter(small, num_tokens=3, vocab_size=256))
+    # the same option given to the generator: its first sampled step would mix 256 and 300 columns
+    with pytest.raises(
+        ValueError, match=r"SpeculativeGenerator\(base, model, ..., vocab_size=256\)"
+    ):
+        SpeculativeGenerator(base, small, num_tokens=3, vocab_size=300)
     with pytest.raises(ValueError, match=r"vocabulary \(300 tokens\) is larger than the base's"):
         SpeculativeGenerator(base, make_tiny_llama(seed=1, vocab_size=300))
 
