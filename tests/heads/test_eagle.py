@@ -2,7 +2,7 @@ import pytest
 import torch
 
 from heads import EagleConfig, EagleDraft, default_aux_layer_ids, read_hidden_states
-from heads.eagle import check_vocab_map
+from heads.eagle import check_vocab_map, t2d_from_d2t
 from tests.conftest import TINY, make_tiny_llama
 
 
@@ -119,6 +119,37 @@ def test_vocab_map_roundtrip_and_errors(tiny_llama):
     t2d[50] = True
     with pytest.raises(ValueError, match="t2d"):
         check_vocab_map(draft.d2t, t2d)
+    # a refused map leaves the draft's own as it was
+    for ids, error in (([3, 10, 10, 200], "distinct"), ([3, 10, 11, 256], "outside the base")):
+        with pytest.raises(ValueError, match=error):
+            draft.set_vocab_map(torch.tensor(ids))
+        assert draft.to_base_ids(torch.tensor([0, 1, 2, 3])).tolist() == [200, 3, 11, 10]
+        assert draft.t2d.nonzero().flatten().tolist() == [3, 10, 11, 200]
+
+
+def test_a_vocabulary_map_reaching_outside_the_base_is_refused_at_either_end():
+    t2d = torch.zeros(256, dtype=torch.bool)
+    t2d[[0, 1, 2, 255]] = True
+    # targets (draft + d2t[draft]) 255, 1, 2, -1: -1 would index t2d's last entry
+    with pytest.raises(ValueError, match="run from -1 to 255, outside the base vocabulary of 256"):
+        check_vocab_map(torch.tensor([255, 0, 0, -4]), t2d)
+    # targets 0, 1, 2, 256: one past the last id
+    with pytest.raises(ValueError, match="run from 0 to 256, outside the base vocabulary of 256"):
+        check_vocab_map(torch.tensor([0, 0, 0, 253]), t2d)
+    with pytest.raises(ValueError, match="outside the base vocabulary of 256"):
+        t2d_from_d2t(torch.tensor([0, 0, 0, 253]), 256)
+
+
+@torch.no_grad()
+def test_eagle1_fc_reads_the_embedding_then_the_feature(tiny_llama):
+    # vLLM's and the EAGLE repo's EAGLE-1 layer: fc(cat(inputs_embeds, hidden_states)).
+    draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).eval()
+    H = 64
+    draft.fc.weight[:, H:] = 0  # the feature's half off
+    emb, pos = torch.randn(1, 4, H), torch.arange(4)[None]
+    a = draft(emb, torch.randn(1, 4, H), pos)
+    torch.testing.assert_close(draft(emb, torch.randn(1, 4, H), pos), a)  # feature: no effect
+    assert not torch.allclose(draft(torch.randn(1, 4, H), torch.randn(1, 4, H), pos), a)
 
 
 @pytest.mark.parametrize(("aux", "layer"), [([0, 1, 1], None), ([0, 0, 0], 0)])

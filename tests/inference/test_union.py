@@ -130,6 +130,13 @@ def test_union_settings_arms_and_refusals():
         SpeculativeGenerator(base, [eagle3, other])
     with pytest.raises(ValueError, match="ambiguous"):
         SpeculativeGenerator(base, [heads, None], choices="cpu-8")
+    # heads of another base are refused in a UnionDrafter object as in a list
+    wider = make_tiny_llama(hidden_size=128)
+    for given in ([heads, None], UnionDrafter([MedusaDrafter(heads), NgramDrafter()])):
+        with pytest.raises(
+            ValueError, match=r"hidden_size=64, but the given base .* hidden_size=128"
+        ):
+            SpeculativeGenerator(wider, given)
     gen = SpeculativeGenerator(base, [eagle3, None])
     assert gen.drafter.aux_layer_ids == tuple(eagle3.config.aux_layer_ids)
     assert gen.arms == gen.drafter.default_arms(torch.device("cpu"))  # adaptive by default
@@ -205,3 +212,71 @@ def test_a_member_switched_back_on_catches_up_outside_the_step():
     assert union.switched_on == [False, False]
     union.configure([{"num_tokens": 2}, {}])  # on before and on now: nothing to catch up
     assert union.switched_on == [False, False]
+
+
+class Member(Drafter):
+    """A union member that drafts a 2-chain of token 0 and logs its catch-ups."""
+
+    max_nodes = 3
+
+    def __init__(self, max_positions=None):
+        self.max_positions = max_positions
+        self.caught_up = []
+
+    def catch_up(self, sequence):
+        self.caught_up.append(sequence.numel())
+
+    def configure(self, **options):
+        pass
+
+    def propose(self, sequence, sampling):
+        return Draft.chain(int(sequence[-1]), [0, 0], sequence.device)
+
+
+def test_the_unions_context_is_the_shortest_of_its_enabled_members():
+    union = UnionDrafter([Member(100), Member(60), NgramDrafter()])
+    assert union.max_positions == 60
+    union.configure([{}, None, {}])  # the shorter one off: it limits no step
+    assert union.max_positions == 100
+    union.configure([None, None, {}])
+    assert union.max_positions is None
+
+
+def test_a_member_switched_on_owes_its_catch_up_until_it_is_done():
+    union = UnionDrafter([NgramDrafter(num_tokens=2), NgramDrafter(num_tokens=3)])
+    union.configure([{}, None])
+    union.configure([{}, {}])  # switched on
+    assert union.switched_on == [False, True]
+    union.configure([{}, {"num_tokens": 4}])  # another arm with it on, before any catch-up
+    assert union.switched_on == [False, True]
+
+
+def test_catch_ups_reach_only_the_members_they_are_for():
+    on, off = Member(), Member()
+    union = UnionDrafter([on, off])
+    union.configure([{}, None])
+    sequence = torch.arange(3, 12)
+    union.catch_up(sequence)  # after plain steps: the enabled members only
+    assert on.caught_up == [9] and off.caught_up == []
+    union.configure([{}, {}])  # `off` switched on
+    union.catch_up_switched_on(sequence)  # outside the step: the switched-on member only
+    assert on.caught_up == [9] and off.caught_up == [9]
+    assert union.switched_on == [False, False]
+
+
+def test_a_sampled_node_is_not_merged_into_a_point_mass_of_a_nested_union():
+    """A union inside a union holds a sampled chain and a point-mass token 3; another draft
+    model samples 3 at the root: it keeps its own node and the row of q it was drawn from."""
+    V = 5
+    p1, p2 = torch.rand(3, V), torch.rand(2, V)
+    inner = merge_drafts(
+        [_draft([-1, 0, 1], [9, 1, 2], [False, True, True], p1), _draft([-1, 0], [9, 3])]
+    )
+    assert inner.tokens.tolist() == [9, 1, 2, 3] and inner.sampled.tolist()[3] is False
+    sampled3 = _draft([-1, 0], [9, 3], [False, True], p2)
+    merged = merge_drafts([inner, sampled3])
+    assert merged.tokens.tolist() == [9, 1, 2, 3, 3]
+    assert merged.tree.parents.tolist() == [-1, 0, 1, 0, 0]
+    assert merged.sampled.tolist() == [False, True, True, False, True]
+    assert merged.q_rows.tolist()[4] == 3  # p2's first row, after p1's three
+    assert torch.equal(merged.draft_probs, torch.cat([p1, p2]))
