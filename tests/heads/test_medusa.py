@@ -26,6 +26,28 @@ def test_shared_lm_head_is_frozen_and_tied(tiny_llama):
     assert heads.num_trainable_parameters() == 2 * (H * H + H)  # only the residual blocks
 
 
+@torch.no_grad()
+def test_each_head_reads_its_own_block_and_lm_head(tiny_llama):
+    # fresh heads all equal the base's lm_head: heads of their own weights tell them apart
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=3)).init_from_base(
+        tiny_llama
+    )
+    torch.manual_seed(0)
+    for block, lm in zip(heads.blocks, heads.lm_heads):
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+        torch.nn.init.normal_(block.layers[0].bias, std=0.3)
+        torch.nn.init.normal_(lm.weight, std=0.3)
+    hidden = torch.randn(2, 3, 64)  # (B, T, H)
+    logits = heads(hidden)  # (K, B, T, V)
+    for k in range(3):
+        layer = heads.blocks[k].layers[0]
+        x = hidden + torch.nn.functional.silu(hidden @ layer.weight.T + layer.bias)
+        want = x @ heads.lm_heads[k].weight.T
+        torch.testing.assert_close(logits[k], want, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(heads.head_logits(k, hidden), want, atol=1e-5, rtol=1e-5)
+    assert not torch.allclose(logits[0], logits[1])
+
+
 def test_trainable_parameter_count_own_heads(tiny_llama):
     K, L, H, V = 4, 2, 64, 256
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=K, num_layers=L))

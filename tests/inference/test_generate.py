@@ -14,6 +14,7 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
+    Drafter,
     EagleDrafter,
     MedusaDrafter,
     ModelDrafter,
@@ -23,6 +24,7 @@ from inference import (
     plain_generation,
     tree_from_parents,
 )
+from inference.drafters import build
 from inference.generate import DENSE_LOGITS_MAX_NODES
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
@@ -263,6 +265,13 @@ def test_keep_accepted_equals_plain_forward():
         torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
+class Plain(Drafter):
+    """A drafter that takes no options."""
+
+    def __init__(self) -> None:
+        pass
+
+
 def test_bad_input_is_clear():
     base = make_tiny_llama()
     gen = SpeculativeGenerator(base)
@@ -318,6 +327,8 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, heads, acceptance="typical")
     with pytest.raises(TypeError, match=r"NgramDrafter takes no option 'depth', 'temperature'"):
         SpeculativeGenerator(base, None, temperature=0.7, depth=3)
+    with pytest.raises(TypeError, match=r"^Plain takes no option 'depth' \(its options: none\)$"):
+        build(Plain, depth=2)
     with pytest.raises(
         TypeError,
         match=r"options \['choices'\] given with a drafter object \(MedusaDrafter\): build the "
