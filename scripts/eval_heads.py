@@ -10,6 +10,8 @@ it is among a Medusa head's top 5 or an EAGLE-3 step's top 4, the CPU trees' wid
 decode order: the tau a fixed chain of the heads' steps decodes at on these answers). It scores
 as decoding runs, in the dtype the recipe loads the base in, without the recipe's training
 autocast: a run trained under bf16 autocast reported its held-out figures a little differently.
+Medusa-2 heads are scored as their run scored them, on the base with their LoRA adapter: their
+acceptance on the adapted base's tokens, and `kl` against the base without it.
 
 Without `--data` it scores the recipe's own held-out split (`training.eval_fraction` of
 `data.output_dir`). With `--data` it scores every answer in that distill output, e.g. the base's
@@ -42,7 +44,8 @@ from bench import read_prompts  # noqa: E402  (scripts/ is not a package)
 from bench_methods import BenchError  # noqa: E402
 
 from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
-from heads.lora import base_as_served  # noqa: E402
+from heads.checkpoint import read_config, resolve_folder  # noqa: E402
+from heads.lora import lora_merged  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
 from train.data import read_distilled  # noqa: E402
 from train.eagle import EagleTrainee  # noqa: E402
@@ -82,8 +85,40 @@ def categories_of(spec: str) -> dict[str, str]:
     return found
 
 
+def with_adapter(base, heads: str) -> tuple[object, bool]:
+    """Medusa-2 heads' base as their run scored them: the LoRA adapter of their folder on it,
+    unmerged (a peft model), so that their trainee reads the adapted base's states and greedy
+    tokens and the original base's distribution for its KL term. Other heads, or a base that
+    has the adapter merged already: `base` as it is. And whether the loss and KL can be scored
+    (not on a merged base: no original distribution is left to compare with)."""
+    folder = resolve_folder(heads)
+    config = read_config(folder)
+    lora = config.get("base_lora")
+    if not lora:
+        return base, True
+    if lora_merged(base, config.get("base_lora_probe")) is not False:
+        print(
+            f"eval_heads: the base has the LoRA adapter of the Medusa-2 heads {heads} merged "
+            "already: their acceptance is scored, not eval/loss and eval/kl (no original base "
+            "is left to compare with)",
+            file=sys.stderr,
+        )
+        return base, False
+    from peft import PeftModel
+
+    print(
+        f"eval_heads: the base with the LoRA adapter of the Medusa-2 heads {heads}, as their "
+        "run scored them (their KL term against the base without it)",
+        file=sys.stderr,
+    )
+    return PeftModel.from_pretrained(base, str(folder), subfolder=lora).eval(), True
+
+
 def with_features(base, tokenizer, recipe, examples, aux_ids) -> ExampleDataset:
-    """The examples and the base's features over them (one forward, in memory)."""
+    """The examples and the base's features over them (one forward, in memory); a peft base
+    (Medusa-2's): the examples alone, for the trainee's own forwards with and without it."""
+    if hasattr(base, "peft_config"):
+        return ExampleDataset(examples)
     features = precompute_features(
         base, examples, aux_ids, recipe.training.micro_batch_size, tokenizer.pad_token_id
     )
@@ -96,8 +131,10 @@ def by_category(dataset: ExampleDataset, labels: list[str]) -> dict[str, Example
     groups = {"all": dataset}
     for label in dict.fromkeys(labels):
         rows = [i for i, x in enumerate(labels) if x == label]
+        features = dataset.features
         groups[label] = ExampleDataset(
-            [dataset.examples[i] for i in rows], [dataset.features[i] for i in rows]
+            [dataset.examples[i] for i in rows],
+            None if features is None else [features[i] for i in rows],
         )
     return groups
 
@@ -135,8 +172,7 @@ def main(argv: list[str] | None = None) -> int:
     # run trained its base in: the heads are scored as they will draft.
     base, tokenizer = load_frozen_base(recipe, accelerator)
     try:
-        # Medusa-2 heads are scored on the base with their adapter merged, as they are served
-        base, _ = base_as_served(base, [args.heads], "eval_heads")
+        base, original_known = with_adapter(base, args.heads)
         heads = load_heads(args.heads, base)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
@@ -166,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
     with torch.no_grad():
         for name, dataset in datasets.items():
             metrics = evaluate(model, dataset, recipe, tokenizer.pad_token_id, base.device)
+            if not original_known:
+                metrics = {k: v for k, v in metrics.items() if k not in ("eval/loss", "eval/kl")}
             scores[name] = {"answers": len(dataset), **metrics}
     keys = [k for k in scores[next(iter(scores))] if k not in ("answers", "eval/loss")]
     print("| answers | n | " + " | ".join(k.removeprefix("eval/") for k in keys) + " |")

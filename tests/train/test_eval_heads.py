@@ -21,6 +21,7 @@ from train.config import load_recipe
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
 import eval_heads  # noqa: E402  (scripts/ is not a package)
+from bench_methods import BenchError  # noqa: E402
 
 
 @pytest.mark.slow
@@ -110,6 +111,90 @@ def test_walk_tau_is_the_tau_a_fixed_chain_decodes_at(kind, medusa_run, eagle3_r
         got = evaluate(trainee, ExampleDataset(examples), recipe, tokenizer.pad_token_id, "cpu")
     total = [sum(x) for x in zip(*taus)]
     assert got["eval/walk_tau"] == pytest.approx(total[0] / total[1])
+
+
+def test_a_prompt_in_two_categories_is_refused(tmp_path):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(
+        json.dumps({"prompt": "Say hello.", "category": "chat"})
+        + "\n"
+        + json.dumps({"prompt": "Say hello.", "category": "greeting"})
+        + "\n"
+    )
+    with pytest.raises(BenchError, match="'Say hello.'... is in two categories"):
+        eval_heads.categories_of(str(prompts))
+
+
+def test_the_first_user_turn_is_matched_without_its_surrounding_spaces():
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "  Say hello.\n"},
+        {"role": "assistant", "content": "Hello."},
+        {"role": "user", "content": "Again."},
+    ]
+    assert eval_heads.first_user_turn(messages) == "Say hello."
+
+
+@pytest.mark.slow
+def test_answers_dropped_for_their_length_take_no_category_and_no_categories_mean_one_group(
+    medusa_run, tiny_task, tmp_path
+):
+    """A record whose prompt fills training.max_length has no answer token to score: it is
+    dropped, and the answers after it keep their own categories."""
+    data = tmp_path / "distilled"
+    data.mkdir()
+    shard = next(tiny_task.data_dir.glob("*.jsonl"))
+    long_prompt = "Recite the letters from 'a' (99). " + "Slowly, please. " * 200
+    record = {
+        "id": "long",
+        "conversations": [
+            {"from": "human", "value": long_prompt},
+            {"from": "gpt", "value": "a b c d"},
+        ],
+        "finished": True,
+        "source": "synthetic",
+    }
+    (data / shard.name).write_text(json.dumps(record) + "\n" + shard.read_text())
+    questions = tmp_path / "questions.jsonl"
+    questions.write_text(
+        json.dumps({"prompt": long_prompt, "category": "early"})
+        + "\n"
+        + "".join(
+            json.dumps(
+                {
+                    "prompt": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
+                    "category": "early" if i % 8 < 4 else "late",
+                }
+            )
+            + "\n"
+            for i in range(N_RECORDS)
+        )
+    )
+    out, scores = medusa_run[0], tmp_path / "scores.json"
+    argv = [str(out / "recipe.yaml"), str(out / "heads"), "--data", str(data), "--out", str(scores)]
+    eval_heads.main([*argv, "--categories", str(questions)])
+    got = json.loads(scores.read_text())
+    assert {k: got[k]["answers"] for k in got} == {"all": 40, "early": 20, "late": 20}
+    eval_heads.main(argv)  # no --categories: every answer, as one group
+    assert {k: v["answers"] for k, v in json.loads(scores.read_text()).items()} == {"all": 40}
+
+
+@pytest.mark.slow
+def test_medusa2_heads_are_scored_as_their_run_scored_them(medusa2_run, tmp_path, capsys):
+    """On the base with their adapter, unmerged: their acceptance on the adapted base's tokens and
+    their KL term against the base without it (merged into the base they were scored on, the KL
+    read ~0 and the loss the merged base's own soft labels)."""
+    out, scores = medusa2_run[0], tmp_path / "scores.json"
+    capsys.readouterr()
+    eval_heads.main([str(out / "recipe.yaml"), str(out / "heads"), "--out", str(scores)])
+    assert "eval_heads: the base with the LoRA adapter of the Medusa-2 heads" in (
+        capsys.readouterr().err
+    )
+    got = json.loads(scores.read_text())["held-out"]
+    final = json.loads((out / "heads" / "training_metrics.json").read_text())
+    assert {"eval/kl", "eval/loss", "eval/head0/top1", "eval/walk_tau"} <= set(final)
+    assert final["eval/kl"] > 0.01
+    assert {k: got[k] for k in final} == pytest.approx(final, rel=1e-3)
 
 
 @pytest.mark.slow
