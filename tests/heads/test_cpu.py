@@ -1,6 +1,8 @@
 """heads.cpu: oneDNN-prepacked linear weights give the same numbers as nn.Linear, keep the
 module's parameters and state dict, and fall back wherever the packed copy cannot be used."""
 
+import io
+
 import pytest
 import torch
 from torch import nn
@@ -145,3 +147,60 @@ def test_a_lora_merged_into_a_prepacked_base_is_what_the_generator_computes(tmp_
     gen = SpeculativeGenerator(merged, None, num_tokens=3)
     out = gen.generate(prompt, max_new_tokens=12, eos_token_id=[])
     assert torch.equal(out.sequences, expected)
+
+
+def test_a_change_to_some_rows_through_data_is_found():
+    """An adapter on a block of output rows leaves the first and last values as they were."""
+    lin = nn.Linear(64, 32)
+    prepack_linear_weights(lin)
+    x = torch.randn(2, 64)
+    with torch.no_grad():
+        lin.weight.data[8:24] += 1.0
+        assert lin.stale() and repack_stale(lin) == 1
+        torch.testing.assert_close(lin(x), x @ lin.weight.T + lin.bias, atol=1e-5, rtol=0)
+
+
+def test_a_prepacked_module_saved_whole_loads_and_computes():
+    """torch.save keeps a weight and its alias on one storage: the loaded copy must not take
+    the weight for the one packed (its packed copy is not saved)."""
+    lin = nn.Linear(16, 8)
+    prepack_linear_weights(lin)
+    buffer = io.BytesIO()
+    torch.save(lin, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=False)
+    x = torch.randn(3, 16)
+    with torch.no_grad():
+        torch.testing.assert_close(loaded(x), x @ lin.weight.T + lin.bias)
+        assert repack_stale(loaded) == 1
+        torch.testing.assert_close(loaded(x), lin(x), atol=1e-5, rtol=0)
+
+
+def test_a_packed_weight_that_trains_gets_its_gradient_from_an_input_without_one():
+    """Heads train on a frozen base's features (no grad): the weight's gradient still flows."""
+    lin = nn.Linear(16, 8)
+    prepack_linear_weights(lin)
+    x = torch.randn(3, 16)
+    lin(x).sum().backward()
+    assert lin.weight.grad is not None
+    torch.testing.assert_close(lin.weight.grad, x.sum(0).expand(8, 16))
+
+
+def test_a_linear_subclass_keeps_its_own_forward():
+    class Doubled(nn.Linear):
+        def forward(self, x):
+            return 2 * super().forward(x)
+
+    model = nn.Sequential(Doubled(4, 4), nn.Linear(4, 4))
+    assert prepack_linear_weights(model) == 1
+    assert type(model[0]) is Doubled and isinstance(model[1], PackedLinear)
+    x = torch.randn(2, 4)
+    with torch.no_grad():
+        torch.testing.assert_close(model[0](x), 2 * (x @ model[0].weight.T + model[0].bias))
+
+
+def test_the_count_is_of_the_linears_packed_now():
+    model = make_tiny_llama()
+    assert prepack_linear_weights(model) == 2 * 7 + 1
+    model.to(torch.float16)  # oneDNN packs no fp16: the plain GEMM from now on
+    assert prepack_linear_weights(model) == 0

@@ -5,10 +5,14 @@ from pathlib import Path
 
 import pytest
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from heads.export import ExportError, export_heads
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import export  # noqa: E402  (scripts/export.py: scripts/ is not a package)
 
 
 @pytest.fixture
@@ -41,9 +45,6 @@ def test_medusa_lm_head_layout(medusa_dir, tmp_path, target):
 
 @pytest.mark.filterwarnings("ignore:these heads record")
 def test_the_trtllm_export_says_the_converter_flags_of_other_counts(medusa_dir, tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-    import export  # scripts/export.py (scripts/ is not a package)
-
     assert export.main([str(medusa_dir[0]), "--to", "trtllm", "--out", str(tmp_path / "t")]) == 0
     assert "--num_medusa_heads 2 --num_medusa_layers 1" in capsys.readouterr().out
     assert export.main([str(medusa_dir[0]), "--to", "tgi", "--out", str(tmp_path / "g")]) == 0
@@ -133,16 +134,16 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
 def test_cli(medusa_dir, tmp_path):
     src, _ = medusa_dir
 
-    def export(target: str, out: Path) -> subprocess.CompletedProcess:
+    def run_script(target: str, out: Path) -> subprocess.CompletedProcess:
         argv = [sys.executable, "scripts/export.py", str(src), "--to", target, "--out", str(out)]
         return subprocess.run(argv, capture_output=True, text=True)
 
     (tmp_path / "a-file").write_text("")
-    refused = export("vllm", tmp_path / "a-file")
+    refused = run_script("vllm", tmp_path / "a-file")
     assert refused.returncode == 2 and "is a file: give a folder" in refused.stderr
-    ok = export("tgi", tmp_path / "o")
+    ok = run_script("tgi", tmp_path / "o")
     assert ok.returncode == 0, ok.stderr
-    bad = export("sglang", tmp_path / "p")
+    bad = run_script("sglang", tmp_path / "p")
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
 
@@ -376,3 +377,146 @@ def test_vllm_and_sglang_exports_write_the_native_layout_of_any_loadable_folder(
     sglang = json.loads((tmp_path / "s" / "config.json").read_text())
     assert sglang["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == [1, 3, 4]
     assert sglang["eagle_aux_hidden_state_layer_ids"] == [2, 4, 5]
+
+
+def _medusa2(base, folder: Path) -> Path:
+    """Medusa-2 heads as training writes them: the adapter's folder, then the heads."""
+    config = MedusaConfig.from_base(base.config, num_heads=2, base_lora="lora")
+    (folder / "lora").mkdir(parents=True)
+    (folder / "lora" / "adapter_config.json").write_text("{}")
+    MedusaHeads(config).init_from_base(base).save_pretrained(folder)
+    return folder
+
+
+def test_an_unknown_target_is_refused_before_anything_is_written(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    with pytest.raises(ExportError, match="unknown target 'onnx'; choose one of vllm, sglang, tgi"):
+        export_heads(src, "onnx", tmp_path / "o")
+    assert not (tmp_path / "o").exists()
+
+
+def test_base_name_is_refused_for_every_target_but_tgi(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    for target in ("vllm", "sglang", "trtllm"):
+        with pytest.raises(ExportError, match=f"--base-name is for tgi.*; {target} is given"):
+            export_heads(src, target, tmp_path / target, base_name="me/tiny-llama")
+        assert not (tmp_path / target).exists()
+
+
+def test_the_source_under_another_spelling_is_refused_as_out(medusa_dir, tmp_path, monkeypatch):
+    """A relative path or one through '..' to the source folder: the export would clear it."""
+    src, _ = medusa_dir
+    before = {p.name: p.read_bytes() for p in src.iterdir()}
+    monkeypatch.chdir(src.parent)
+    for out in (Path(src.name), src / ".." / src.name):
+        with pytest.raises(ExportError, match="--out must differ from the source folder"):
+            export_heads(src, "trtllm", out)
+        assert {p.name: p.read_bytes() for p in src.iterdir()} == before
+
+
+def test_medusa2_heads_to_trtllm_warn_and_export_again_into_the_same_folder(tiny_llama, tmp_path):
+    src = _medusa2(tiny_llama, tmp_path / "medusa2")
+    out = tmp_path / "out"
+    with pytest.warns(
+        UserWarning, match="trtllm loads the base these heads name, without their LoRA"
+    ):
+        export_heads(src, "trtllm", out)
+    assert (out / "lora" / "adapter_config.json").is_file()
+    # the earlier export's adapter folder is the export's own: replaced, not refused
+    export_heads(src, "vllm", out)
+    assert sorted(p.name for p in out.iterdir()) == [
+        "README.md",
+        "config.json",
+        "lora",
+        "model.safetensors",
+    ]
+    assert json.loads((out / "config.json").read_text())["base_lora"] == "lora"
+
+
+def test_a_hand_written_card_that_names_headstart_is_kept(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    mine = "# Our Medusa heads\nTrained with headstart on our support chats.\n"
+    (src / "README.md").write_text(mine)
+    export_heads(src, "vllm", tmp_path / "v")
+    assert (tmp_path / "v" / "README.md").read_text() == mine
+
+
+def test_an_fp16_folder_exports_in_fp16(tiny_llama, tmp_path):
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
+    heads.init_from_base(tiny_llama).save_pretrained(tmp_path / "m", dtype=torch.float16)
+    export_heads(tmp_path / "m", "vllm", tmp_path / "v")
+    assert json.loads((tmp_path / "v" / "config.json").read_text())["torch_dtype"] == "float16"
+    with safe_open(tmp_path / "v" / "model.safetensors", framework="pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}  # noqa: SIM118
+
+
+def test_the_sglang_eagle1_weights_keep_the_native_header(tiny_llama, tmp_path):
+    EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
+    export_heads(tmp_path / "e1", "sglang", tmp_path / "s1")
+    headers = []
+    for folder in ("e1", "s1"):
+        with safe_open(tmp_path / folder / "model.safetensors", framework="pt") as f:
+            headers.append(f.metadata())
+    assert headers == [{"format": "pt"}, {"format": "pt"}]
+
+
+def test_tgi_is_warned_of_an_absolute_base_path_this_machine_lacks(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    name = "/srv/no-such-models/tiny-llama"
+    assert not Path(name).exists()
+    with pytest.warns(UserWarning, match=rf"--base-name '{name}', .*: a local path"):
+        export_heads(src, "tgi", tmp_path / "tgi", base_name=name)
+
+
+@pytest.mark.parametrize("target", ["tgi", "trtllm"])
+def test_the_medusa_lm_head_config_holds_what_the_engines_read(medusa_dir, tmp_path, target):
+    src, _ = medusa_dir
+    base_name = "me/tiny-llama" if target == "tgi" else None
+    export_heads(src, target, tmp_path / target, base_name=base_name)
+    assert json.loads((tmp_path / target / "config.json").read_text()) == {
+        "medusa_num_heads": 2,
+        "medusa_num_layers": 1,
+        "hidden_size": 64,
+        "vocab_size": 256,
+        "base_model_name_or_path": base_name or "tiny-llama-0",
+    }
+
+
+def test_an_out_folder_under_folders_not_made_yet(medusa_dir, tmp_path):
+    src, _ = medusa_dir
+    for target in ("trtllm", "vllm"):
+        out = tmp_path / "exports" / target / "heads"
+        export_heads(src, target, out)
+        assert (out / "config.json").is_file()
+
+
+def test_the_cli_says_why_a_source_cannot_be_read(tmp_path, capsys):
+    missing = tmp_path / "missing"
+    assert export.main([str(missing), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
+    assert f"export failed: heads folder not found: {missing}" in capsys.readouterr().err
+    (tmp_path / "listed").mkdir()
+    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
+    assert (
+        export.main([str(tmp_path / "listed"), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
+    )
+    err = capsys.readouterr().err
+    assert err.startswith("export failed: ") and "not an object of settings" in err
+
+
+def test_the_cli_says_the_converter_flags_of_four_heads_of_two_layers(tiny_llama, tmp_path, capsys):
+    for layers, said in ((2, True), (1, False)):
+        heads = MedusaHeads(
+            MedusaConfig.from_base(tiny_llama.config, num_heads=4, num_layers=layers)
+        ).init_from_base(tiny_llama)
+        heads.save_pretrained(tmp_path / f"m{layers}")
+        argv = [
+            str(tmp_path / f"m{layers}"),
+            "--to",
+            "trtllm",
+            "--out",
+            str(tmp_path / f"t{layers}"),
+        ]
+        assert export.main(argv) == 0
+        out = capsys.readouterr().out
+        assert ("--num_medusa_heads 4 --num_medusa_layers 2" in out) == said
+        assert ("--num_medusa_heads" in out) == said
