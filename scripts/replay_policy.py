@@ -177,6 +177,10 @@ def main(argv: list[str] | None = None) -> int:
             raise ValueError("it holds no prompts")
         if len(record.get("lengths", record["prompts"])) != len(record["prompts"]):
             raise ValueError("its lengths and prompts differ in number")
+        if any(len(per_arm) != n for per_arm in record["prompts"]):
+            raise ValueError(f"a prompt holds the steps of other than its {n} settings")
+        if any(len(s) < 5 for per_arm in record["prompts"] for steps in per_arm for s in steps):
+            raise ValueError("a step holds fewer than 5 fields")
     except (OSError, ValueError, KeyError, TypeError) as e:
         print(
             f"replay_policy failed: {args.record} is not a record of `scripts/bench_arms.py "

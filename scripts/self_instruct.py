@@ -107,7 +107,9 @@ def clean(text: str, numbered: bool = True) -> str | None:
     whose "8." and enclosing quotes are removed."""
     text = text.strip()
     if numbered:
-        text = re.sub(r"^\d+\.\s*", "", text).strip('"').strip()  # "8. ..." -> "..."
+        text = re.sub(r"^\d+\.(?!\d)\s*", "", text)  # "8. ..." -> "...", not "2.5 kg ..."
+        if len(text) > 1 and text[0] == text[-1] == '"':  # a quoted request, not one that quotes
+            text = text[1:-1].strip()
     n_words = len(text.split())
     return text if 3 <= n_words <= 80 else None
 
