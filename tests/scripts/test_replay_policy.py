@@ -132,6 +132,13 @@ def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
     path.write_text(json.dumps({**record(1), "lengths": [80, 80]}))
     assert replay_policy.main([str(path)]) == 2
     assert "its lengths and prompts differ in number" in capsys.readouterr().err
+    rec = {"arms": [None, {"choices": "chain-2"}], "prompts": [[[[0, 1, 1.0, None, []]]]]}
+    path.write_text(json.dumps(rec))  # the steps of one setting of two
+    assert replay_policy.main([str(path)]) == 2
+    assert "a prompt holds the steps of other than its 2 settings" in capsys.readouterr().err
+    path.write_text(json.dumps({"arms": [None], "prompts": [[[[0, 1, 1.0]]]]}))
+    assert replay_policy.main([str(path)]) == 2
+    assert "a step holds fewer than 5 fields" in capsys.readouterr().err
     path.write_text(json.dumps(record(1)))
     for bad, message in [
         (["--subset", "0,2"], "--subset indices must be in 0..1"),
@@ -142,3 +149,116 @@ def test_bad_records_and_subsets_are_clear_errors(tmp_path, capsys):
         with pytest.raises(SystemExit) as e:
             replay_policy.main([str(path), *bad])
         assert e.value.code == 2 and message in capsys.readouterr().err
+
+
+CHAIN = [[0], [0, 0]]
+
+
+class Scripted:
+    """Stands in for a policy: chooses the arms of a script, records what it is told."""
+
+    def __init__(self, choices):
+        self.choices, self.told, self.greedy = list(choices), [], False
+
+    def choose(self):
+        return self.choices.pop(0)
+
+    def update(self, *step):
+        self.told.append(step)
+
+
+def test_a_step_that_began_earlier_counts_from_here_and_feeds_no_paths():
+    """Plain decoding, then the chain joined mid-step (its tokens from here on, its whole time,
+    no paths), then a chain step of its own whose token past the kept length is told but not
+    counted."""
+    chain = steps([3, 3], 1.2, CHAIN)
+    rec = {"arms": [None, {"choices": CHAIN}], "prompts": [[steps([1] * 5, 1.0), chain]]}
+    rec["lengths"] = [5]
+    for told_dynamic in (True, False):  # a static tree's paths are fed either way
+        policy = Scripted([0, 1, 1])
+        rate = replay_policy.replay(rec, policy, [0, 1], [0], dynamic_paths=told_dynamic)
+        assert rate == pytest.approx(5 / 3.4)
+        assert policy.greedy is True
+        assert policy.told == [
+            (0, 1, 1.0, None, (), True),
+            (1, 2, 1.2, None, (), True),
+            (1, 3, 1.2, [(0,), (0, 0)], (0, 0), True),
+        ]
+
+
+def test_five_field_records_are_static_trees_paths_and_all():
+    rec = record(1)  # steps of 5 fields, as recorded before commit eeb0b09
+    make, told = replay_policy.POLICIES["shared path rates of static trees' steps only"]
+    policy = make([rec["arms"][1]])
+    replay_policy.replay(rec, policy, [1], [0], dynamic_paths=told)
+    assert policy.arms[0].nodes == frozenset({(0,), (0, 0)})
+    assert policy._paths[(0,)][1] == 40
+
+
+def test_busy_slows_the_second_prompt_of_the_order_not_the_first():
+    """Prompt 0: 2 tokens, prompt 1: 4, at 1 s each; the second of order [0, 1] twice as slow:
+    6 tokens in 2 + 8 s."""
+    rec = {"arms": [None], "prompts": [[steps([1] * 2, 1.0)], [steps([1] * 4, 1.0)]]}
+    make, _ = replay_policy.POLICIES["per-arm averages"]
+    assert replay_policy.replay(rec, make([None]), [0], [0, 1], busy=2.0) == pytest.approx(0.6)
+    assert replay_policy.replay(rec, make([None]), [0], [1, 0], busy=2.0) == pytest.approx(0.75)
+
+
+def test_each_policy_is_replayed_over_orders_of_their_own(monkeypatch):
+    orders = []
+    real = replay_policy.replay
+
+    def spy(record, policy, subset, order, *args):
+        orders.append(tuple(order))
+        return real(record, policy, subset, order, *args)
+
+    monkeypatch.setattr(replay_policy, "replay", spy)
+    replay_policy.compare(record(), [0, 1], orders=3)
+    assert len(orders) == 3 * len(replay_policy.POLICIES)
+    assert all(sorted(o) == list(range(6)) for o in orders)
+    assert len(set(orders)) == 3  # three shuffles, not one three times
+
+
+def test_the_policies_are_the_ones_they_are_named_for(monkeypatch):
+    """On a record of a dynamic tree's steps, only the static-trees-only variant learns no path
+    rates; per-arm averages keeps each arm's own; the short average smooths the seconds."""
+    dynamic, position = [], 0
+    for n in [1, 2] * 10:
+        dynamic.append([position, n, 1.0, [[0], [1]], [0] if n == 2 else [], False])
+        position += n
+    rec = {"arms": [{"top_k": 2, "depth": 2, "total_tokens": 4}], "prompts": [[dynamic]]}
+    policies = []
+    real = replay_policy.replay
+
+    def spy(record, policy, *args):
+        policies.append(policy)
+        return real(record, policy, *args)
+
+    monkeypatch.setattr(replay_policy, "replay", spy)
+    result = replay_policy.compare(rec, [0], orders=1)
+    assert list(result["policies"]) == list(replay_policy.POLICIES)
+    assert [bool(p._paths) for p in policies] == [True, False, True, True]
+    assert [p.pooled for p in policies] == [False, True, True, True]
+    assert [p.time_smoothing for p in policies] == [None, None, None, 0.25]
+
+
+def test_a_record_without_tokens_renders_zero_shares(tmp_path, capsys):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"arms": [None], "prompts": [[[]]], "lengths": [0]}))
+    assert replay_policy.main([str(path), "--orders", "1"]) == 0
+    assert "fixed plain: 0.00 tok/s (0.000)" in capsys.readouterr().out
+
+
+def test_a_record_without_prompts_is_a_clear_error(tmp_path, capsys):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps({"arms": [None], "prompts": []}))
+    assert replay_policy.main([str(path)]) == 2
+    assert "it holds no prompts" in capsys.readouterr().err
+
+
+def test_a_negative_subset_index_is_refused(tmp_path, capsys):
+    path = tmp_path / "steps.json"
+    path.write_text(json.dumps(record(1)))
+    with pytest.raises(SystemExit) as e:
+        replay_policy.main([str(path), "--subset", "-1"])
+    assert e.value.code == 2 and "--subset indices must be in 0..1" in capsys.readouterr().err

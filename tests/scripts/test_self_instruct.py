@@ -14,7 +14,7 @@ import self_instruct as si  # noqa: E402  (scripts/ is not a package)
 from tests.conftest import make_tiny_llama  # noqa: E402
 from train.config import load_recipe  # noqa: E402
 from train.data import ChatTemplateError  # noqa: E402
-from train.prompts import PromptSourceError, load_prompts  # noqa: E402
+from train.prompts import Prompt, PromptSourceError, load_prompts  # noqa: E402
 
 
 def seeds_file(tmp_path: Path) -> Path:
@@ -311,3 +311,189 @@ def test_a_list_prompt_starts_as_plain_text_does_a_magpie_prefix_as_written(smol
         write = si.transformers_writer(model, tokenizer, cfg, end="<|im_end|>")
         write(["Requests that users sent to an AI assistant:\n1. Say hi.\n2."])
         assert (seen[-1][0] == bos) is starts_with_bos, method
+
+
+def test_seeds_of_at_most_300_characters_are_shown():
+    def prompt(text):
+        return Prompt(text[:8], [{"role": "user", "content": text}], "seeds.jsonl:1")
+
+    exact, longer = "a" * 300, "b" * 301
+    assert si.seed_pools([prompt(exact), prompt(longer)]) == {"seeds.jsonl": [exact]}
+
+
+def test_clean_keeps_3_to_80_words_and_cuts_only_the_lines_number():
+    assert si.clean("Say hi now") == "Say hi now" and si.clean("Say hi") is None
+    assert si.clean("word " * 80) == " ".join(["word"] * 80)
+    assert si.clean("word " * 81) is None
+    assert si.clean("8. Convert 2.5 kg to pounds.") == "Convert 2.5 kg to pounds."
+    assert si.clean("List 3. things you see.", numbered=False) == "List 3. things you see."
+    assert si.clean("2.5 kg in pounds, please?") == "2.5 kg in pounds, please?"
+    # a quoted request loses its quotes; a request that quotes keeps them
+    assert si.clean('3. "Write a poem about rain."') == "Write a poem about rain."
+    assert si.clean('4. Explain the phrase "carpe diem"') == 'Explain the phrase "carpe diem"'
+    assert si.clean('5. "Hamlet" was written by whom?') == '"Hamlet" was written by whom?'
+
+
+def test_a_similarity_at_the_threshold_is_no_near_duplicate():
+    seen = si.NearDuplicates(0.5)
+    seen.add("red green blue")
+    assert not seen.near("red green blue cyan magenta yellow")  # 3 / 6 = 0.5: kept
+    assert seen.near("red green blue cyan")  # 3 / 4
+    same = si.NearDuplicates(1.0)  # max_similarity=1 keeps even the same words
+    same.add("Write a short poem.")
+    assert not same.near("write a short poem!")
+
+
+def test_near_duplicates_ignore_case_and_punctuation():
+    seen = si.NearDuplicates(0.7)
+    seen.add("Write a poem about rain.")
+    assert seen.near("WRITE A POEM ABOUT RAIN!")
+
+
+@pytest.mark.parametrize(
+    "template",
+    [  # the user's message first: nothing to continue; rendered twice: no single end
+        "{% for m in messages %}{{ m['content'] }}<|im_end|>{% endfor %}",
+        "<s>{% for m in messages %}[INST] {{ m['content'] }} [/INST] {{ m['content'] }}"
+        "{% endfor %}",
+    ],
+)
+def test_magpie_refuses_a_template_without_one_user_message_after_some_text(
+    smollm2_tokenizer, template
+):
+    with pytest.raises(ChatTemplateError, match="method=list"):
+        si.user_turn(smollm2_tokenizer, template, None)
+
+
+def test_an_extended_run_rejects_near_duplicates_of_what_it_kept_before(tmp_path):
+    si.self_instruct(
+        recipe(tmp_path, "self_instruct.num_prompts=1"),
+        write=Writer([("Write a short poem about the sea.", True)] * 4),
+    )
+    summary = si.self_instruct(
+        recipe(tmp_path, "self_instruct.num_prompts=2"),
+        write=Writer(
+            [("Write a short poem about the sea!", True), ("Give three tips for juggling.", True)]
+            + [("Ok", True)] * 2
+        ),
+    )
+    assert summary["kept"] == 2
+    assert summary["rejected"] == {"near duplicate": 1, "length": 2}
+    out = tmp_path / "out" / "prompts.jsonl"
+    assert [json.loads(x)["prompt"] for x in out.read_text().splitlines()] == [
+        "Write a short poem about the sea.",
+        "Give three tips for juggling.",
+    ]
+
+
+def test_categories_take_turns_across_batches(tmp_path):
+    files = []
+    for name, word in (("animals", "animal"), ("cities", "city")):
+        path = tmp_path / f"{name}.jsonl"
+        lines = [{"prompt": f"Tell me about the {word} number {i}."} for i in range(4)]
+        path.write_text("".join(json.dumps(r) + "\n" for r in lines))
+        files.append(str(path))
+    requests = [
+        "Write a haiku about rain.",
+        "Plan a trip to Rome.",
+        "Explain photosynthesis simply.",
+        "Name three prime numbers.",
+    ]
+    writer = Writer([(r, True) for r in requests])
+    r = recipe(
+        tmp_path,
+        f"self_instruct.seed_sources=[{files[0]},{files[1]}]",
+        "self_instruct.num_prompts=4",
+        "data.batch_size=1",
+    )
+    si.self_instruct(r, write=writer)
+    kept = [json.loads(x) for x in (tmp_path / "out" / "prompts.jsonl").read_text().splitlines()]
+    assert [k["category"] for k in kept] == [files[0], files[1], files[0], files[1]]
+    # each prompt shown lists seeds of its own category
+    assert ["animal" in p for p in writer.seen] == [True, False, True, False]
+    assert ["city" in p for p in writer.seen] == [False, True, False, True]
+
+
+def test_a_seed_pool_smaller_than_examples_per_prompt_is_shown_whole(tmp_path):
+    writer = Writer([("Write a short poem about the sea.", True)] * 4)
+    r = recipe(tmp_path, "self_instruct.num_prompts=1", "self_instruct.examples_per_prompt=10")
+    assert si.self_instruct(r, write=writer)["kept"] == 1
+    assert all(p.endswith("\n7.") for p in writer.seen)  # the 6 usable seeds, then item 7
+
+
+def test_a_line_cut_at_max_new_tokens_counts_as_cut_whatever_its_length(tmp_path):
+    writer = Writer(
+        [("Ok", False), ("Write a short poem about the sea.", True)] + [("Ok", True)] * 2
+    )
+    summary = si.self_instruct(recipe(tmp_path, "self_instruct.num_prompts=1"), write=writer)
+    assert summary["rejected"] == {"cut at max_new_tokens": 1, "length": 2}
+
+
+def test_a_run_stops_after_more_than_50_rejections_per_prompt(tmp_path):
+    calls = []
+
+    def writer(prompts):
+        calls.append(len(prompts))
+        return [("Ok", True)] * len(prompts)
+
+    r = recipe(tmp_path, "self_instruct.num_prompts=1", "data.batch_size=5")
+    assert si.self_instruct(r, write=writer)["rejected"] == {"length": 55}
+    assert calls == [5] * 11  # 50 rejected is not yet "more than 50"
+
+
+def test_a_file_holding_both_methods_prompts_is_refused(tmp_path):
+    out = tmp_path / "out" / "prompts.jsonl"
+    out.parent.mkdir()
+    records = [
+        {"prompt": "Write a short poem about the sea.", "category": "seeds.jsonl"},
+        {"prompt": "What should I pack for a hike?", "category": "magpie"},
+    ]
+    out.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(PromptSourceError, match="other self_instruct method"):
+        si.self_instruct(recipe(tmp_path, "self_instruct.num_prompts=3"), write=Writer([]))
+
+
+def test_a_kept_line_whose_prompt_is_no_text_is_a_clear_error(tmp_path):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(json.dumps({"prompt": 3, "category": "x"}) + "\n")
+    with pytest.raises(PromptSourceError, match=r"prompts.jsonl:1: not a \{\"prompt\""):
+        si.read_kept(path)
+
+
+def test_main_reports_the_kept_and_rejected_counts(tmp_path, capsys, monkeypatch):
+    recipe_file = tmp_path / "r.yaml"
+    recipe_file.write_text("{}")
+    for rejected, said in [
+        ({}, "(rejected: none)"),
+        ({"near duplicate": 2, "length": 1}, "(rejected: 1 length, 2 near duplicate)"),
+    ]:
+        summary = {"kept": 4, "rejected": rejected, "output": "o.jsonl"}
+        monkeypatch.setattr(si, "self_instruct", lambda r, s=summary: s)
+        assert si.main([str(recipe_file)]) == 0
+        assert capsys.readouterr().out == f"4 prompts in o.jsonl {said}\n"
+
+
+def _scripted_model(tokenizer, continuation: str):
+    """A tiny model whose generate appends `continuation`'s tokens to every row."""
+    model = make_tiny_llama(seed=1, vocab_size=len(tokenizer))
+    new = torch.tensor(tokenizer(continuation, add_special_tokens=False)["input_ids"])
+
+    def generate(input_ids, **kwargs):
+        return torch.cat([input_ids, new.expand(len(input_ids), -1)], dim=1)
+
+    model.generate = generate
+    return model
+
+
+def test_a_list_line_ended_by_its_newline_counts_as_ended(smollm2_tokenizer):
+    model = _scripted_model(smollm2_tokenizer, "Say hello to me\nand more")  # no EOS
+    cfg = load_recipe(None, ["self_instruct.max_new_tokens=32"]).self_instruct
+    write = si.transformers_writer(model, smollm2_tokenizer, cfg)
+    assert write([si.list_prompt(["Say hi."])]) == [("Say hello to me", True)]
+
+
+def test_special_tokens_are_left_out_of_a_request(smollm2_tokenizer):
+    model = _scripted_model(smollm2_tokenizer, "Say<|im_start|> hello to me\n")
+    cfg = load_recipe(None, ["self_instruct.max_new_tokens=32"]).self_instruct
+    write = si.transformers_writer(model, smollm2_tokenizer, cfg)
+    assert write([si.list_prompt(["Say hi."])]) == [("Say hello to me", True)]
