@@ -328,6 +328,7 @@ def test_clean_keeps_3_to_80_words_and_cuts_only_the_lines_number():
     assert si.clean("8. Convert 2.5 kg to pounds.") == "Convert 2.5 kg to pounds."
     assert si.clean("List 3. things you see.", numbered=False) == "List 3. things you see."
     assert si.clean("2.5 kg in pounds, please?") == "2.5 kg in pounds, please?"
+    assert si.clean("1. Rank the top 10. Then say why.") == "Rank the top 10. Then say why."
     # a quoted request loses its quotes; a request that quotes keeps them
     assert si.clean('3. "Write a poem about rain."') == "Write a poem about rain."
     assert si.clean('4. Explain the phrase "carpe diem"') == 'Explain the phrase "carpe diem"'
