@@ -24,6 +24,20 @@ import eval_heads  # noqa: E402  (scripts/ is not a package)
 from bench_methods import BenchError  # noqa: E402
 
 
+def write_questions(path: Path, *first: str) -> Path:
+    """The tiny task's prompts by category, 'a'-'d' early and 'e'-'h' late, after `first` (early)."""
+    records = [{"prompt": p, "category": "early"} for p in first]
+    records += [
+        {
+            "prompt": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
+            "category": "early" if i % 8 < 4 else "late",
+        }
+        for i in range(N_RECORDS)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    return path
+
+
 @pytest.mark.slow
 def test_eval_heads_scores_the_held_out_split_and_other_answers(
     medusa_run, eagle3_run, tiny_task, tmp_path
@@ -38,19 +52,7 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
         assert got["answers"] == 4  # eval_fraction 0.1 of 40 answers
         assert {k: got[k] for k in final} == pytest.approx(final, abs=1e-5)
     # Categories by first user turn: the answers from 'a'-'d' and from 'e'-'h' (20 each).
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        "".join(
-            json.dumps(
-                {
-                    "prompt": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
-                    "category": "early" if i % 8 < 4 else "late",
-                }
-            )
-            + "\n"
-            for i in range(N_RECORDS)
-        )
-    )
+    questions = write_questions(tmp_path / "questions.jsonl")
     out, scores = medusa_run[0], tmp_path / "data.json"
     argv = [str(out / "recipe.yaml"), str(out / "heads"), "--data", str(tiny_task.data_dir)]
     eval_heads.main([*argv, "--categories", str(questions), "--out", str(scores)])
@@ -155,21 +157,7 @@ def test_answers_dropped_for_their_length_take_no_category_and_no_categories_mea
         "source": "synthetic",
     }
     (data / shard.name).write_text(json.dumps(record) + "\n" + shard.read_text())
-    questions = tmp_path / "questions.jsonl"
-    questions.write_text(
-        json.dumps({"prompt": long_prompt, "category": "early"})
-        + "\n"
-        + "".join(
-            json.dumps(
-                {
-                    "prompt": f"Recite the letters from '{LETTERS[i % 8]}' ({i}).",
-                    "category": "early" if i % 8 < 4 else "late",
-                }
-            )
-            + "\n"
-            for i in range(N_RECORDS)
-        )
-    )
+    questions = write_questions(tmp_path / "questions.jsonl", long_prompt)
     out, scores = medusa_run[0], tmp_path / "scores.json"
     argv = [str(out / "recipe.yaml"), str(out / "heads"), "--data", str(data), "--out", str(scores)]
     eval_heads.main([*argv, "--categories", str(questions)])
