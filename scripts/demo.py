@@ -100,6 +100,12 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     categories = check_prompts(parser, prompts)  # before the stages' half hour, not after it
+    context = base_context()
+    if args.max_new_tokens >= context:
+        parser.error(
+            f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the base's "
+            f"context ({context} positions)"
+        )
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
@@ -150,6 +156,15 @@ def main(argv: list[str] | None = None) -> int:
         f"--lookup-corpus {DISTILLED} --compare"
     )
     return 0
+
+
+def base_context() -> int:
+    """The embedded base's context in positions (its first load converts it, as distill would)."""
+    from transformers import AutoConfig
+
+    from heads.base import EMBEDDED_NAME, resolve_base_path
+
+    return AutoConfig.from_pretrained(resolve_base_path(EMBEDDED_NAME)[0]).max_position_embeddings
 
 
 def check_prompts(parser: argparse.ArgumentParser, prompts: str) -> int:

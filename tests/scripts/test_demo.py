@@ -4,6 +4,7 @@ given on its command line read from where the demo runs, and the report it write
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,6 +96,10 @@ def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys)
         (["--prompts", "missing.jsonl"], "--prompts missing.jsonl:"),
         (["--prompts", "bad.jsonl"], "bad.jsonl:2"),
         (["--max-new-tokens", "0"], "must be >= 1"),
+        (
+            ["--max-new-tokens", "8192"],
+            "no room for a prompt in the base's context (8192 positions)",
+        ),
         (["--per-category", "0"], "must be >= 1"),
     ):
         with pytest.raises(SystemExit) as stop:
@@ -125,3 +130,167 @@ def test_mt_bench_named_by_the_environment(tmp_path, monkeypatch, capsys):
         demo.main(["--out", str(tmp_path / "report")])
     assert stop.value.code == 2
     assert "HEADSTART_MT_BENCH=" in capsys.readouterr().err
+
+
+def fake_repository(tmp_path, monkeypatch) -> Path:
+    """demo.ROOT pointed at an empty folder; the demo run from another one."""
+    repo = tmp_path / "repo"
+    repo.mkdir()
+    monkeypatch.setattr(demo, "ROOT", repo)
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    monkeypatch.delenv("HEADSTART_MT_BENCH", raising=False)
+    return repo
+
+
+def arg(stage: list[str], flag: str) -> str:
+    return stage[stage.index(flag) + 1]
+
+
+def test_a_stage_runs_this_python_in_the_repository(monkeypatch):
+    calls = []
+
+    def run(cmd, **kwargs):
+        calls.append((cmd, kwargs))
+        return subprocess.CompletedProcess(cmd, 0)
+
+    monkeypatch.setattr(demo.subprocess, "run", run)
+    timings = {}
+    demo.run_stage("distill", ["scripts/distill.py", "recipe.yaml"], timings)
+    assert calls == [([sys.executable, "scripts/distill.py", "recipe.yaml"], {"cwd": demo.ROOT})]
+    assert list(timings) == ["distill"]
+
+
+def test_a_stage_killed_by_a_signal_stops_the_demo(monkeypatch):
+    monkeypatch.setattr(
+        demo.subprocess, "run", lambda cmd, **kw: subprocess.CompletedProcess(cmd, -9)
+    )
+    with pytest.raises(SystemExit) as stop:
+        demo.run_stage("train medusa", ["train/medusa.py"], {})
+    assert "stage 'train medusa' failed (exit -9" in str(stop.value.code)
+
+
+def test_defaults_are_the_repositorys_mt_bench_and_runs_demo(tmp_path, monkeypatch):
+    repo = fake_repository(tmp_path, monkeypatch)
+    (repo / "mt_bench.jsonl").write_text(json.dumps({"turns": ["Hi?"], "category": "c"}) + "\n")
+    stages = record_stages(monkeypatch)
+    assert demo.main([]) == 0
+    bench = stages[-1]
+    assert arg(bench, "--prompts") == str((repo / "mt_bench.jsonl").resolve())
+    assert arg(bench, "--out") == str(repo / "runs/demo/bench")
+    assert (repo / "runs/demo/REPORT.md").is_file()
+    assert not (tmp_path / "elsewhere" / "runs").exists()
+
+
+def test_mt_bench_named_relative_to_where_the_demo_runs(tmp_path, monkeypatch):
+    fake_repository(tmp_path, monkeypatch)
+    here = tmp_path / "elsewhere"
+    (here / "questions.jsonl").write_text(json.dumps({"turns": ["Hi?"]}) + "\n")
+    monkeypatch.setenv("HEADSTART_MT_BENCH", "questions.jsonl")
+    stages = record_stages(monkeypatch)
+    assert demo.main(["--out", "report"]) == 0
+    assert arg(stages[-1], "--prompts") == str(here.resolve() / "questions.jsonl")
+
+
+def test_mt_bench_naming_a_folder_is_refused_naming_the_variable(tmp_path, monkeypatch, capsys):
+    fake_repository(tmp_path, monkeypatch)
+    monkeypatch.setattr(demo, "run_stage", lambda *a: pytest.fail("a stage ran"))
+    monkeypatch.setenv("HEADSTART_MT_BENCH", str(tmp_path))
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--out", "report"])
+    assert stop.value.code == 2
+    assert f"HEADSTART_MT_BENCH={tmp_path}: no such file" in capsys.readouterr().err
+
+
+def test_humaneval_asked_for_is_not_warned_about_and_is_named_in_the_report(
+    tmp_path, monkeypatch, capsys
+):
+    fake_repository(tmp_path, monkeypatch)
+    stages = record_stages(monkeypatch)
+    assert demo.main(["--prompts", "humaneval", "--out", "report"]) == 0
+    assert "no mt_bench.jsonl" not in capsys.readouterr().err
+    assert demo.main(["--out", "default"]) == 0  # none in the repository: HumanEval, said so
+    assert "no mt_bench.jsonl" in capsys.readouterr().err
+    assert arg(stages[-1], "--prompts") == "humaneval"
+    report = (tmp_path / "elsewhere" / "default" / "REPORT.md").read_text()
+    assert "Prompts: `humaneval`" in report
+
+
+@pytest.mark.parametrize("eagle_writes_features", [True, False])
+def test_medusa_trains_on_the_feature_cache_only_when_eagle_made_one(
+    tmp_path, monkeypatch, eagle_writes_features
+):
+    repo = fake_repository(tmp_path, monkeypatch)
+    stages = []
+
+    def fake_stage(name, args, timings):
+        stages.append(args)
+        if name == "train eagle-3" and eagle_writes_features:
+            (repo / demo.FEATURES).mkdir(parents=True)
+            (repo / demo.FEATURES / "features.json").write_text("{}")
+        if name == "benchmark":
+            Path(arg(args, "--out")).mkdir(parents=True)
+            (Path(arg(args, "--out")) / "results.md").write_text("")
+
+    monkeypatch.setattr(demo, "run_stage", fake_stage)
+    assert demo.main(["--prompts", "humaneval", "--out", "report"]) == 0
+    cache = [f"training.feature_cache={demo.FEATURES}"]
+    assert stages[0] == ["scripts/distill.py", str(demo.MEDUSA)]
+    assert stages[1] == ["train/eagle.py", str(demo.EAGLE), *cache]
+    assert stages[2] == [
+        "train/medusa.py",
+        str(demo.MEDUSA),
+        *(cache if eagle_writes_features else []),
+    ]
+
+
+@pytest.mark.parametrize("categories, per_category", [(6, "3"), (12, "2")])
+def test_about_16_prompts_and_at_least_2_of_each_category(
+    tmp_path, monkeypatch, categories, per_category
+):
+    stages = record_stages(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    questions = [{"turns": [f"Hi {i}?"], "category": f"c{i}"} for i in range(categories)] * 3
+    (tmp_path / "q.jsonl").write_text("".join(json.dumps(q) + "\n" for q in questions))
+    assert demo.main(["--prompts", "q.jsonl", "--out", "report"]) == 0
+    assert arg(stages[-1], "--per-category") == per_category
+
+
+def test_the_benchmark_compares_every_method_on_the_distilled_corpus(tmp_path, monkeypatch):
+    stages = record_stages(monkeypatch)
+    monkeypatch.chdir(tmp_path)
+    assert demo.main(["--prompts", "humaneval", "--out", "report", "--max-new-tokens", "32"]) == 0
+    bench = stages[-1]
+    assert bench[0] == "scripts/bench.py" and arg(bench, "--base") == "smollm2-135m-instruct"
+    methods = "baseline,hf-lookup,ngram,ngram+corpus,heads,heads+ngram+corpus"
+    assert arg(bench, "--methods") == methods
+    assert arg(bench, "--lookup-corpus") == demo.DISTILLED == "runs/smollm2-distill"
+    assert arg(bench, "--max-new-tokens") == "32"
+
+
+def test_the_report_gives_both_trainings_held_out_metrics(tmp_path, monkeypatch):
+    repo = fake_repository(tmp_path, monkeypatch)
+    for name, loss in (("smollm2-medusa", 2.34567), ("smollm2-eagle", 1.5)):
+        heads = repo / "runs" / name / "heads"
+        heads.mkdir(parents=True)
+        (heads / "training_metrics.json").write_text(json.dumps({"loss": loss, "acc": 0.25}))
+    record_stages(monkeypatch)
+    assert demo.main(["--prompts", "humaneval", "--out", "report"]) == 0
+    report = (tmp_path / "elsewhere" / "report" / "REPORT.md").read_text()
+    assert "- smollm2-medusa: loss 2.346, acc 0.250" in report
+    assert "- smollm2-eagle: loss 1.500, acc 0.250" in report
+
+
+def test_an_unreadable_prompts_file_stops_the_demo_naming_it(tmp_path, monkeypatch, capsys):
+    import bench
+
+    def unreadable(spec, turns):  # open() as a user without read permission meets it
+        raise PermissionError(13, "Permission denied", spec)
+
+    monkeypatch.setattr(bench, "read_prompts", unreadable)
+    monkeypatch.setattr(demo, "run_stage", lambda *a: pytest.fail("a stage ran"))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SystemExit) as stop:
+        demo.main(["--prompts", "secret.jsonl"])
+    assert stop.value.code == 2
+    assert "--prompts secret.jsonl: [Errno 13] Permission denied" in capsys.readouterr().err
