@@ -204,8 +204,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--out", default=None, help="also write the results as JSON here")
     args = parser.parse_args(argv)
-    if min(args.processes) < 1:
-        parser.error("--processes must be >= 1")
+    counts = (args.prompts, args.unbatched, args.max_new_tokens, *args.batch_size, *args.processes)
+    if min(counts) < 1:
+        parser.error(
+            "--prompts, --unbatched, --max-new-tokens, --batch-size and --processes must be >= 1"
+        )
     if min(args.chunk_tokens) < 0:
         parser.error("--chunk-tokens must be >= 0")
     if args.threads:
