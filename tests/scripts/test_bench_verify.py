@@ -3,8 +3,10 @@ D + 1 exactly, exact greedy output, and the logit gap it reports where two outpu
 
 import json
 import sys
+import types
 from pathlib import Path
 
+import pytest
 import torch
 
 from tests.conftest import make_tiny_llama
@@ -74,3 +76,171 @@ def test_oracle_tree_holds_the_right_token_last_on_each_level():
     draft = oracle.propose(torch.tensor(truth[:5]), None)
     assert draft.tree.parents.tolist() == [-1, 0, 0, 0, 3, 3, 3]
     assert draft.tokens.tolist() == [14, 16, 17, 15, 17, 18, 16]
+
+
+class FakeClock:
+    """A perf_counter that moves only when told."""
+
+    def __init__(self):
+        self.now = 0.0
+
+    def perf_counter(self):
+        return self.now
+
+
+def tiny():
+    return bench_verify.build_base("random:tiny", torch.float32, torch.device("cpu"), "sdpa")
+
+
+def test_oracle_max_nodes_is_the_size_of_the_trees_it_proposes():
+    truth = list(range(10, 40))
+    for depth, width in ((0, 1), (2, 3), (4, 1)):
+        oracle = bench_verify.OracleDrafter(truth, depth, width, vocab_size=256, device="cpu")
+        draft = oracle.propose(torch.tensor(truth[:5]), None)
+        assert oracle.max_nodes == draft.tree.num_nodes == len(draft.tokens) == 1 + depth * width
+
+
+def test_decode_loop_figures_come_from_the_timed_seconds(monkeypatch):
+    """HF generate takes 4 s, each oracle run 1 s: tokens/s and speedups follow exactly."""
+    model = tiny()
+    clock = FakeClock()
+    monkeypatch.setattr(
+        bench_verify, "time", types.SimpleNamespace(perf_counter=clock.perf_counter)
+    )
+    hf_generate, oracle_generate = model.generate, bench_verify.generate_with_oracle
+
+    def slow_hf(*args, **kwargs):
+        clock.now += 4.0
+        return hf_generate(*args, **kwargs)
+
+    def fast_oracle(*args, **kwargs):
+        clock.now += 1.0
+        return oracle_generate(*args, **kwargs)
+
+    monkeypatch.setattr(model, "generate", slow_hf)
+    monkeypatch.setattr(bench_verify, "generate_with_oracle", fast_oracle)
+    # 13 new tokens: the prefill's, then 12 = 4 steps of 3 (2x1) or 12 of 1 (0x1)
+    table = bench_verify.time_decode_loop(model, [(0, 1), (2, 1)], 2, 8, 13, seed=0)
+    hf, plain, oracle = table
+    assert hf == {"method": "HF generate", "tokens_per_s": pytest.approx(13 / 4)}
+    for row, tau in ((plain, 1.0), (oracle, 3.0)):
+        assert row["tokens_per_s"] == pytest.approx(13.0)
+        assert row["speedup"] == pytest.approx(4.0)
+        assert row["tau"] == pytest.approx(tau) and row["identical"] == 1.0
+
+
+def test_tree_cost_is_the_median_of_the_timed_rounds_relative_to_one_node(monkeypatch):
+    """A forward of N tokens takes N ms, 100 times that in the 3 warm-up rounds."""
+    model = tiny()
+    clock = FakeClock()
+    monkeypatch.setattr(
+        bench_verify, "time", types.SimpleNamespace(perf_counter=clock.perf_counter)
+    )
+    forward, calls = model.forward, {}
+
+    def timed(input_ids, *args, **kwargs):
+        n = input_ids.shape[1]
+        calls[n] = calls.get(n, 0) + 1
+        clock.now += n * 0.001 * (100 if calls[n] <= 3 else 1)
+        return forward(input_ids, *args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", timed)
+    cost = bench_verify.time_tree_forwards(model, [1, 2, 8], prefix_tokens=16, repeats=1)
+    assert [c["nodes"] for c in cost] == [1, 2, 8]
+    assert [c["ms"] for c in cost] == pytest.approx([1.0, 2.0, 8.0])
+    assert [c["vs_one_node"] for c in cost] == pytest.approx([1.0, 2.0, 8.0])
+
+
+def test_markdown_gives_the_identical_rate_in_percent():
+    results = {
+        "base": "random:tiny",
+        "dtype": "float32",
+        "device_name": "CPU",
+        "command": "c",
+        "prefix_tokens": 16,
+        "repeats": 1,
+        "prompts": 2,
+        "prompt_tokens": 8,
+        "max_new_tokens": 13,
+        "cost": [{"nodes": 1, "ms": 1.0, "vs_one_node": 1.0}],
+        "loop": [
+            {"method": "HF generate", "tokens_per_s": 3.25},
+            {
+                "method": "oracle 2x1",
+                "depth": 2,
+                "width": 1,
+                "nodes": 3,
+                "tokens_per_s": 13.0,
+                "speedup": 4.0,
+                "tau": 3.0,
+                "identical": 0.5,
+                "parting_gaps": [0.25],
+            },
+        ],
+    }
+    text = bench_verify.render_markdown(results)
+    assert "| oracle 2x1 | 3 | 13.0 | 4.00x | 3.00 | 50% | 0.25 |" in text
+
+
+def _stub_timings(monkeypatch):
+    monkeypatch.setattr(
+        bench_verify,
+        "time_tree_forwards",
+        lambda *a: [{"nodes": 1, "ms": 1.0, "vs_one_node": 1.0}],
+    )
+    monkeypatch.setattr(
+        bench_verify,
+        "time_decode_loop",
+        lambda *a: [{"method": "HF generate", "tokens_per_s": 1.0}],
+    )
+
+
+def test_default_dtype_on_a_cpu_is_fp32(tmp_path, monkeypatch):
+    import json
+
+    _stub_timings(monkeypatch)
+    out = tmp_path / "v"
+    assert bench_verify.main(["--base", "random:tiny", "--device", "cpu", "--out", str(out)]) == 0
+    assert json.loads((out / "verify.json").read_text())["dtype"] == "float32"
+
+
+def test_a_run_that_just_fits_the_context_runs_and_its_oracle_keeps_its_tau(tmp_path, monkeypatch):
+    """need == the base's positions is allowed, and every step of the oracle then verifies its
+    whole tree (tau = D + 1); one position fewer is refused."""
+    import json
+
+    build = bench_verify.build_base
+    positions = {"n": 0}
+
+    def small_context(*args):
+        model = build(*args)
+        model.config.max_position_embeddings = positions["n"]
+        return model
+
+    monkeypatch.setattr(bench_verify, "build_base", small_context)
+    out = tmp_path / "v"
+    argv = ["--base", "random:tiny", "--device", "cpu", "--dtype", "fp32", "--sizes", "1,2"]
+    argv += ["--repeats", "1", "--prompts", "1", "--prompt-tokens", "8", "--prefix-tokens", "8"]
+    argv += ["--max-new-tokens", "13", "--shapes", "2x3", "--out", str(out)]
+    positions["n"] = 8 + 13 + 6 + 1  # prompt + new tokens + the tree past its root + 1
+    assert bench_verify.main(argv) == 0
+    (row,) = json.loads((out / "verify.json").read_text())["loop"][1:]
+    assert row["tau"] == 3.0 and row["identical"] == 1.0
+    positions["n"] -= 1
+    assert bench_verify.main([*argv[:-1], str(tmp_path / "w")]) == 2
+    assert not (tmp_path / "w").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--sizes", "2,4"], "--sizes must include 1"),
+        (["--shapes", "2x0"], "want DEPTHxWIDTH"),
+        (["--shapes", "2"], "want DEPTHxWIDTH"),
+    ],
+)
+def test_usage_errors(flags, message, tmp_path, capsys):
+    with pytest.raises(SystemExit) as stop:
+        bench_verify.main(["--base", "random:tiny", "--out", str(tmp_path / "v"), *flags])
+    assert stop.value.code == 2 and message in capsys.readouterr().err
+    assert not (tmp_path / "v").exists()
