@@ -44,8 +44,9 @@ def test_bad_input_stops_with_its_message_before_the_base_loads(tmp_path, capsys
     assert not (tmp_path / "o").exists()
 
 
-def test_main_writes_replay_rows(tmp_path, smollm2_tokenizer):
-    tok = smollm2_tokenizer
+def tiny_task(tmp_path: Path, tok) -> list[str]:
+    """A tiny random base with SmolLM2's tokenizer, prompts of two categories and a one-answer
+    corpus: replay_lookup's --base, --prompts and --corpus."""
     ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
     base = make_tiny_llama(0, vocab_size=len(tok), pad_token_id=tok.pad_token_id, **ids)
     base.save_pretrained(tmp_path / "base")
@@ -56,7 +57,11 @@ def test_main_writes_replay_rows(tmp_path, smollm2_tokenizer):
     corpus = tmp_path / "answers.jsonl"
     answer = {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "Yes."}]}
     corpus.write_text(json.dumps(answer) + "\n")
-    argv = ["--base", str(tmp_path / "base"), "--prompts", str(prompts), "--corpus", str(corpus)]
+    return ["--base", str(tmp_path / "base"), "--prompts", str(prompts), "--corpus", str(corpus)]
+
+
+def test_main_writes_replay_rows(tmp_path, smollm2_tokenizer):
+    argv = tiny_task(tmp_path, smollm2_tokenizer)
     argv += ["--min-count", "1", "--num-tokens", "2,3", "--max-new-tokens", "6"]
     assert replay_lookup.main([*argv, "--out", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "replay.json").read_text())
@@ -118,17 +123,6 @@ def test_max_new_tokens_below_one_stops_before_the_base_loads(tmp_path, capsys, 
 def test_main_replays_the_base_greedy_answers_per_category(
     tmp_path, smollm2_tokenizer, monkeypatch
 ):
-    tok = smollm2_tokenizer
-    ids = dict(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id)
-    base = make_tiny_llama(0, vocab_size=len(tok), pad_token_id=tok.pad_token_id, **ids)
-    base.save_pretrained(tmp_path / "base")
-    tok.save_pretrained(tmp_path / "base")
-    prompts = tmp_path / "prompts.jsonl"
-    rows = [{"category": c, "turns": [f"Tell me about {c}."]} for c in ("math", "coding")]
-    prompts.write_text("".join(json.dumps(r) + "\n" for r in rows))
-    corpus = tmp_path / "answers.jsonl"
-    answer = {"conversations": [{"from": "human", "value": "x"}, {"from": "gpt", "value": "Yes."}]}
-    corpus.write_text(json.dumps(answer) + "\n")
 
     generated, replays = [], []
     load = replay_lookup.load_base
@@ -153,7 +147,7 @@ def test_main_replays_the_base_greedy_answers_per_category(
 
     monkeypatch.setattr(replay_lookup, "load_base", recording_load)
     monkeypatch.setattr(replay_lookup, "replay_tau", recording_replay)
-    argv = ["--base", str(tmp_path / "base"), "--prompts", str(prompts), "--corpus", str(corpus)]
+    argv = tiny_task(tmp_path, smollm2_tokenizer)
     argv += ["--min-count", "1", "--min-share", "0.25", "--num-tokens", "3"]
     assert replay_lookup.main([*argv, "--out", str(tmp_path / "out")]) == 0
     result = json.loads((tmp_path / "out" / "replay.json").read_text())
