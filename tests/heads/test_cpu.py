@@ -1,6 +1,7 @@
 """heads.cpu: oneDNN-prepacked linear weights give the same numbers as nn.Linear, keep the
 module's parameters and state dict, and fall back wherever the packed copy cannot be used."""
 
+import collections
 import io
 
 import pytest
@@ -168,7 +169,8 @@ def test_a_prepacked_module_saved_whole_loads_and_computes():
     buffer = io.BytesIO()
     torch.save(lin, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=False)
+    with torch.serialization.safe_globals([PackedLinear, collections.OrderedDict, set]):
+        loaded = torch.load(buffer, weights_only=True)
     x = torch.randn(3, 16)
     with torch.no_grad():
         torch.testing.assert_close(loaded(x), x @ lin.weight.T + lin.bias)
