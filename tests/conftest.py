@@ -114,3 +114,15 @@ def tiny_base(tmp_path_factory, smollm2_tokenizer) -> Path:
     LlamaForCausalLM(config).save_pretrained(path)
     tok.save_pretrained(path)
     return path
+
+
+@pytest.fixture
+def medusa_dir(tiny_llama, tmp_path):
+    """A folder of fresh Medusa heads (2 heads, 1 layer) of the tiny Llama, and the heads."""
+    from heads import MedusaConfig, MedusaHeads
+
+    heads = MedusaHeads(
+        MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1)
+    ).init_from_base(tiny_llama)
+    heads.save_pretrained(tmp_path / "medusa")
+    return tmp_path / "medusa", heads

@@ -1,6 +1,4 @@
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -10,18 +8,6 @@ from safetensors.torch import load_file
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from heads.export import ExportError, export_heads
-
-sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-import export  # noqa: E402  (scripts/export.py: scripts/ is not a package)
-
-
-@pytest.fixture
-def medusa_dir(tiny_llama, tmp_path):
-    heads = MedusaHeads(
-        MedusaConfig.from_base(tiny_llama.config, num_heads=2, num_layers=1)
-    ).init_from_base(tiny_llama)
-    heads.save_pretrained(tmp_path / "medusa")
-    return tmp_path / "medusa", heads
 
 
 @pytest.mark.filterwarnings("ignore:these heads record")  # the tiny base's bare name
@@ -41,14 +27,6 @@ def test_medusa_lm_head_layout(medusa_dir, tmp_path, target):
     assert torch.equal(t["1.1.weight"], heads.lm_heads[1].weight)
     cfg = json.loads((tmp_path / target / "config.json").read_text())
     assert cfg["medusa_num_heads"] == 2 and cfg["medusa_num_layers"] == 1
-
-
-@pytest.mark.filterwarnings("ignore:these heads record")
-def test_the_trtllm_export_says_the_converter_flags_of_other_counts(medusa_dir, tmp_path, capsys):
-    assert export.main([str(medusa_dir[0]), "--to", "trtllm", "--out", str(tmp_path / "t")]) == 0
-    assert "--num_medusa_heads 2 --num_medusa_layers 1" in capsys.readouterr().out
-    assert export.main([str(medusa_dir[0]), "--to", "tgi", "--out", str(tmp_path / "g")]) == 0
-    assert "--num_medusa_heads" not in capsys.readouterr().out
 
 
 @pytest.mark.filterwarnings("ignore:these heads record")
@@ -129,22 +107,6 @@ def test_sglang_eagle1_has_its_architecture_and_a_zero_fc_bias(tiny_llama, tmp_p
     export_heads(tmp_path / "s1", "vllm", tmp_path / "v1")
     assert json.loads((tmp_path / "v1/config.json").read_text()) == native
     assert set(load_file(tmp_path / "v1/model.safetensors")) == set(before)
-
-
-def test_cli(medusa_dir, tmp_path):
-    src, _ = medusa_dir
-
-    def run_script(target: str, out: Path) -> subprocess.CompletedProcess:
-        argv = [sys.executable, "scripts/export.py", str(src), "--to", target, "--out", str(out)]
-        return subprocess.run(argv, capture_output=True, text=True)
-
-    (tmp_path / "a-file").write_text("")
-    refused = run_script("vllm", tmp_path / "a-file")
-    assert refused.returncode == 2 and "is a file: give a folder" in refused.stderr
-    ok = run_script("tgi", tmp_path / "o")
-    assert ok.returncode == 0, ok.stderr
-    bad = run_script("sglang", tmp_path / "p")
-    assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
 
 def test_sglang_eagle3_export_is_the_native_folder(tmp_path, monkeypatch):
@@ -488,35 +450,3 @@ def test_an_out_folder_under_folders_not_made_yet(medusa_dir, tmp_path):
         out = tmp_path / "exports" / target / "heads"
         export_heads(src, target, out)
         assert (out / "config.json").is_file()
-
-
-def test_the_cli_says_why_a_source_cannot_be_read(tmp_path, capsys):
-    missing = tmp_path / "missing"
-    assert export.main([str(missing), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
-    assert f"export failed: heads folder not found: {missing}" in capsys.readouterr().err
-    (tmp_path / "listed").mkdir()
-    (tmp_path / "listed" / "config.json").write_text("[1, 2]")
-    assert (
-        export.main([str(tmp_path / "listed"), "--to", "vllm", "--out", str(tmp_path / "o")]) == 2
-    )
-    err = capsys.readouterr().err
-    assert err.startswith("export failed: ") and "not an object of settings" in err
-
-
-def test_the_cli_says_the_converter_flags_of_four_heads_of_two_layers(tiny_llama, tmp_path, capsys):
-    for layers, said in ((2, True), (1, False)):
-        heads = MedusaHeads(
-            MedusaConfig.from_base(tiny_llama.config, num_heads=4, num_layers=layers)
-        ).init_from_base(tiny_llama)
-        heads.save_pretrained(tmp_path / f"m{layers}")
-        argv = [
-            str(tmp_path / f"m{layers}"),
-            "--to",
-            "trtllm",
-            "--out",
-            str(tmp_path / f"t{layers}"),
-        ]
-        assert export.main(argv) == 0
-        out = capsys.readouterr().out
-        assert ("--num_medusa_heads 4 --num_medusa_layers 2" in out) == said
-        assert ("--num_medusa_heads" in out) == said

@@ -11,7 +11,9 @@ import numpy as np
 import pytest
 import torch
 
+from inference import Drafter
 from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
+from inference.drafters import build
 from inference.prompt import prompt_ids
 
 
@@ -109,3 +111,15 @@ def test_prompt_ids_take_one_sequence_and_refuse_the_rest():
         prompt_ids(ids, torch.tensor([0, 0, 0]))
     with pytest.raises(TypeError, match="input_ids is text"):
         prompt_ids([3, "four"])
+
+
+class Plain(Drafter):
+    """A drafter that takes no options."""
+
+    def __init__(self) -> None:
+        pass
+
+
+def test_an_option_given_to_a_drafter_that_takes_none_says_so():
+    with pytest.raises(TypeError, match=r"^Plain takes no option 'depth' \(its options: none\)$"):
+        build(Plain, depth=2)

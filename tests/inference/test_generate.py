@@ -14,7 +14,6 @@ from transformers import DynamicCache
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.cpu import can_prepack, prepack_linear_weights
 from inference import (
-    Drafter,
     EagleDrafter,
     MedusaDrafter,
     ModelDrafter,
@@ -24,7 +23,6 @@ from inference import (
     plain_generation,
     tree_from_parents,
 )
-from inference.drafters import build
 from inference.generate import DENSE_LOGITS_MAX_NODES
 from inference.kv_cache import keep_accepted
 from inference.mask import tree_attention_mask, tree_position_ids
@@ -265,13 +263,6 @@ def test_keep_accepted_equals_plain_forward():
         torch.testing.assert_close(ours.values, ref.values, atol=1e-5, rtol=1e-5)
 
 
-class Plain(Drafter):
-    """A drafter that takes no options."""
-
-    def __init__(self) -> None:
-        pass
-
-
 def test_bad_input_is_clear():
     base = make_tiny_llama()
     gen = SpeculativeGenerator(base)
@@ -327,8 +318,6 @@ def test_bad_input_is_clear():
         SpeculativeGenerator(base, heads, acceptance="typical")
     with pytest.raises(TypeError, match=r"NgramDrafter takes no option 'depth', 'temperature'"):
         SpeculativeGenerator(base, None, temperature=0.7, depth=3)
-    with pytest.raises(TypeError, match=r"^Plain takes no option 'depth' \(its options: none\)$"):
-        build(Plain, depth=2)
     with pytest.raises(
         TypeError,
         match=r"options \['choices'\] given with a drafter object \(MedusaDrafter\): build the "
