@@ -99,8 +99,8 @@ def with_adapter(base, heads: str) -> tuple[object, bool]:
     if lora_merged(base, config.get("base_lora_probe")) is not False:
         print(
             f"eval_heads: the base has the LoRA adapter of the Medusa-2 heads {heads} merged "
-            "already: their acceptance is scored, not eval/loss and eval/kl (no original base "
-            "is left to compare with)",
+            "already (or their probe cannot tell): their acceptance is scored, not eval/loss "
+            "and eval/kl (no original base is left to compare with)",
             file=sys.stderr,
         )
         return base, False
