@@ -82,7 +82,7 @@ class Drafter:
     aux_layer_ids: tuple[int, ...] = ()
     max_nodes: int = 1  # the largest tree this drafter proposes (sizing the verify forward)
     # The longest sequence it drafts for (a draft model's own context); None: any. Past it the
-    # generator takes plain steps, as near the base's context.
+    # generator takes plain steps, as near the base's context (a union drafts on without it).
     max_positions: int | None = None
 
     def reset(self) -> None:

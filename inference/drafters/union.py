@@ -55,9 +55,20 @@ class UnionDrafter(Drafter):
 
     @property
     def max_positions(self) -> int | None:
-        """The shortest context of the enabled drafters (a draft model's), or None."""
+        """The longest context of the enabled drafters, None where one has no limit: a member
+        past its own context (a draft model's learned positions) sits out the steps there, the
+        others draft on."""
         limits = [d.max_positions for d, on in zip(self.drafters, self.enabled) if on]
-        return min((n for n in limits if n is not None), default=None)
+        return None if None in limits else max(limits, default=None)
+
+    def _drafting(self, sequence: torch.Tensor) -> list[Drafter]:
+        """The enabled drafters whose trees after `sequence` fit their own context (the
+        generator's rule for the base's: the sequence, root included, plus the tree)."""
+        return [
+            d
+            for d, on in zip(self.drafters, self.enabled)
+            if on and (d.max_positions is None or sequence.numel() + d.max_nodes <= d.max_positions)
+        ]
 
     def _check_parts(self, parts: Sequence[dict | None]) -> None:
         if len(parts) != len(self.drafters):
@@ -104,19 +115,19 @@ class UnionDrafter(Drafter):
             drafter.observe(tokens, hidden, aux, next_token)
 
     def catch_up(self, sequence: torch.Tensor) -> None:
-        for drafter, on in zip(self.drafters, self.enabled):
-            if on:
-                drafter.catch_up(sequence)
+        for drafter in self._drafting(sequence):
+            drafter.catch_up(sequence)
         self.switched_on = [False] * len(self.drafters)
 
     def catch_up_switched_on(self, sequence: torch.Tensor) -> None:
+        drafting = self._drafting(sequence)
         for drafter, switched in zip(self.drafters, self.switched_on):
-            if switched:
+            if switched and drafter in drafting:
                 drafter.catch_up(sequence)
         self.switched_on = [False] * len(self.drafters)
 
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
-        drafts = [d.propose(sequence, sampling) for d, on in zip(self.drafters, self.enabled) if on]
+        drafts = [d.propose(sequence, sampling) for d in self._drafting(sequence)]
         if len(drafts) == 1:
             # Without its ranks: another arm of this union may enable another drafter, whose
             # paths of ranks hold other tokens (the adaptive policy shares rates by path).

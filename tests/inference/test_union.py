@@ -1,5 +1,8 @@
 """The union of several drafters' trees: the trie merge, its bookkeeping, and the generator."""
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -17,6 +20,9 @@ from inference import (
 )
 from inference.drafters.union import merge_drafts
 from tests.conftest import make_tiny_llama
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+from bench_verify import OracleDrafter  # noqa: E402  (scripts/ is not a package)
 
 
 def _draft(parents, tokens, sampled=None, probs=None):
@@ -215,12 +221,12 @@ def test_a_member_switched_back_on_catches_up_outside_the_step():
 
 
 class Member(Drafter):
-    """A union member that drafts a 2-chain of token 0 and logs its catch-ups."""
+    """A union member that drafts a 2-chain of `token` and logs its catch-ups."""
 
     max_nodes = 3
 
-    def __init__(self, max_positions=None):
-        self.max_positions = max_positions
+    def __init__(self, max_positions=None, token=0):
+        self.max_positions, self.token = max_positions, token
         self.caught_up = []
 
     def catch_up(self, sequence):
@@ -230,16 +236,51 @@ class Member(Drafter):
         pass
 
     def propose(self, sequence, sampling):
-        return Draft.chain(int(sequence[-1]), [0, 0], sequence.device)
+        return Draft.chain(int(sequence[-1]), [self.token] * 2, sequence.device)
 
 
-def test_the_unions_context_is_the_shortest_of_its_enabled_members():
+def test_the_unions_context_is_the_longest_of_its_enabled_members():
     union = UnionDrafter([Member(100), Member(60), NgramDrafter()])
+    assert union.max_positions is None  # the lookup drafts at any length
+    union.configure([{}, {}, None])
+    assert union.max_positions == 100  # the shorter one sits out past 60, the other drafts on
+    union.configure([None, {}, None])
     assert union.max_positions == 60
-    union.configure([{}, None, {}])  # the shorter one off: it limits no step
-    assert union.max_positions == 100
-    union.configure([None, None, {}])
-    assert union.max_positions is None
+
+
+def test_a_member_past_its_context_sits_out_and_is_not_fed():
+    long, short = Member(100), Member(60, token=1)
+    union = UnionDrafter([long, short])
+    sampling = Sampling()
+    # the sequence (root included) and a member's 3-node tree: 57 + 3 fits 60, 58 + 3 does not
+    assert union.propose(torch.arange(57), sampling).tree.num_nodes == 5  # both chains merged
+    assert union.propose(torch.arange(58), sampling).tree.num_nodes == 3
+    union.catch_up(torch.arange(58))
+    assert long.caught_up == [58] and short.caught_up == []
+    union.configure([None, {}])
+    union.configure([{}, {}])  # `short` switched on, past its context: still no catch-up
+    union.catch_up_switched_on(torch.arange(58))
+    assert short.caught_up == [] and union.switched_on == [False, False]
+
+
+def test_past_a_draft_models_context_the_other_drafters_of_a_union_draft_on():
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    base = make_tiny_llama()
+    draft = GPT2LMHeadModel(
+        GPT2Config(vocab_size=256, n_positions=64, n_embd=32, n_layer=1, n_head=2)
+    )
+    prompt = torch.randint(3, 256, (1, 40), generator=torch.Generator().manual_seed(0))
+    want = base.generate(prompt, max_new_tokens=60, do_sample=False, eos_token_id=None)
+    truth = base.generate(prompt, max_new_tokens=68, do_sample=False, eos_token_id=None)
+    oracle = OracleDrafter(truth[0].tolist(), depth=4, width=2, vocab_size=256, device="cpu")
+    small = ModelDrafter(draft.eval().requires_grad_(False), num_tokens=3)
+    got = SpeculativeGenerator(base, [small, oracle], adaptive=False).generate(
+        prompt, 60, eos_token_id=[]
+    )
+    assert torch.equal(got.sequences, want)
+    assert min(got.accepted_lengths[:-1]) == 5  # the oracle's 4 and the bonus, every step
+    assert 54 <= len(small._fed) <= 64  # it drafted up to its context, never past it
 
 
 def test_a_member_switched_on_owes_its_catch_up_until_it_is_done():
