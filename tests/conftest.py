@@ -126,3 +126,44 @@ def medusa_dir(tiny_llama, tmp_path):
     ).init_from_base(tiny_llama)
     heads.save_pretrained(tmp_path / "medusa")
     return tmp_path / "medusa", heads
+
+
+class FakeHub:
+    """`huggingface_hub.HfApi` as the Hub answers, recording what was pushed: creating a repo
+    that exists fails unless exist_ok; each upload keeps the folder's files by repo."""
+
+    def __init__(self) -> None:
+        self.private: dict[str, bool | None] = {}  # repo_id -> private, as created
+        self.folders: dict[str, Path] = {}  # repo_id -> the folder uploaded last
+        self.files: dict[str, dict[str, bytes]] = {}  # repo_id -> {file name: bytes}
+        self.unreachable = False  # no network: create_repo raises what requests would
+        self.commits = 0
+
+    def __call__(self, token=None) -> FakeHub:  # HfApi(token=...)
+        return self
+
+    def create_repo(self, repo_id, private=None, exist_ok=False) -> None:
+        if self.unreachable:
+            raise ConnectionError("Name or service not known")
+        if repo_id in self.private and not exist_ok:
+            raise OSError(f"409 Conflict: You already created this model repo: {repo_id}")
+        self.private[repo_id] = private
+
+    def upload_folder(self, folder_path, repo_id, commit_message) -> str:
+        self.folders[repo_id] = Path(folder_path)
+        self.files[repo_id] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+        self.commits += 1
+        return f"https://hub/{repo_id}/commit/{self.commits}"
+
+    def card(self, repo_id: str) -> str:
+        return self.files[repo_id]["README.md"].decode()
+
+
+@pytest.fixture
+def fake_hub(monkeypatch) -> FakeHub:
+    """The Hub, faked: `huggingface_hub.HfApi` answers from a FakeHub."""
+    import huggingface_hub
+
+    hub = FakeHub()
+    monkeypatch.setattr(huggingface_hub, "HfApi", hub)
+    return hub

@@ -333,30 +333,16 @@ def test_not_a_heads_folder(tiny_llama, tmp_path):
         load_heads(tmp_path)
 
 
-def test_model_card_and_push_to_hub(tiny_llama, tmp_path, monkeypatch):
-    uploads = {}
-
-    class FakeApi:
-        def __init__(self, token=None):
-            pass
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            uploads["created"] = repo_id
-
-        def upload_folder(self, folder_path, repo_id, commit_message):
-            from pathlib import Path
-
-            uploads["files"] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
-            return "https://hub/commit/1"
-
-    import huggingface_hub
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+def test_model_card_and_push_to_hub(tiny_llama, fake_hub):
     heads = _eagle(make_tiny_llama(num_hidden_layers=8), 3)  # aux layers 2, 4, 5
-    assert heads.push_to_hub("me/tiny-eagle3") == "https://hub/commit/1"
-    assert uploads["created"] == "me/tiny-eagle3"
-    assert set(uploads["files"]) == {"config.json", "model.safetensors", "README.md"}
-    card = uploads["files"]["README.md"].decode()
+    assert heads.push_to_hub("me/tiny-eagle3") == "https://hub/me/tiny-eagle3/commit/1"
+    assert list(fake_hub.private) == ["me/tiny-eagle3"]
+    assert set(fake_hub.files["me/tiny-eagle3"]) == {
+        "config.json",
+        "model.safetensors",
+        "README.md",
+    }
+    card = fake_hub.card("me/tiny-eagle3")
     assert "for tiny-llama-0" in card and "EAGLE-3" in card
     # the card's base_model is a repo id, or none: the Hub refuses a card that names a path
     # (a base loaded from a folder, a GGUF's name)

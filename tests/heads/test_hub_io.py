@@ -78,49 +78,22 @@ def test_a_hub_download_takes_the_revision_token_and_the_medusa2_adapter(
     assert not (folder / "pytorch_model.bin").exists()
 
 
-class FakeApi:
-    """HfApi as the Hub answers: creating a repo that exists fails unless exist_ok."""
-
-    repos: set = set()
-    cards: dict = {}
-
-    def __init__(self, token=None):
-        pass
-
-    def create_repo(self, repo_id, private=None, exist_ok=False):
-        if repo_id in self.repos and not exist_ok:
-            raise OSError(f"409 Conflict: You already created this model repo: {repo_id}")
-        self.repos.add(repo_id)
-
-    def upload_folder(self, folder_path, repo_id, commit_message):
-        self.cards[repo_id] = (Path(folder_path) / "README.md").read_text()
-        return f"https://hub/{repo_id}/commit/1"
-
-
-def test_pushing_again_to_a_repo_updates_it(tiny_llama, tmp_path, monkeypatch):
-    import huggingface_hub
-
-    FakeApi.repos, FakeApi.cards = set(), {}
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
+def test_pushing_again_to_a_repo_updates_it(tiny_llama, tmp_path, fake_hub):
     folder = tmp_path / "heads"
     MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)
     assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/1"
-    assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/1"  # not a 409
+    assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/2"  # not a 409
 
 
 @pytest.mark.parametrize("version", [1, 3])
-def test_the_pushed_card_names_the_repo_in_every_serving_line(tmp_path, monkeypatch, version):
+def test_the_pushed_card_names_the_repo_in_every_serving_line(tmp_path, fake_hub, version):
     """EAGLE-1's card exports for SGLang from the repo; EAGLE-3's SGLang line reads it: both
     must name the repo pushed to, not the REPO placeholder."""
-    import huggingface_hub
-
-    FakeApi.repos, FakeApi.cards = set(), {}
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     base = make_tiny_llama(num_hidden_layers=8)
     config = EagleConfig.from_base(base.config, version=version, draft_vocab_size=256)
     EagleDraft(config).save_pretrained(tmp_path / "draft")
     push_folder(tmp_path / "draft", "me/draft")
-    card = FakeApi.cards["me/draft"]
+    card = fake_hub.card("me/draft")
     assert "REPO" not in card
     if version == 1:
         assert "export_heads('me/draft', 'sglang', 'draft-sglang')" in card
@@ -129,16 +102,12 @@ def test_the_pushed_card_names_the_repo_in_every_serving_line(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("offline", [False, True])
-def test_a_failed_push_says_why_offline_or_not(tiny_llama, tmp_path, monkeypatch, offline):
-    import huggingface_hub
-
+def test_a_failed_push_says_why_offline_or_not(
+    tiny_llama, tmp_path, monkeypatch, fake_hub, offline
+):
     import heads.hub
 
-    class Unreachable(FakeApi):
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            raise ConnectionError("Name or service not known")
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", Unreachable)
+    fake_hub.unreachable = True
     monkeypatch.setattr(heads.hub, "hub_offline", lambda: offline)
     folder = tmp_path / "heads"
     MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)

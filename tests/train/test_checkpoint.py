@@ -3,7 +3,6 @@
 import json
 import math
 import shutil
-from pathlib import Path
 
 import pytest
 import yaml
@@ -97,10 +96,9 @@ def test_resume_names_a_checkpoint_or_says_it_is_not_one(tmp_path):
         resolve_resume(str(out), out)  # the run's folder, not one of its checkpoints
 
 
-def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypatch):
+def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, fake_hub):
     """hub.repo_id pushes OUTPUT/heads as saved: in output.heads_dtype, with its model card and
     training_metrics.json (not a fresh fp32 save without them)."""
-    import huggingface_hub
     import torch
     from accelerate import Accelerator
     from safetensors import safe_open
@@ -108,53 +106,32 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, monkeypa
     from heads import MedusaConfig, MedusaHeads
     from train.run import save_final
 
-    uploaded = {}
-
-    class FakeApi:
-        def __init__(self, token=None):
-            pass
-
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            uploaded["repo"] = (repo_id, private)
-
-        def upload_folder(self, folder_path, repo_id, commit_message):
-            uploaded["folder"] = folder_path
-            uploaded["files"] = sorted(p.name for p in Path(folder_path).iterdir())
-            uploaded["card"] = (Path(folder_path) / "README.md").read_text()
-            weights = Path(folder_path) / "model.safetensors"
-            uploaded["weights"] = weights.read_bytes()
-            return "https://hub/commit/2"
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", FakeApi)
     recipe = load_recipe(
         None, [f"output.dir={tmp_path}", "hub.repo_id=me/tiny-medusa", "hub.private=true"]
     )
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
     folder = save_final(recipe, heads, Accelerator(cpu=True), {"eval/step0/top1": 0.5})
-    assert uploaded["repo"] == ("me/tiny-medusa", True)
+    assert fake_hub.private == {"me/tiny-medusa": True}
     assert folder == tmp_path / "heads"
-    assert Path(uploaded["folder"]).name == "heads"  # a staged copy of the folder, as saved
-    assert uploaded["weights"] == (folder / "model.safetensors").read_bytes()
+    assert fake_hub.folders["me/tiny-medusa"].name == "heads"  # a staged copy, as saved
+    uploaded = fake_hub.files["me/tiny-medusa"]
+    assert uploaded["model.safetensors"] == (folder / "model.safetensors").read_bytes()
     assert {"config.json", "model.safetensors", "README.md", "training_metrics.json"} <= set(
-        uploaded["files"]
+        uploaded
     )
     with safe_open(folder / "model.safetensors", "pt") as f:
         assert f.get_tensor("lm_heads.0.weight").dtype == torch.bfloat16  # the recipe's default
     # the uploaded card names the repo; the folder's keeps its placeholder for other pushes
-    assert '"model": "me/tiny-medusa"' in uploaded["card"]
+    assert '"model": "me/tiny-medusa"' in fake_hub.card("me/tiny-medusa")
     assert '"model": "REPO"' in (folder / "README.md").read_text()
     from heads.hub import push_folder
 
     push_folder(folder, "me/elsewhere")
-    assert '"model": "me/elsewhere"' in uploaded["card"]
+    assert '"model": "me/elsewhere"' in fake_hub.card("me/elsewhere")
     assert not list(tmp_path.glob(".heads.push.*"))  # the staged copy is gone
 
     # no network: said, with where the heads are and how to push them again
-    class Offline(FakeApi):
-        def create_repo(self, repo_id, private=None, exist_ok=False):
-            raise ConnectionError("Name or service not known")
-
-    monkeypatch.setattr(huggingface_hub, "HfApi", Offline)
+    fake_hub.unreachable = True
     with pytest.raises(
         SystemExit, match="could not push to the Hub repo me/tiny-medusa: ConnectionError"
     ) as stop:
