@@ -56,9 +56,11 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
             "(train on fewer with training.max_steps, or distill into another data.output_dir)",
             file=sys.stderr,
         )
-    distilled = tokenize_answers(records, tokenizer, recipe)
-    if len(distilled) < len(records):
-        cut = len(records) - len(distilled)
+    # Per conversation: one may give an example per answer (`conversation_examples`), so the
+    # examples' count says nothing of the conversations left out.
+    per_record = [tokenize_answers([record], tokenizer, recipe) for record in records]
+    distilled = [example for examples in per_record for example in examples]
+    if cut := sum(not examples for examples in per_record):
         message = (
             f"{cut} of the {len(records)} conversations in {recipe.data.output_dir} have no "
             f"answer token within training.max_length={recipe.training.max_length}"

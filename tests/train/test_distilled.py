@@ -223,6 +223,34 @@ def test_an_answer_cut_at_max_new_tokens_has_no_end_of_turn_target(smollm2_token
     assert end in cut["input_ids"] and smollm2_tokenizer.decode(targets[1]) == "1 2 3"
 
 
+def test_a_conversation_left_out_is_counted_where_each_answer_is_an_example(
+    smollm2_tokenizer, tmp_path, capsys
+):
+    """A template that renders an answer otherwise once the conversation goes on (Qwen3's
+    thinking block) gives an example per answer: the note counts conversations, not examples."""
+    from tests.train.test_data import THINKING_TEMPLATE
+    from train.config import load_recipe
+    from train.features import load_examples
+
+    def turns(*texts):
+        roles = ["human", "gpt"] * len(texts)
+        return {"conversations": [{"from": r, "value": t} for r, t in zip(roles, texts)]}
+
+    records = [turns("Hi", "Hello.", "Bye", "Goodbye."), turns("word " * 200, "Yes.")]
+    (tmp_path / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+    recipe = load_recipe(
+        None,
+        [
+            f"data.output_dir={tmp_path}",
+            "training.max_length=64",
+            f"data.chat_template={THINKING_TEMPLATE}",
+        ],
+    )
+    distilled, _ = load_examples(recipe, smollm2_tokenizer)
+    assert len(distilled) == 2  # the first conversation's two answers
+    assert "note: 1 of the 2 conversations" in capsys.readouterr().err
+
+
 def test_held_out_split_passes_over_a_prompt_with_too_many_answers():
     from train.features import split_held_out
 
