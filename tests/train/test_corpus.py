@@ -15,7 +15,7 @@ from train.corpus import (
     embedded_documents,
     file_documents,
 )
-from train.features import load_examples
+from train.features import corpus_examples, load_examples
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -121,3 +121,19 @@ def test_a_file_name_becomes_a_title_in_words(tmp_path):
     # underscores and hyphens are spaces in the title the user turn asks about
     (tmp_path / "release_notes-v2.md").write_text("Text.")
     assert file_documents(tmp_path) == [("release notes v2", "Text.")]
+
+
+def test_text_max_tokens_counts_targets_not_prompt_tokens(tmp_path, smollm2_tokenizer):
+    corpus = tmp_path / "notes.txt"
+    paragraphs = (" ".join(f"word{p}x{i}." for i in range(120)) for p in range(20))
+    corpus.write_text("\n\n".join(paragraphs), encoding="utf-8")
+    settings = [f"training.text_corpus=[{corpus}]"]
+    every = corpus_examples(load_recipe(None, settings), smollm2_tokenizer)
+    assert len(every) >= 3
+    first = sum(every[0]["loss_mask"])
+    assert first < len(every[0]["input_ids"])  # a prompt in front of the answer
+    # One target past the first chunk's: the second chunk is taken, and no third
+    capped = corpus_examples(
+        load_recipe(None, [*settings, f"training.text_max_tokens={first + 1}"]), smollm2_tokenizer
+    )
+    assert capped == every[:2]

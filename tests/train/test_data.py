@@ -2,6 +2,7 @@
 trained one by one where a template renders them otherwise once the conversation goes on."""
 
 import copy
+from types import SimpleNamespace
 
 import pytest
 
@@ -295,3 +296,70 @@ def test_a_template_that_ends_the_text_after_the_last_answer_keeps_one_example(
     tok = smollm2_tokenizer
     [example] = conversation_examples(CONVERSATION, tok, chat_template=template)
     assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+
+
+def test_an_empty_system_prompt_is_an_empty_system_turn_not_the_default(smollm2_tokenizer):
+    tok = smollm2_tokenizer
+    example = tokenize_conversation(CONVERSATION[:2], tok, system_prompt="")
+    assert tok.decode(example["input_ids"]) == (
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nWhat is 2+2?<|im_end|>\n"
+        "<|im_start|>assistant\n2+2 is 4.<|im_end|>\n"
+    )
+
+
+def test_a_template_that_raises_on_the_turns_is_a_chat_template_error(smollm2_tokenizer):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.add_special_tokens({"additional_special_tokens": ["<start_of_turn>", "<end_of_turn>"]})
+    with pytest.raises(ChatTemplateError, match=r"turns \[system, user, assistant\].*System role"):
+        tokenize_conversation(
+            CONVERSATION[:2], tok, chat_template=GEMMA_TEMPLATE, system_prompt="Be brief."
+        )
+
+
+def test_whitespace_a_template_writes_before_an_answer_is_no_target(smollm2_tokenizer):
+    """The template renders an answer after one more newline than its generation prompt: the
+    base never wrote it, yet the conversation is still one example."""
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+        "{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = smollm2_tokenizer
+    [example] = conversation_examples(CONVERSATION, tok, chat_template=template)
+    assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    assert "assistant\n\n2+2 is 4." in tok.decode(example["input_ids"])
+
+
+def test_an_eos_that_is_a_plain_vocabulary_token_closes_the_turn_and_is_a_target(
+    smollm2_tokenizer,
+):
+    tok = copy.deepcopy(smollm2_tokenizer)
+    tok.eos_token = "END"  # in the vocabulary, not an added token
+    template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}"
+        "{% if m['role'] == 'assistant' %}END{% endif %}\n{% endfor %}"
+        "{% if add_generation_prompt %}assistant:{% endif %}"
+    )
+    example = tokenize_conversation(CONVERSATION[:2], tok, chat_template=template)
+    assert masked_runs(tok, example) == ["2+2 is 4.END"]
+
+
+def test_a_slow_tokenizer_is_refused_for_loss_masks(smollm2_tokenizer):
+    slow = SimpleNamespace(is_fast=False, chat_template=smollm2_tokenizer.chat_template)
+    with pytest.raises(ChatTemplateError, match="need a fast tokenizer"):
+        tokenize_conversation(CONVERSATION, slow)
+
+
+def test_the_prompt_of_a_conversation_is_its_text_before_the_first_answer(smollm2_tokenizer):
+    """Two samples of one two-turn prompt differ in their first answer: the same prompt, so
+    the same side of the held-out split."""
+    from train.features import _prompt_key
+
+    tok = smollm2_tokenizer
+    other = [CONVERSATION[0], {"role": "assistant", "content": "Four."}, *CONVERSATION[2:]]
+    first, second = (tokenize_conversation(c, tok) for c in (CONVERSATION, other))
+    asked = render_conversation(CONVERSATION[:1], tok, add_generation_prompt=True)
+    assert first["prompt_ids"] == tok(asked, add_special_tokens=False)["input_ids"]
+    assert second["prompt_ids"] == first["prompt_ids"]
+    assert _prompt_key(first, 0) == _prompt_key(second, 0)

@@ -6,6 +6,7 @@ import json
 import pytest
 import torch
 
+from train.config import load_recipe
 from train.data import (
     IGNORE_INDEX,
     build_examples,
@@ -15,6 +16,7 @@ from train.data import (
     resolve_chat_template,
     tokenize_conversation,
 )
+from train.features import load_examples
 
 
 def test_load_distilled_and_pad_batch(smollm2_tokenizer, tmp_path):
@@ -268,3 +270,40 @@ def test_held_out_split_passes_over_a_prompt_with_too_many_answers():
     train, held = split_held_out(many + many[:1] + [example(8, 1)] * 20, 0.05, 0)
     assert [e["input_ids"][1] for e in held] == [8] * 20 and len(train) == 51
     assert split_held_out(many, 0.05, 0) == (many, [])  # one prompt: nothing to hold out
+
+
+HI = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+
+
+def write_shard(folder, records) -> None:
+    (folder / "shard-r000-00000.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
+
+
+def test_a_record_without_finished_counts_as_finished(tmp_path):
+    """Shards written before distill recorded `finished`: every answer ran to its end."""
+    write_shard(
+        tmp_path,
+        [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}],
+    )
+    assert read_distilled(tmp_path) == [(HI, True)]
+    assert load_distilled(tmp_path) == [HI]
+
+
+def test_shards_that_hold_no_answers_are_an_error_before_training(smollm2_tokenizer, tmp_path):
+    (tmp_path / "shard-r000-00000.jsonl").write_text("")  # a distill killed before its first
+    recipe = load_recipe(None, [f"data.output_dir={tmp_path}"])
+    with pytest.raises(ValueError, match="shards hold no answers; run scripts/distill.py"):
+        load_examples(recipe, smollm2_tokenizer)
+
+
+def test_training_examples_carry_the_recipes_system_prompt(smollm2_tokenizer, tmp_path):
+    write_shard(
+        tmp_path,
+        [{"conversations": [{"from": "human", "value": "Hi"}, {"from": "gpt", "value": "Hello."}]}],
+    )
+    recipe = load_recipe(None, [f"data.output_dir={tmp_path}", "data.system_prompt=Be brief."])
+    [example], _ = load_examples(recipe, smollm2_tokenizer)
+    assert smollm2_tokenizer.decode(example["input_ids"]) == (
+        "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+    )

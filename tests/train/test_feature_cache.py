@@ -16,7 +16,7 @@ from safetensors.torch import save_file
 import train.feature_cache as fc
 import train.features as features
 from tests.conftest import make_tiny_llama
-from train.features import base_features
+from train.features import ExampleDataset, base_features, collate
 
 AUX = [0, 1, 1]  # states entering layers 0 and 1 of the 2-layer tiny Llama
 
@@ -284,3 +284,38 @@ def test_the_cache_records_the_dtype_of_the_base_it_was_filled_with(tmp_path):
     assert fc.cache_base_dtype(tmp_path / "fp32") == "float32"
     assert fc.cache_base_dtype(tmp_path / "bf16") == "bfloat16"
     assert built_on_dtype(None, str(tmp_path / "bf16"), torch.device("cpu")) == "bfloat16"
+
+
+def test_a_batch_whose_first_example_has_greedy_tokens_leaves_them_out_for_all():
+    examples = [
+        {"input_ids": [5, 6, 7], "loss_mask": [0, 1, 1], "labels": [-100, 6, 7]},
+        {"input_ids": [8, 9], "loss_mask": [0, 1], "labels": [-100, 9]},
+    ]
+    features = [
+        {"hidden": torch.ones(3, 4), "top": torch.tensor([1, 2, 3])},  # filled with "top"
+        {"hidden": torch.full((2, 4), 2.0)},  # from a cache filled before it existed
+    ]
+    batch = collate(ExampleDataset(examples, features), [0, 1], pad_token_id=0, device="cpu")
+    assert sorted(batch) == ["attention_mask", "hidden", "input_ids", "labels", "loss_mask"]
+    assert batch["hidden"][:, :, 0].tolist() == [[1.0, 1.0, 1.0], [2.0, 2.0, 0.0]]  # (B, T)
+
+
+def test_offline_features_are_each_examples_own_length_and_the_bases():
+    """Computed in padded batches, kept per example: (T_i, H) and (T_i,), padding dropped."""
+    from tests.conftest import make_tiny_llama
+    from train.features import base_features, precompute_features
+
+    base = make_tiny_llama(seed=3)
+    lengths = [3, 9, 5, 12, 4]
+    examples = [
+        {"input_ids": list(range(10, 10 + n)), "loss_mask": [1] * n, "labels": list(range(n))}
+        for n in lengths
+    ]
+    features = precompute_features(base, examples, (), batch_size=2, pad_token_id=0)
+    for example, feats in zip(examples, features):
+        ids = torch.tensor([example["input_ids"]])
+        alone = base_features(base, ids, torch.ones_like(ids), greedy=True)
+        assert sorted(feats) == ["hidden", "top"]
+        assert feats["hidden"].shape == (len(example["input_ids"]), 64)
+        torch.testing.assert_close(feats["hidden"], alone["hidden"][0], atol=1e-5, rtol=1e-4)
+        assert torch.equal(feats["top"], alone["top"][0])

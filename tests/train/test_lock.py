@@ -1,6 +1,8 @@
 """One run at a time in an output folder (train/lock.py): a second run on a folder that a live
 run holds is refused before any work, and a killed run leaves no lock behind."""
 
+import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -60,3 +62,28 @@ def test_a_folder_another_run_writes_is_refused_and_freed_when_it_dies(tiny_task
     holder = hold_lock(out)  # released: another process takes it
     holder.kill()
     holder.wait()
+
+
+def test_the_lock_file_names_only_the_run_that_holds_it(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / LOCK_NAME).write_text("pid 123456789 on a-machine-with-a-long-name-from-an-old-run")
+    try:
+        lock_output("output.dir", out)
+        assert (out / LOCK_NAME).read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+    finally:
+        release_output_locks()
+
+
+def test_a_folder_this_run_holds_is_its_own_under_another_path(tmp_path, monkeypatch):
+    out = tmp_path / "out"
+    out.mkdir()
+    (tmp_path / "link").symlink_to(out)
+    monkeypatch.chdir(tmp_path)
+    try:
+        lock_output("output.dir", out)
+        lock_output("data.output_dir", "out")  # relative: the same folder, no second lock
+        lock_output("output.dir", tmp_path / "link")
+        assert (out / LOCK_NAME).read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
+    finally:
+        release_output_locks()

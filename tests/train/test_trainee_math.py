@@ -11,9 +11,10 @@ import pytest
 import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from tests.conftest import make_tiny_llama
 from train.config import load_recipe
 from train.eagle import EagleTrainee
-from train.features import base_features, frequent_tokens
+from train.features import base_features, frequent_tokens, greedy_tokens
 from train.losses import medusa_loss, shift_left, sim_tau, walk_accept_length
 from train.medusa import MedusaTrainee
 
@@ -313,3 +314,11 @@ def test_medusa_hard_labels_with_a_reduced_vocabulary(tiny_llama):
     targets = ids[0, 2:].tolist()  # head 0 at rows 0..5 learns tokens 2..7
     want = -sum(logp[index[t]] for t in targets) / int(shift_left(mask, 1).sum())
     assert float(loss) == pytest.approx(float(want), rel=1e-6)
+
+
+def test_greedy_tokens_cover_every_row_when_the_last_chunk_is_short():
+    base = make_tiny_llama(seed=1)
+    hidden = torch.randn(1, 5, 64, generator=torch.Generator().manual_seed(0))  # (B, T, H)
+    expected = base.lm_head(hidden).argmax(-1)  # (B, T)
+    for rows in (2, 4, 5, 1024):  # chunks of 2+2+1, 4+1, 5, 5
+        assert torch.equal(greedy_tokens(base, hidden, rows=rows), expected)
