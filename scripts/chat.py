@@ -169,10 +169,18 @@ def main(argv: list[str] | None = None) -> int:
         except ChatTemplateError as e:  # a template that raises on these messages
             print(f"chat failed: {e}", file=sys.stderr)
             return 2
-        if ids.shape[1] + args.max_new_tokens > base.config.max_position_embeddings:
+        context = base.config.max_position_embeddings
+        if ids.shape[1] + args.max_new_tokens > context:
+            alone = prompt_ids([*system, messages[-1]], tokenizer).shape[1]
+            if alone + args.max_new_tokens > context:  # /reset would not help
+                what = f"this message alone has {alone} tokens"
+                fix = "shorten it or lower --max-new-tokens"
+            else:
+                what = f"the conversation has {ids.shape[1]} tokens"
+                fix = "/reset to start anew, then send it again"
             print(
-                f"(the conversation has {ids.shape[1]} tokens: with --max-new-tokens "
-                f"{args.max_new_tokens} it passes the base's context; /reset to start anew)",
+                f"(not sent: {what}, with --max-new-tokens {args.max_new_tokens} past the "
+                f"base's context of {context} positions; {fix})",
                 file=sys.stderr,
             )
             messages.pop()

@@ -67,11 +67,12 @@ def test_sampling_without_heads_streams_an_answer(folders, monkeypatch, capsys):
 
 def test_a_conversation_past_the_context_is_refused_and_dropped(folders, monkeypatch, capsys):
     """A turn that would pass the base's context (2,048 positions here) is not sent: the
-    message says to /reset, and the next turn goes on without it."""
+    message says to shorten it, and the next turn goes on without it."""
     argv = ["--base", str(folders["base"]), "--max-new-tokens", "1900"]
     assert _chat(monkeypatch, ["word " * 200, "Hi."], *argv) == 0
     out, err = capsys.readouterr()
-    assert "passes the base's context" in err and "/reset" in err
+    assert "(not sent: this message alone has" in err and "shorten it" in err
+    assert "/reset to start anew" not in err  # it would not help
     assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
 
 

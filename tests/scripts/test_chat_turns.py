@@ -76,6 +76,22 @@ def test_a_conversation_that_just_fits_the_context_is_answered(folders, monkeypa
     assert len(calls) == 1 and "passes the base's context" not in capsys.readouterr().err
 
 
+def test_a_conversation_grown_past_the_context_is_told_to_reset(folders, monkeypatch, capsys):
+    """Each message fits alone; the second, after the first and its answer, does not: /reset."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    calls = _stub_answers(monkeypatch)
+    text = "word " * 150
+    alone = chat.prompt_ids([{"role": "user", "content": text}], tokenizer).shape[1]
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", str(2048 - alone)]
+    assert _main(monkeypatch, [text, text, "/reset", text], *argv) == 0
+    err = capsys.readouterr().err
+    assert len(calls) == 2  # the first and the one after /reset
+    assert "(not sent: the conversation has" in err and "/reset to start anew" in err
+    assert torch.equal(calls[1][0], calls[0][0])  # sent again alone after /reset
+
+
 def test_compare_reports_the_speedup_over_hf(folders, monkeypatch, capsys):
     # the answer: 10 tokens in 1 s; HF greedy: the same 10 tokens in 4 s, so 4.00x
     _stub_answers(monkeypatch, new=[5] * 10, seconds=1.0)
