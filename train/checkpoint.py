@@ -137,6 +137,18 @@ def load_checkpoint(accelerator, path: Path, optimizer=None, scheduler=None) -> 
     return json.loads((path / STATE_NAME).read_text())
 
 
+def resumed_line(path: Path, step: int, total: int) -> str:
+    """What a trainer says on resuming; a run already past this recipe's steps (a smaller
+    training.max_steps or fewer epochs now) trains no more and writes the heads it has."""
+    line = f"resumed from {path} at step {step}"
+    if step > total:
+        line += (
+            f", past this recipe's {total} steps: no step is taken and the step-{step} heads are "
+            f"written again; training.resume=never trains {total} steps afresh"
+        )
+    return line
+
+
 def check_same_run(path: Path, recipe, processes: int) -> None:
     """Compare `recipe` and the process count with those that wrote checkpoint `path`.
 

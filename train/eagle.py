@@ -28,7 +28,13 @@ from heads import EagleConfig, EagleDraft
 from heads.base import output_logits
 from heads.checkpoint import load_state_checked
 from heads.eagle import check_vocab_map
-from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
+from train.checkpoint import (
+    base_identity,
+    check_finite,
+    load_checkpoint,
+    resumed_line,
+    save_checkpoint,
+)
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.init_heads import read_init_heads
@@ -290,7 +296,7 @@ def training_function(recipe: Recipe) -> dict:
             state["batch_in_epoch"],
             state.get("metrics", {}),
         )
-        accelerator.print(f"resumed from {ckpt} at step {step}")
+        accelerator.print(resumed_line(ckpt, step, total))
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

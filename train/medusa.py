@@ -21,7 +21,13 @@ from tqdm.auto import tqdm
 from heads import MedusaConfig, MedusaHeads
 from heads.base import logits_scaling, output_logits
 from heads.checkpoint import load_state_checked
-from train.checkpoint import base_identity, check_finite, load_checkpoint, save_checkpoint
+from train.checkpoint import (
+    base_identity,
+    check_finite,
+    load_checkpoint,
+    resumed_line,
+    save_checkpoint,
+)
 from train.config import Recipe
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.init_heads import read_init_heads
@@ -258,7 +264,7 @@ def training_function(recipe: Recipe) -> dict:
             state["batch_in_epoch"],
             state.get("metrics", {}),
         )
-        accelerator.print(f"resumed from {ckpt} at step {step}")
+        accelerator.print(resumed_line(ckpt, step, total))
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

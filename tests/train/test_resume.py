@@ -280,8 +280,13 @@ def test_a_finished_run_run_again_trains_nothing_and_writes_its_heads(tiny_task,
     (out / "heads" / "model.safetensors").unlink()
     capsys.readouterr()
     run(train.eagle, TINY_EAGLE, tiny_task, out)
-    assert "at step 4" in capsys.readouterr().out
+    said = capsys.readouterr().out
+    assert "at step 4" in said and "past this recipe" not in said
     assert (out / "metrics.jsonl").read_text() == metrics
+    assert (out / "heads" / "model.safetensors").read_bytes() == weights
+    # asked for fewer steps than the run has taken: said, and its heads written as they are
+    run(train.eagle, TINY_EAGLE, tiny_task, out, "training.max_steps=2")
+    assert "at step 4, past this recipe's 2 steps" in capsys.readouterr().out
     assert (out / "heads" / "model.safetensors").read_bytes() == weights
 
 
