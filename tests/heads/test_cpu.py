@@ -2,12 +2,14 @@
 module's parameters and state dict, and fall back wherever the packed copy cannot be used."""
 
 import collections
+import copy
 import io
 
 import pytest
 import torch
 from torch import nn
 
+from heads import MedusaConfig, MedusaHeads
 from heads.cpu import (
     PackedLinear,
     can_prepack,
@@ -15,6 +17,7 @@ from heads.cpu import (
     prepack_linear_weights,
     repack_stale,
 )
+from inference import SpeculativeGenerator
 from tests.conftest import make_tiny_llama
 
 pytestmark = pytest.mark.skipif(not can_prepack(), reason="this torch build has no oneDNN")
@@ -206,3 +209,17 @@ def test_the_count_is_of_the_linears_packed_now():
     assert prepack_linear_weights(model) == 2 * 7 + 1
     model.to(torch.float16)  # oneDNN packs no fp16: the plain GEMM from now on
     assert prepack_linear_weights(model) == 0
+
+
+def test_heads_changed_since_they_were_prepacked_draft_with_their_current_weights():
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    assert prepack_linear_weights(heads) > 0
+    with torch.no_grad():
+        for p in heads.parameters():
+            p.data += 0.05  # in place, as a LoRA merge or a finished training step writes it
+    plain = copy.deepcopy(heads)  # its packed copies stay behind: plain GEMMs, current weights
+    hidden = torch.randn(3, base.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    SpeculativeGenerator(base, heads, choices="cpu-8")
+    with torch.no_grad():
+        torch.testing.assert_close(heads(hidden), plain(hidden), atol=1e-5, rtol=0)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
-from inference import SpeculativeGenerator
+from inference import MedusaDrafter, NgramDrafter, SpeculativeGenerator
 from inference.adaptive import AdaptivePolicy
 from inference.draft import Sampling
 from inference.drafters.model import ModelDrafter
@@ -246,3 +246,60 @@ def test_arms_the_drafter_cannot_take_are_refused_when_the_generator_is_built():
         gen.arms = [None, {"parts": [deep, {}]}]
     with pytest.raises(ValueError, match=r"adaptive arms mix \{\}"):
         gen.arms = [None, {}, {"parts": [{"choices": [[0]]}, {}]}]
+
+
+def medusa(base):
+    return MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+
+
+def test_drafter_objects_fix_the_settings_alone_or_in_a_union():
+    base = make_tiny_llama()
+    heads = medusa(base)
+    assert SpeculativeGenerator(base, MedusaDrafter(heads, "cpu-8")).arms is None
+    for union in (
+        [MedusaDrafter(heads, "cpu-8"), NgramDrafter(num_tokens=4)],
+        (MedusaDrafter(heads, "cpu-8"), NgramDrafter(num_tokens=4)),
+    ):
+        assert SpeculativeGenerator(base, union).arms is None
+
+
+def test_a_dynamic_trees_root_ranking_is_scored_against_the_first_new_token():
+    """The base's token at the root is the first token a step gains, the accepted child's,
+    not the step's last (its bonus)."""
+    from inference.draft import Draft, Drafter
+    from inference.tree import tree_from_parents
+
+    base = make_tiny_llama()
+
+    class RightChild(Drafter):  # the base's token as the root's one child, ranked second
+        max_nodes = 2
+
+        def configure(self, **options):
+            pass
+
+        def propose(self, sequence, sampling):
+            order = base(sequence[None]).logits[0, -1].argsort(descending=True)
+            tokens = torch.stack([sequence[-1], order[0]])
+            tree = tree_from_parents([-1, 0])
+            return Draft(tree, tokens, torch.zeros(2, dtype=torch.bool), None, order[[1, 0, 2]])
+
+    gen = SpeculativeGenerator(base, RightChild(), adaptive=[{}])
+    gen.policy = AdaptivePolicy.from_options(gen.arms, smoothing=1e-9)
+    prompt = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(0))
+    out = gen.generate(prompt, max_new_tokens=12)
+    assert torch.equal(out.sequences, base.generate(prompt, max_new_tokens=12, do_sample=False))
+    assert out.accepted_lengths[:-1] == [2] * (out.num_steps - 1)  # the child, then the bonus
+    rates = {path: stat[0] for path, stat in gen.policy._paths.items()}
+    assert rates == {(0,): 0.0, (1,): 1.0, (2,): 0.0}
+
+
+def test_a_drafter_of_no_settings_made_adaptive_weighs_itself_against_plain_decoding():
+    from inference.draft import Draft, Drafter
+    from inference.tree import tree_from_parents
+
+    class RootOnly(Drafter):
+        def propose(self, sequence, sampling):
+            return Draft(tree_from_parents([-1]), sequence[-1:], torch.zeros(1, dtype=torch.bool))
+
+    gen = SpeculativeGenerator(make_tiny_llama(), RootOnly(), adaptive=True)
+    assert gen.arms == [None, {}]

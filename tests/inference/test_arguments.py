@@ -1,9 +1,10 @@
-"""generate's arguments and prompt checked on their own (the other tests go through a whole
-generator): valid ones normalised, each invalid one refused with its message, EOS ids, pad
-tokens, prompt ids."""
+"""generate's arguments and prompt checked on their own: valid ones normalised, each invalid
+one refused with its message, EOS ids, pad tokens, prompt ids; then through a generator:
+generate's defaults (stream's), the default seed, trees and a prompt at the context's end."""
 
 from __future__ import annotations
 
+import inspect
 import warnings
 from types import SimpleNamespace
 
@@ -11,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from inference import Drafter
+from inference import Drafter, SpeculativeGenerator
 from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
 from inference.drafters import build
 from inference.prompt import prompt_ids
+from tests.conftest import make_tiny_llama
 
 
 def check(**kw):
@@ -123,3 +125,48 @@ class Plain(Drafter):
 def test_an_option_given_to_a_drafter_that_takes_none_says_so():
     with pytest.raises(TypeError, match=r"^Plain takes no option 'depth' \(its options: none\)$"):
         build(Plain, depth=2)
+
+
+def test_a_tree_verifies_while_its_bonus_token_still_has_a_position():
+    base = make_tiny_llama()  # 512 positions
+    limit = base.config.max_position_embeddings
+    prompt = torch.randint(3, 256, (1, limit - 9), generator=torch.Generator().manual_seed(0))
+    ref = base.generate(prompt, max_new_tokens=9, do_sample=False, eos_token_id=None)
+    gen = SpeculativeGenerator(base, base, num_tokens=3)  # a perfect chain: 4 tokens a step
+    with pytest.warns(UserWarning, match="context length .512 positions. after 9 of"):
+        out = gen.generate(prompt, max_new_tokens=50, eos_token_id=[])
+    assert torch.equal(out.sequences, ref)
+    # The prefill's token sits at limit - 9; the second tree's 4 nodes fill positions
+    # limit - 5 .. limit - 2 and its bonus token the last one, limit - 1.
+    assert out.accepted_lengths == [4, 4]
+
+
+def test_a_prompt_that_fills_the_context_still_gets_the_prefills_token():
+    base = make_tiny_llama()
+    limit = base.config.max_position_embeddings
+    prompt = torch.randint(3, 256, (1, limit), generator=torch.Generator().manual_seed(1))
+    ref = base.generate(prompt, max_new_tokens=1, do_sample=False, eos_token_id=None)
+    gen = SpeculativeGenerator(base, None, num_tokens=3)
+    with pytest.warns(UserWarning, match="context length .512 positions. after 1 of"):
+        out = gen.generate(prompt, max_new_tokens=8, eos_token_id=[])
+    assert torch.equal(out.sequences, ref) and out.num_steps == 0
+
+
+def test_generate_takes_the_arguments_and_defaults_of_stream():
+    # stream's docstring sends its readers to generate's: the two must not drift apart
+    generate = inspect.signature(SpeculativeGenerator.generate).parameters
+    stream = inspect.signature(SpeculativeGenerator.stream).parameters
+    assert {name: p.default for name, p in generate.items()} == {
+        name: p.default for name, p in stream.items() if name != "stats"
+    }
+
+
+def test_sampling_without_a_seed_given_repeats_its_text():
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base, base, num_tokens=3)
+    prompt = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(2))
+    first = gen.generate(prompt, max_new_tokens=12, temperature=1.0, eos_token_id=[])
+    again = gen.generate(prompt, max_new_tokens=12, temperature=1.0, eos_token_id=[])
+    other = gen.generate(prompt, max_new_tokens=12, temperature=1.0, seed=1, eos_token_id=[])
+    assert torch.equal(first.sequences, again.sequences)  # the default seed, 0
+    assert not torch.equal(first.sequences, other.sequences)

@@ -99,3 +99,21 @@ def test_tree_forward_matches_causal_forward_per_path(attn):
             path = tree.ancestors[i].nonzero().flatten()
             plain = model(torch.cat([prefix[0], tokens[path]])[None]).logits[0, -1]
             torch.testing.assert_close(out.logits[0, i], plain, atol=1e-5, rtol=0)
+
+
+def test_frontier_mask_in_bf16_blocks_with_bf16s_minimum():
+    # a bf16 draft model's forward takes a mask of its own dtype
+    allowed = torch.tensor([[True, False], [True, True]])
+    mask = frontier_attention_mask(allowed, 1, torch.bfloat16)
+    mb = torch.finfo(torch.bfloat16).min
+    expected = torch.tensor([[0, 0, mb], [0, 0, 0]], dtype=torch.bfloat16)
+    assert mask.dtype == torch.bfloat16 and torch.equal(mask[0, 0], expected)
+
+
+def test_each_batch_row_of_the_tree_mask_is_its_own_copy():
+    # attention code may write into the mask in place: one sequence's row must not be another's
+    tree = tree_from_parents([-1, 0, 0])
+    mask = tree_attention_mask(tree, prefix_len=1, dtype=torch.float32, batch_size=2)
+    first = mask[1].clone()
+    mask[0].fill_(0.0)
+    assert torch.equal(mask[1], first) and mask[1].min() == torch.finfo(torch.float32).min

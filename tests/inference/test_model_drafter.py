@@ -56,3 +56,15 @@ def test_proposing_again_on_the_same_sequence_drafts_the_same():
     again = drafter.propose(sequence, Sampling())
     assert torch.equal(first.tokens, again.tokens)
     assert drafter._fed == sequence.tolist()
+
+
+def test_a_temperature_alone_leaves_the_drafts_law_untruncated():
+    draft = make_tiny_llama(seed=1)
+    drafter = ModelDrafter(draft, num_tokens=2)
+    sequence = torch.randint(3, 256, (6,), generator=torch.Generator().manual_seed(0))
+    drafter.reset()
+    proposal = drafter.propose(sequence, Sampling(1.0, generator=torch.Generator().manual_seed(0)))
+    with torch.no_grad():
+        law = draft(sequence[None]).logits[0, -1].float().softmax(-1)
+    assert proposal.sampled[1:].all()
+    torch.testing.assert_close(proposal.draft_probs[0], law, atol=1e-6, rtol=1e-5)
