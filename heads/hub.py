@@ -187,6 +187,18 @@ def push_folder(
     return str(getattr(info, "commit_url", info))
 
 
+def push_refused() -> str | None:
+    """Why a push would fail before it is tried (offline mode, no token), or None: a training
+    run with hub.repo_id asks before it starts, not after hours of work."""
+    if hub_offline():
+        return "HF_HUB_OFFLINE is set: unset it to push"
+    from huggingface_hub import get_token
+
+    if get_token() is None:
+        return "no Hugging Face token: log in with `hf auth login` or set HF_TOKEN"
+    return None
+
+
 def _link_or_copy(src: str, dst: str) -> None:
     try:
         os.link(src, dst)

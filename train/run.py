@@ -27,7 +27,7 @@ from accelerate.utils import (
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
-from heads.hub import HubPushError, push_folder
+from heads.hub import HubPushError, push_folder, push_refused
 from heads.lora import LORA_FOLDER, lora_probe
 from inference.base_checks import base_logits, not_full_attention, windowed_cache_layers
 from train.checkpoint import (
@@ -103,6 +103,13 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
     if recipe.heads.type != default_type:
         print(
             f"error: heads.type={recipe.heads.type!r}: run train/{recipe.heads.type}.py for this recipe",
+            file=sys.stderr,
+        )
+        raise SystemExit(2)
+    if recipe.hub.repo_id and (why := push_refused()):
+        print(
+            f"error: hub.repo_id={recipe.hub.repo_id}: {why}; or leave hub.repo_id out and push "
+            "OUTPUT/heads later with heads.hub.push_folder",
             file=sys.stderr,
         )
         raise SystemExit(2)

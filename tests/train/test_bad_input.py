@@ -100,6 +100,28 @@ def test_heads_type_must_match_the_script(capsys):
     assert "run train/eagle.py" in capsys.readouterr().err
 
 
+def test_a_hub_repo_that_could_not_be_pushed_to_is_refused_before_the_run(monkeypatch, capsys):
+    """Offline or without a token, the push at the end would fail after the whole run."""
+    import huggingface_hub
+
+    import heads.hub
+
+    argv = [str(TINY_MEDUSA), "hub.repo_id=me/heads"]
+    monkeypatch.setattr(heads.hub, "hub_offline", lambda: True)
+    with pytest.raises(SystemExit) as exit_:
+        train.medusa.main(argv)
+    assert exit_.value.code == 2
+    assert "hub.repo_id=me/heads: HF_HUB_OFFLINE is set" in capsys.readouterr().err
+    monkeypatch.setattr(heads.hub, "hub_offline", lambda: False)
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: None)
+    with pytest.raises(SystemExit) as exit_:
+        train.medusa.main(argv)
+    assert exit_.value.code == 2
+    assert "no Hugging Face token: log in with `hf auth login`" in capsys.readouterr().err
+    monkeypatch.setattr(huggingface_hub, "get_token", lambda: "hf_token")
+    assert train.run.parse_args(argv, "medusa").hub.repo_id == "me/heads"
+
+
 def test_a_tracker_that_is_not_installed_is_refused_before_the_run(monkeypatch, capsys):
     """accelerate only warns and logs nothing: an 8-GPU run would find out when it is over."""
     import importlib.util
