@@ -37,15 +37,23 @@ FEATURES = "runs/smollm2-features"  # the base's features of that data, for both
 MT_BENCH_CANDIDATES = ["mt_bench.jsonl"]
 
 
-def run_stage(name: str, args: list[str], timings: dict[str, float]) -> None:
+def run_stage(name: str, args: list[str], timings: dict[str, float], folder: str = "") -> None:
+    """Run one stage; `folder`: where it writes, named if it fails (it may hold another run)."""
     print(f"\n=== {name}: {' '.join(args)}", flush=True)
     start = time.perf_counter()
     result = subprocess.run([sys.executable, *args], cwd=ROOT)
     timings[name] = time.perf_counter() - start
     if result.returncode != 0:
+        refused = result.returncode == 2 and folder  # bad input: another run's folder, say
         raise SystemExit(
             f"demo: stage '{name}' failed (exit {result.returncode}; its message is above). "
-            "Rerunning `make demo` resumes where it stopped."
+            + (
+                f"If {folder} holds a run of your own with other settings, move it away: the "
+                "demo writes there with its recipe's settings. "
+                if refused
+                else ""
+            )
+            + "Rerunning `make demo` resumes where it stopped."
         )
 
 
@@ -109,18 +117,18 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
-    run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings)
+    run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings, DISTILLED)
     # Training runs again even where heads exist: it resumes from the run's last checkpoint, so
     # that heads of an edited recipe or of other answers are never reused as they were.
-    for name, script, recipe in (
-        ("train eagle-3", "train/eagle.py", EAGLE),
-        ("train medusa", "train/medusa.py", MEDUSA),
+    for name, script, recipe, folder in (
+        ("train eagle-3", "train/eagle.py", EAGLE, "runs/smollm2-eagle"),
+        ("train medusa", "train/medusa.py", MEDUSA, "runs/smollm2-medusa"),
     ):
         # Medusa on a cache only when it has EAGLE-3's aux layers (made by the stage above), so
         # that a later EAGLE-3 run is never refused a cache of "hidden" only.
         with_cache = recipe == EAGLE or (ROOT / FEATURES / "features.json").is_file()
         cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
-        run_stage(name, [script, str(recipe), *cache], timings)
+        run_stage(name, [script, str(recipe), *cache], timings, folder)
 
     # about 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
     per_category = args.per_category or max(2, round(16 / categories))

@@ -20,7 +20,7 @@ def record_stages(monkeypatch) -> list[list[str]]:
     empty table."""
     stages: list[list[str]] = []
 
-    def fake_stage(name, args, timings):
+    def fake_stage(name, args, timings, folder=""):
         stages.append(args)
         if name == "benchmark":
             out = Path(args[args.index("--out") + 1])
@@ -34,7 +34,7 @@ def record_stages(monkeypatch) -> list[list[str]]:
 def test_demo_runs_its_stages_in_order_and_writes_the_report(tmp_path, monkeypatch, capsys):
     stages = []
 
-    def fake_stage(name, args, timings):
+    def fake_stage(name, args, timings, folder=""):
         stages.append((name, args))
         timings[name] = 60.0
         if name == "benchmark":
@@ -70,6 +70,21 @@ def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
         demo.run_stage("distill", ["scripts/distill.py"], {})
     message = str(stop.value.code)
     assert "stage 'distill' failed (exit 1" in message and "resumes" in message
+    assert "move it away" not in message  # not a refusal: a folder is not the likely cause
+
+
+def test_a_stage_that_refuses_its_folder_says_to_move_it_away(monkeypatch, tmp_path):
+    """A distill folder of the user's own, made with data.limit=2000, refused (exit 2) at every
+    rerun of the demo: the message names the folder to move."""
+    refuses = tmp_path / "refuses"
+    refuses.write_text("#!/bin/sh\nexit 2\n")
+    refuses.chmod(0o755)
+    monkeypatch.setattr(demo.sys, "executable", str(refuses))
+    with pytest.raises(SystemExit) as stop:
+        demo.run_stage("distill", ["scripts/distill.py"], {}, demo.DISTILLED)
+    message = str(stop.value.code)
+    assert "stage 'distill' failed (exit 2" in message
+    assert f"If {demo.DISTILLED} holds a run of your own with other settings, move it" in message
 
 
 @pytest.mark.parametrize(
@@ -223,7 +238,7 @@ def test_medusa_trains_on_the_feature_cache_only_when_eagle_made_one(
     repo = fake_repository(tmp_path, monkeypatch)
     stages = []
 
-    def fake_stage(name, args, timings):
+    def fake_stage(name, args, timings, folder=""):
         stages.append(args)
         if name == "train eagle-3" and eagle_writes_features:
             (repo / demo.FEATURES).mkdir(parents=True)
