@@ -128,7 +128,8 @@ def main(argv: list[str] | None = None) -> int:
         # that a later EAGLE-3 run is never refused a cache of "hidden" only.
         with_cache = recipe == EAGLE or (ROOT / FEATURES / "features.json").is_file()
         cache = [f"training.feature_cache={FEATURES}"] if with_cache else []
-        run_stage(name, [script, str(recipe), *cache], timings, folder)
+        folders = f"{folder} or {FEATURES}" if with_cache else folder
+        run_stage(name, [script, str(recipe), *cache], timings, folders)
 
     # about 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
     per_category = args.per_category or max(2, round(16 / categories))

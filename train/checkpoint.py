@@ -139,14 +139,15 @@ def load_checkpoint(accelerator, path: Path, optimizer=None, scheduler=None) -> 
 
 def resumed_line(path: Path, step: int, total: int) -> str:
     """What a trainer says on resuming; a run already past this recipe's steps (a smaller
-    training.max_steps or fewer epochs now) trains no more and writes the heads it has."""
-    line = f"resumed from {path} at step {step}"
+    training.max_steps or fewer epochs now) is refused: its heads are not this recipe's."""
     if step > total:
-        line += (
-            f", past this recipe's {total} steps: no step is taken and the step-{step} heads are "
-            f"written again; training.resume=never trains {total} steps afresh"
+        raise ValueError(
+            f"the run in {path.parent.parent} is at step {step} ({path.name}), past this "
+            f"recipe's {total} steps: raise training.max_steps or training.epochs to go on, give "
+            "another output.dir for a shorter run, or training.resume=never to replace this one "
+            "(its checkpoints are removed)"
         )
-    return line
+    return f"resumed from {path} at step {step}"
 
 
 def check_same_run(path: Path, recipe, processes: int) -> None:

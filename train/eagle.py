@@ -296,7 +296,8 @@ def training_function(recipe: Recipe) -> dict:
             state["batch_in_epoch"],
             state.get("metrics", {}),
         )
-        accelerator.print(resumed_line(ckpt, step, total))
+        with stop_on_bad_input():
+            accelerator.print(resumed_line(ckpt, step, total))
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

@@ -67,7 +67,8 @@ def load_examples(recipe, tokenizer) -> tuple[list[Example], list[Example]]:
         )
         if not distilled:
             raise ValueError(f"{message}: no training examples; raise training.max_length")
-        print(f"note: {message}: left out", file=sys.stderr)
+        if said:
+            print(f"note: {message}: left out", file=sys.stderr)
     return distilled, corpus_examples(recipe, tokenizer)
 
 

@@ -128,6 +128,10 @@ class UnionDrafter(Drafter):
 
     def propose(self, sequence: torch.Tensor, sampling: Sampling) -> Draft:
         drafts = [d.propose(sequence, sampling) for d in self._drafting(sequence)]
+        if not drafts:  # the generator takes plain steps before: `max_positions`
+            raise ValueError(
+                f"no drafter of the union fits its context after {sequence.numel()} tokens"
+            )
         if len(drafts) == 1:
             # Without its ranks: another arm of this union may enable another drafter, whose
             # paths of ranks hold other tokens (the adaptive policy shares rates by path).

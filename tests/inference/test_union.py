@@ -257,10 +257,14 @@ def test_a_member_past_its_context_sits_out_and_is_not_fed():
     assert union.propose(torch.arange(58), sampling).tree.num_nodes == 3
     union.catch_up(torch.arange(58))
     assert long.caught_up == [58] and short.caught_up == []
-    union.configure([None, {}])
+    union.configure([{}, None])
     union.configure([{}, {}])  # `short` switched on, past its context: still no catch-up
+    assert union.switched_on == [False, True]
     union.catch_up_switched_on(torch.arange(58))
-    assert short.caught_up == [] and union.switched_on == [False, False]
+    assert short.caught_up == [] and long.caught_up == [58]
+    assert union.switched_on == [False, False]
+    with pytest.raises(ValueError, match="no drafter of the union fits its context"):
+        UnionDrafter([Member(60), Member(60, token=1)]).propose(torch.arange(58), sampling)
 
 
 def test_past_a_draft_models_context_the_other_drafters_of_a_union_draft_on():

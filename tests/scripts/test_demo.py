@@ -236,10 +236,11 @@ def test_medusa_trains_on_the_feature_cache_only_when_eagle_made_one(
     tmp_path, monkeypatch, eagle_writes_features
 ):
     repo = fake_repository(tmp_path, monkeypatch)
-    stages = []
+    stages, folders = [], []
 
     def fake_stage(name, args, timings, folder=""):
         stages.append(args)
+        folders.append(folder)  # named if the stage refuses it
         if name == "train eagle-3" and eagle_writes_features:
             (repo / demo.FEATURES).mkdir(parents=True)
             (repo / demo.FEATURES / "features.json").write_text("{}")
@@ -257,6 +258,8 @@ def test_medusa_trains_on_the_feature_cache_only_when_eagle_made_one(
         str(demo.MEDUSA),
         *(cache if eagle_writes_features else []),
     ]
+    medusa = "runs/smollm2-medusa" + (f" or {demo.FEATURES}" if eagle_writes_features else "")
+    assert folders[:3] == [demo.DISTILLED, f"runs/smollm2-eagle or {demo.FEATURES}", medusa]
 
 
 @pytest.mark.parametrize("categories, per_category", [(6, "3"), (12, "2")])

@@ -284,10 +284,15 @@ def test_a_finished_run_run_again_trains_nothing_and_writes_its_heads(tiny_task,
     assert "at step 4" in said and "past this recipe" not in said
     assert (out / "metrics.jsonl").read_text() == metrics
     assert (out / "heads" / "model.safetensors").read_bytes() == weights
-    # asked for fewer steps than the run has taken: said, and its heads written as they are
-    run(train.eagle, TINY_EAGLE, tiny_task, out, "training.max_steps=2")
-    assert "at step 4, past this recipe's 2 steps" in capsys.readouterr().out
+    # asked for fewer steps than the run has taken: refused, the run left as it is
+    with pytest.raises(SystemExit) as exit_:
+        run(train.eagle, TINY_EAGLE, tiny_task, out, "training.max_steps=2")
+    assert exit_.value.code == 2
+    said = capsys.readouterr().err
+    assert f"the run in {out} is at step 4 (step-00000004), past this recipe's 2 steps" in said
+    assert "training.resume=never to replace this one (its checkpoints are removed)" in said
     assert (out / "heads" / "model.safetensors").read_bytes() == weights
+    assert (out / "metrics.jsonl").read_text() == metrics
 
 
 @pytest.mark.slow
