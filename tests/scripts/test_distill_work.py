@@ -1,0 +1,191 @@
+"""scripts/distill.py's work: the tokens a batch counts, the share of the prompts one process
+of several answers, the vLLM backend's batches and process count, Ctrl-C's exit code, resumes
+with other settings, the records' fields and prompts at max_length's edge."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import torch
+
+from tests.scripts.test_distill import distill, read_records, recipe_file
+from train.config import load_recipe
+
+
+def test_a_batch_counts_its_answers_tokens_and_each_end_of_turn(smollm2_tokenizer):
+    recipe = load_recipe(None, ["data.max_length=256", "data.max_new_tokens=4"])
+    template = distill.resolve_chat_template(smollm2_tokenizer, None)
+    first = distill.render_conversation(
+        [{"role": "user", "content": "Hi?"}],
+        smollm2_tokenizer,
+        chat_template=template,
+        add_generation_prompt=True,
+    )
+    ids = smollm2_tokenizer(first, add_special_tokens=False)["input_ids"]
+    item = distill.WorkItem("p-0", "test", [], ["Hi?", "And?"], ids)
+    answer = [11, 12, 13]
+    finished = iter([True, False])  # the end-of-turn token is not in the ids returned
+
+    def generate(prompts):
+        return [(answer, next(finished)) for _ in prompts]
+
+    tokens = distill.run_batch([item], generate, smollm2_tokenizer, template, recipe)
+    assert tokens == 3 + 1 + 3
+
+
+def _one_of_two_processes(monkeypatch, index: int = 0):
+    """PartialState as process `index` of two (on this one CPU, no process group)."""
+    state = SimpleNamespace(
+        is_main_process=index == 0,
+        is_local_main_process=index == 0,
+        num_processes=2,
+        process_index=index,
+        device=torch.device("cpu"),
+        wait_for_everyone=lambda: None,
+    )
+    monkeypatch.setattr(distill, "PartialState", lambda **kwargs: state)
+
+
+def _word_prompts(tmp_path, counts=(1, 2, 3, 4)):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("".join(json.dumps({"prompt": "word " * n}) + "\n" for n in counts))
+    return prompts
+
+
+def test_a_process_answers_every_other_prompt_of_the_longest_first_order(
+    tmp_path, tiny_base, monkeypatch
+):
+    """Sorted longest first, then split: process 0 of 2 gets the longest and the third longest,
+    so that both processes' batches have like lengths."""
+    _one_of_two_processes(monkeypatch)
+    out = tmp_path / "out"
+    recipe = recipe_file(tmp_path, tiny_base, _word_prompts(tmp_path), out, batch_size=1)
+    assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 0
+    words = sorted(r["conversations"][0]["value"].count("word") for r in read_records(out))
+    assert words == [2, 4]
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["records_expected"] == 4
+    assert manifest["counts"]["records_written"] == 2 and manifest["complete"] is False
+
+
+def _fake_vllm(monkeypatch) -> list[int]:
+    """use_vllm says yes, and vllm_generator answers "ok" at once; returns the batch sizes."""
+    batches = []
+
+    def vllm_generator(model_path, recipe, eos_ids, seed):
+        def generate(prompts):
+            batches.append(len(prompts))
+            return [([28, 29], True) for _ in prompts]
+
+        return generate
+
+    monkeypatch.setattr(distill, "use_vllm", lambda recipe: True)
+    monkeypatch.setattr(distill, "vllm_generator", vllm_generator)
+    return batches
+
+
+def test_vllm_is_handed_a_shards_worth_of_prompts_at_a_time(tmp_path, tiny_base, monkeypatch):
+    batches = _fake_vllm(monkeypatch)
+    out = tmp_path / "out"
+    prompts = _word_prompts(tmp_path, counts=(1, 2, 3, 4, 5))
+    recipe = recipe_file(tmp_path, tiny_base, prompts, out, batch_size=1, records_per_shard=3)
+    assert distill.main([str(recipe)]) == 0
+    assert batches == [3, 2]
+    assert len(read_records(out)) == 5
+    assert json.loads((out / "manifest.json").read_text())["backend"] == "vllm"
+
+
+def test_vllm_as_several_processes_is_refused(tmp_path, tiny_base, monkeypatch, capsys):
+    batches = _fake_vllm(monkeypatch)
+    _one_of_two_processes(monkeypatch)
+    out = tmp_path / "out"
+    recipe = recipe_file(tmp_path, tiny_base, _word_prompts(tmp_path), out)
+    assert distill.main([str(recipe)]) == 2
+    assert "run the vLLM backend as one process" in capsys.readouterr().err
+    assert batches == [] and not list(out.glob("shard-*.jsonl"))
+
+
+def test_ctrl_c_keeps_the_shards_and_exits_130(tmp_path, tiny_base, monkeypatch, capsys):
+    def interrupted(recipe):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(distill, "distill", interrupted)
+    recipe = recipe_file(tmp_path, tiny_base, _word_prompts(tmp_path), tmp_path / "out")
+    assert distill.main([str(recipe)]) == 130
+    assert "distill interrupted: the records written are kept" in capsys.readouterr().err
+
+
+def test_a_resume_with_other_settings_that_shape_the_answers_is_refused(
+    tmp_path, tiny_base, capsys
+):
+    out = tmp_path / "out"
+    recipe = str(recipe_file(tmp_path, tiny_base, _word_prompts(tmp_path), out))
+    assert distill.main([recipe, "data.max_new_tokens=2"]) == 0
+    written = read_records(out)
+    for change, message in (
+        ("data.seed=1", "seed: 0 in the manifest, 1 now"),
+        ("data.max_length=200", "max_length: 256 in the manifest, 200 now"),
+        ("data.system_prompt=Be brief.", "system_prompt: None in the manifest, 'Be brief.' now"),
+    ):
+        assert distill.main([recipe, "data.max_new_tokens=2", change]) == 2, change
+        assert message in capsys.readouterr().err
+    assert read_records(out) == written
+
+
+def test_a_record_without_dropped_turns_has_the_documented_fields_only():
+    item = distill.WorkItem("p-0", "file.jsonl:1", [], ["Hi?"], [1, 2], answers=["Hello."])
+    assert item.record() == {
+        "id": "p-0",
+        "conversations": [{"from": "human", "value": "Hi?"}, {"from": "gpt", "value": "Hello."}],
+        "finished": True,
+        "source": "file.jsonl:1",
+    }
+    item.dropped_turns = 2
+    assert item.record()["dropped_turns"] == 2
+
+
+def _answer_ok(prompts):
+    return [([28], True) for _ in prompts]
+
+
+def test_a_turn_that_just_fits_max_length_is_answered(smollm2_tokenizer):
+    """A prompt of data.max_length - data.max_new_tokens tokens fits, both as a first turn
+    (build_items) and as a later one (run_batch); one token more does not."""
+    template = distill.resolve_chat_template(smollm2_tokenizer, None)
+
+    def first_turn_tokens(text: str) -> int:
+        rendered = distill.render_conversation(
+            [{"role": "user", "content": text}],
+            smollm2_tokenizer,
+            chat_template=template,
+            add_generation_prompt=True,
+        )
+        return len(smollm2_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+
+    n = first_turn_tokens("Hi?")
+    for max_length, kept in ((n + 4, 1), (n + 3, 0)):
+        recipe = load_recipe(None, ["data.max_new_tokens=4", f"data.max_length={max_length}"])
+        item = distill.WorkItem("p-0", "test", [], ["Hi?"], [0] * n)
+        distill.run_batch([item], _answer_ok, smollm2_tokenizer, template, recipe)
+        assert len(item.answers) == kept and item.dropped_turns == 1 - kept
+
+
+def test_a_first_turn_that_just_fits_max_length_is_kept(tmp_path, smollm2_tokenizer):
+    template = distill.resolve_chat_template(smollm2_tokenizer, None)
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text(json.dumps({"prompt": "Hi?"}) + "\n")
+    rendered = distill.render_conversation(
+        [{"role": "user", "content": "Hi?"}],
+        smollm2_tokenizer,
+        chat_template=template,
+        add_generation_prompt=True,
+    )
+    n = len(smollm2_tokenizer(rendered, add_special_tokens=False)["input_ids"])
+    for max_length, kept in ((n + 4, 1), (n + 3, 0)):
+        recipe = load_recipe(
+            None,
+            [f"data.sources=[{prompts}]", "data.max_new_tokens=4", f"data.max_length={max_length}"],
+        )
+        items, counts = distill.build_items(recipe, smollm2_tokenizer, template)
+        assert (len(items), counts["too_long_skipped"]) == (kept, 1 - kept)
