@@ -283,19 +283,33 @@ def test_text_a_template_writes_before_the_answer_is_not_trained_on(smollm2_toke
     assert turn_end_token_id(tok, THINKING_TEMPLATE) == tok.convert_tokens_to_ids("<|im_end|>")
 
 
-def test_a_template_that_ends_the_text_after_the_last_answer_keeps_one_example(
-    smollm2_tokenizer,
-):
-    """Phi-3's way: the end-of-text token after the conversation when no generation prompt
-    follows. Every answer is still in the context it was asked in: one example."""
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
-        "{% else %}<|endoftext|>{% endif %}"
-    )
+@pytest.mark.parametrize(
+    "template, rendered",
+    [
+        (  # Phi-3's way: the end-of-text token after the conversation when no generation
+            # prompt follows
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+            "{% else %}<|endoftext|>{% endif %}",
+            "It is 6.<|im_end|>\n<|endoftext|>",
+        ),
+        (  # one more newline before an answer than its generation prompt has
+            "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+            "{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}",
+            "assistant\n\n2+2 is 4.",
+        ),
+    ],
+    ids=["end-of-text-after", "newline-before-answer"],
+)
+def test_text_a_template_writes_around_answers_is_no_target(smollm2_tokenizer, template, rendered):
+    """Every answer is still in the context it was asked in: one example, and what the template
+    adds around the answers (the base never wrote it) gets no loss."""
     tok = smollm2_tokenizer
     [example] = conversation_examples(CONVERSATION, tok, chat_template=template)
     assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
+    assert rendered in tok.decode(example["input_ids"])
 
 
 def test_an_empty_system_prompt_is_an_empty_system_turn_not_the_default(smollm2_tokenizer):
@@ -314,21 +328,6 @@ def test_a_template_that_raises_on_the_turns_is_a_chat_template_error(smollm2_to
         tokenize_conversation(
             CONVERSATION[:2], tok, chat_template=GEMMA_TEMPLATE, system_prompt="Be brief."
         )
-
-
-def test_whitespace_a_template_writes_before_an_answer_is_no_target(smollm2_tokenizer):
-    """The template renders an answer after one more newline than its generation prompt: the
-    base never wrote it, yet the conversation is still one example."""
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
-        "{% if m['role'] == 'assistant' %}{{ '\\n' }}{% endif %}{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    tok = smollm2_tokenizer
-    [example] = conversation_examples(CONVERSATION, tok, chat_template=template)
-    assert masked_runs(tok, example) == ["2+2 is 4.<|im_end|>", "It is 6.<|im_end|>"]
-    assert "assistant\n\n2+2 is 4." in tok.decode(example["input_ids"])
 
 
 def test_an_eos_that_is_a_plain_vocabulary_token_closes_the_turn_and_is_a_target(
