@@ -100,19 +100,14 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
         raise SystemExit(0 if argv else 2)
     with stop_on_bad_input():
         recipe = load_recipe(argv[0], argv[1:])
-    if recipe.heads.type != default_type:
-        print(
-            f"error: heads.type={recipe.heads.type!r}: run train/{recipe.heads.type}.py for this recipe",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
-    if recipe.hub.repo_id and (why := push_refused()):
-        print(
-            f"error: hub.repo_id={recipe.hub.repo_id}: {why}; or leave hub.repo_id out and push "
-            "OUTPUT/heads later with heads.hub.push_folder",
-            file=sys.stderr,
-        )
-        raise SystemExit(2)
+        if recipe.heads.type != default_type:
+            kind = recipe.heads.type
+            raise ValueError(f"heads.type={kind!r}: run train/{kind}.py for this recipe")
+        if recipe.hub.repo_id and (why := push_refused()):  # not after the whole run
+            raise ValueError(
+                f"hub.repo_id={recipe.hub.repo_id}: {why}; or leave hub.repo_id out and push "
+                "OUTPUT/heads later with heads.hub.push_folder"
+            )
     return recipe
 
 
