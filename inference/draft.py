@@ -85,6 +85,12 @@ class Drafter:
     # generator takes plain steps, as near the base's context (a union drafts on without it).
     max_positions: int | None = None
 
+    def fits(self, length: int) -> bool:
+        """Whether its largest tree after `length` tokens (the sequence, root included) stays
+        within its own context: past it the generator takes plain steps, a union goes on
+        without it."""
+        return self.max_positions is None or length + self.max_nodes <= self.max_positions
+
     def reset(self) -> None:
         """Forget the previous sequence."""
 

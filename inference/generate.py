@@ -204,10 +204,9 @@ class SpeculativeGenerator:
         must: near the end of the base's context (plain steps to it), past a draft model's
         own, across a longrope switch (`PositionRules`: HF's one-token steps rotate the tokens
         before it with the short factors), and at the Phi-3 family's recompute."""
-        limit = self.drafter.max_positions
         return not (
             prefix + nodes + 1 > max_positions
-            or (limit is not None and prefix + nodes + 1 > limit)
+            or not self.drafter.fits(prefix + 1)  # the root is not cached yet
             or prefix == rules.recompute_at
             or any(prefix < p <= prefix + nodes - 1 for p in rules.crossings)
         )

@@ -169,11 +169,9 @@ def main(argv: list[str] | None = None) -> int:
 
 def base_context() -> int:
     """The embedded base's context in positions (its first load converts it, as distill would)."""
-    from transformers import AutoConfig
+    from heads.base import EMBEDDED_NAME, load_base_config
 
-    from heads.base import EMBEDDED_NAME, resolve_base_path
-
-    return AutoConfig.from_pretrained(resolve_base_path(EMBEDDED_NAME)[0]).max_position_embeddings
+    return load_base_config(EMBEDDED_NAME).max_position_embeddings
 
 
 def check_prompts(parser: argparse.ArgumentParser, prompts: str) -> int:

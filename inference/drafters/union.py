@@ -62,13 +62,8 @@ class UnionDrafter(Drafter):
         return None if None in limits else max(limits, default=None)
 
     def _drafting(self, sequence: torch.Tensor) -> list[Drafter]:
-        """The enabled drafters whose trees after `sequence` fit their own context (the
-        generator's rule for the base's: the sequence, root included, plus the tree)."""
-        return [
-            d
-            for d, on in zip(self.drafters, self.enabled)
-            if on and (d.max_positions is None or sequence.numel() + d.max_nodes <= d.max_positions)
-        ]
+        """The enabled drafters whose trees after `sequence` fit their own context."""
+        return [d for d, on in zip(self.drafters, self.enabled) if on and d.fits(sequence.numel())]
 
     def _check_parts(self, parts: Sequence[dict | None]) -> None:
         if len(parts) != len(self.drafters):
