@@ -26,6 +26,8 @@ def check_generation_arguments(
         raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
     if isinstance(stop_strings, str):  # one string, as HF takes it
         stop_strings = [stop_strings]
+    if stop_strings and not all(stop_strings):
+        raise ValueError("stop_strings holds an empty string, which matches anywhere: leave it out")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer= to decode the generated text")
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):

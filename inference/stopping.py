@@ -31,17 +31,24 @@ class Stopping:
         self.stop_strings, self.tokenizer = stop_strings, tokenizer
         self.generated: list[int] = []
         self.finished = False  # by EOS or a stop string (not max_new_tokens)
-        # A stop string may begin in the prompt: keep the tokens that can hold its part there.
-        # Counted in UTF-8 bytes, not characters: byte-level tokens spell an emoji in up to 4.
-        longest = max((len(s.encode()) for s in stop_strings), default=0)
-        self.context = list(prompt[-2 * longest :]) if stop_strings else []
-        # The text's length without the U+FFFD that stand for a character whose bytes are still
-        # coming (an emoji's over byte-level tokens): the token that completes it may leave the
-        # text no longer, and a stop string ending in it must still be found.
-        self.text_len = len(self._text([]).rstrip("\ufffd")) if stop_strings else 0
+        # The text is read in a window of the last tokens, decoded anew at each step (the whole
+        # answer's would cost time quadratic in its length). A stop string may begin in the prompt,
+        # and a match ends in a new token: the window holds twice the longest string's length in
+        # UTF-8 bytes (not characters: byte-level tokens spell an emoji in up to 4), so a match
+        # never reaches its first token, whose text may read otherwise alone (a SentencePiece
+        # token's leading space, a character's bytes cut off).
+        self.window = 2 * max((len(s.encode()) for s in stop_strings), default=0)
+        self.tail = list(prompt[-self.window :]) if stop_strings else []
 
     def _text(self, new: list[int]) -> str:
-        return self.tokenizer.decode(self.context + self.generated + new)
+        return self.tokenizer.decode(self.tail + new)
+
+    @staticmethod
+    def _length(text: str) -> int:
+        """The text's length without the U+FFFD that stand for a character whose bytes are still
+        coming (an emoji's over byte-level tokens): the token that completes it may leave the
+        text no longer, and a stop string ending in it must still be found."""
+        return len(text.rstrip("\ufffd"))
 
     def cut(self, new: list[int]) -> tuple[list[int], bool]:
         """`new` cut at max_new_tokens, EOS or a stop string, and kept; whether to stop."""
@@ -54,11 +61,13 @@ class Stopping:
                 new, done, self.finished = new[: i + 1], True, True
                 break
         if self.stop_strings:  # stop at the token that completes a stop string, as HF does
+            end = self._length(self._text([]))  # a match must pass the text already read
             for i in range(len(new)):
-                text, end = self._text(new[: i + 1]), self.text_len  # a match must pass `end`
+                text = self._text(new[: i + 1])
                 if any(text.find(s, max(end - len(s) + 1, 0)) >= 0 for s in self.stop_strings):
                     new, done, self.finished = new[: i + 1], True, True
                     break
-                self.text_len = len(text.rstrip("\ufffd"))
+                end = self._length(text)
+            self.tail = (self.tail + new)[-self.window :]
         self.generated.extend(new)
         return new, done

@@ -109,3 +109,42 @@ def test_a_stop_string_beginning_in_a_prompt_tail_of_multibyte_tokens_is_found(p
     stopping = Stopping(list(prompt.encode()), 10, set(), [stop], ByteTokenizer())
     new, done = stopping.cut(list(b"YZ"))
     assert new == list(b"Y") and done and stopping.finished
+
+
+class CountingTokenizer(ByteTokenizer):
+    """Records how many tokens each decode reads."""
+
+    def __init__(self):
+        self.read = []
+
+    def decode(self, ids):
+        self.read.append(len(ids))
+        return super().decode(ids)
+
+
+def test_stop_strings_are_read_in_a_window_that_does_not_grow_with_the_answer():
+    tok = CountingTokenizer()
+    stop = "END😀"  # 7 bytes: the window holds 14 tokens
+    stopping = Stopping(list(b"a long prompt " * 20), 10_000, set(), [stop], tok)
+    text = b"no stop string here, " * 200 + "END😀 and after".encode()
+    steps = [list(text[i : i + 3]) for i in range(0, len(text), 3)]
+    kept = []
+    for new in steps:
+        new, done = stopping.cut(new)
+        kept += new
+        if done:
+            break
+    assert bytes(kept).decode() == (b"no stop string here, " * 200).decode() + stop
+    assert stopping.finished and max(tok.read) == 14 + 3  # the window and one step's tokens
+
+
+def test_an_empty_stop_string_is_refused():
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base, None, num_tokens=3)
+    with pytest.raises(ValueError, match="empty string"):
+        gen.generate(
+            torch.tensor([[5, 6, 7]]),
+            max_new_tokens=4,
+            stop_strings=["x", ""],
+            tokenizer=ByteTokenizer(),
+        )
