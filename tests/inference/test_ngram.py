@@ -157,3 +157,31 @@ def test_the_longest_default_arm_is_shorter_on_a_cpu():
     drafter = NgramDrafter()
     assert drafter.default_arms(torch.device("cpu")) == [None, {"num_tokens": 3}, {"num_tokens": 6}]
     assert drafter.default_arms(torch.device("cuda"))[-1] == {"num_tokens": 10}
+
+
+def _latest_longest_match(seq, num_tokens, max_ngram, min_ngram):
+    """The rule written out: the longest suffix n-gram with an earlier occurrence, the latest
+    such occurrence's followers."""
+    for n in range(min(max_ngram, len(seq) - 1), min_ngram - 1, -1):
+        starts = [s for s in range(len(seq) - n) if seq[s : s + n] == seq[len(seq) - n :]]
+        if starts:
+            return seq[starts[-1] + n : starts[-1] + n + num_tokens]
+    return []
+
+
+@pytest.mark.parametrize("max_ngram, min_ngram", [(3, 1), (4, 2), (1, 1)])
+def test_the_sequence_lookup_follows_its_rule_on_random_sequences(max_ngram, min_ngram):
+    generator = torch.Generator().manual_seed(0)
+    drafter = NgramDrafter(num_tokens=4, max_ngram=max_ngram, min_ngram=min_ngram)
+    for length in [1, 2, 3, 5, 8, 13, 40, 200]:
+        for _ in range(20):  # 6 token values: matches of every length, some near the end
+            seq = torch.randint(0, 6, (length,), generator=generator)
+            expected = _latest_longest_match(seq.tolist(), 4, max_ngram, min_ngram)
+            assert drafter.lookup(seq) == expected, seq.tolist()
+
+
+def test_the_corpus_continues_a_long_sequence_from_its_suffix():
+    corpus = NgramTable([[10, 11, 12, 13, 14]], max_ngram=3, min_count=1)
+    drafter = NgramDrafter(num_tokens=3, corpus=corpus)
+    sequence = torch.cat([torch.arange(100, 1100), torch.tensor([10, 11, 12])])
+    assert drafter.lookup(sequence) == [13, 14]
