@@ -135,3 +135,41 @@ def test_an_eagle1_draft_with_mlp_biases_only_is_one_vllm_serves():
     config = EagleConfig(version=1, mlp_bias=False, fc_bias=True)
     assert "fc has no bias" in engine_refusal(config, "vllm")
     assert engine_refusal(config, "sglang") is None
+
+
+EAGLE3_CONFIG = {  # another trainer's EAGLE-3 config.json, as an engine reads it
+    "model_type": "llama",
+    "architectures": ["LlamaForCausalLMEagle3"],
+    "hidden_size": 64,
+    "num_attention_heads": 4,
+    "vocab_size": 256,
+    "num_hidden_layers": 1,
+    "eagle_aux_hidden_state_layer_ids": [0, 1, 3],
+}
+
+
+@pytest.mark.parametrize("ids", [[0, 1], [0, 1, 2, 3]])
+def test_validate_refuses_an_eagle3_draft_fusing_other_than_three_layers(ids):
+    """EAGLE-3's fc reads three base states concatenated (3H): two or four ids are no EAGLE-3."""
+    EagleConfig(aux_layer_ids=[0, 1, 2]).validate()
+    with pytest.raises(ValueError, match="EAGLE-3 fuses three base layers"):
+        EagleConfig(aux_layer_ids=ids).validate()
+
+
+@pytest.mark.parametrize("key", ["eagle_aux_hidden_state_layer_ids", "eagle_config"])
+def test_a_true_among_the_aux_layer_ids_is_no_layer_number(key):
+    """JSON's true is Python's 1: read as a layer number it would fuse layer 1 (or 2) unsaid."""
+    assert EagleConfig.from_dict(dict(EAGLE3_CONFIG)).aux_layer_ids == [0, 1, 3]
+    data = {k: v for k, v in EAGLE3_CONFIG.items() if k != "eagle_aux_hidden_state_layer_ids"}
+    ids = [True, 2, 3]
+    data[key] = ids if key != "eagle_config" else {"eagle_aux_hidden_state_layer_ids": ids}
+    with pytest.raises(ValueError, match=r"is \[True, 2, 3\], expected a list of layer numbers"):
+        EagleConfig.from_dict(data)
+
+
+def test_a_top_level_rope_theta_of_true_is_refused():
+    """rope_theta true is no theta (Python would compute with 1.0): a hand-edit to name."""
+    data = {**EAGLE3_CONFIG, "rope_theta": 1}
+    assert EagleConfig.from_dict(data).rope_parameters["rope_theta"] == 1
+    with pytest.raises(ValueError, match="rope_theta is True, expected a number"):
+        EagleConfig.from_dict({**EAGLE3_CONFIG, "rope_theta": True})

@@ -194,3 +194,95 @@ def test_an_arms_depth_is_the_most_tokens_one_of_its_steps_can_accept():
     assert _arm_depth({"top_k": 4, "depth": 2, "total_tokens": 6}, 4) == 2
     assert _arm_depth({"choices": [[0], [1], [0, 0], [0, 0, 1]]}, 4) == 3
     assert _arm_depth({"num_tokens": 3}, 5) == 5  # keeps the drafter's own
+
+
+HEADS_METHODS = [
+    {"name": "baseline", "kind": "baseline", "draft_depth": None},
+    {"name": "heads", "kind": "medusa", "draft_depth": 2},
+]
+
+
+def heads_row(method: str, prompt: int, category: str, hist: dict | None) -> dict:
+    return {
+        "method": method,
+        "prompt": prompt,
+        "turn": 0,
+        "category": category,
+        "new_tokens": 10,
+        "seconds": 1.0 if method == "baseline" else 0.5,
+        "speedup": 1.0 if method == "baseline" else 2.0,
+        "tau": None if hist is None else 2.0,
+        "accepted_lengths": hist,
+        "identical": True,
+        "other_share": None,
+    }
+
+
+HEADS_RECORDS = [
+    heads_row("baseline", 0, "a", None),
+    heads_row("baseline", 1, "b", None),
+    heads_row("heads", 0, "a", {"1": 2, "3": 2}),
+    heads_row("heads", 1, "b", {"2": 4}),
+]
+
+
+def heads_results(machine: dict) -> dict:
+    return {
+        "base": "tiny",
+        "date": "2026-12-07",
+        "machine": machine,
+        "versions": {"torch": "2.9", "transformers": "5.0"},
+        "settings": {"temperature": 0, "top_p": 1.0, "max_new_tokens": 8, "runs": 1},
+        "prompts": {"count": 2, "source": "questions.jsonl", "turns": "all"},
+        "command": "python scripts/bench.py",
+        "methods": HEADS_METHODS,
+        "summary": bench_report.summarize(HEADS_RECORDS, HEADS_METHODS),
+    }
+
+
+def test_the_report_names_the_machine_also_from_a_results_json_without_cpu_bf16():
+    """results.json files written before `cpu_bf16` was recorded still render: the line says
+    nothing about bf16 then, rather than failing."""
+    machine = {"gpu": None, "cpu": "Xeon", "cpus_usable": 8, "torch_threads": 4}
+    old = bench_report.markdown(heads_results(machine)).splitlines()
+    assert old[2] == (
+        "2026-12-07 on Xeon, 8 cores usable (4 torch threads); torch 2.9, transformers 5.0."
+    )
+    assert old[3].startswith("2 prompts from `questions.jsonl` (every user turn, in context)")
+    new = bench_report.markdown(heads_results({**machine, "cpu_bf16": False})).splitlines()
+    assert new[2].startswith("2026-12-07 on Xeon, 8 cores usable, no bf16 instructions (4 torch")
+    gpu = bench_report.markdown(heads_results({**machine, "gpu": "H100", "cpu_bf16": True}))
+    assert gpu.splitlines()[2].startswith("2026-12-07 on H100 (4 torch threads)")
+
+
+@pytest.fixture
+def figures(monkeypatch):
+    import matplotlib.pyplot as plt
+
+    kept = []
+    monkeypatch.setattr(plt, "close", kept.append)  # kept open to be read
+    yield kept
+    monkeypatch.undo()
+    for figure in kept:
+        plt.close(figure)
+
+
+def test_grouped_bars_are_centred_on_their_groups_tick(figures, tmp_path):
+    """Each group's bars (one per method) sit side by side around the group's tick."""
+    bench_report.write_plots(heads_results({"gpu": None}), tmp_path)
+    ax = figures[0].axes[0]  # tau by category: groups a, b, overall; series baseline, heads
+    assert [t.get_text() for t in ax.get_xticklabels()] == ["a", "b", "overall"]
+    assert list(ax.get_xticks()) == [0, 1, 2]
+    centres = [bar.get_x() + bar.get_width() / 2 for bar in ax.patches]
+    assert centres == pytest.approx([-0.2, 0.8, 1.8, 0.2, 1.2, 2.2])  # series by series
+
+
+def test_a_medusa_method_without_verify_steps_draws_no_head_accuracy_plot(figures, tmp_path):
+    """max_new_tokens 1: the prefill gives every token, no step is verified; the report still
+    draws the other plots."""
+    steps_none = [{**r, "accepted_lengths": None} for r in HEADS_RECORDS]
+    run = heads_results({"gpu": None})
+    run["summary"] = bench_report.summarize(steps_none, HEADS_METHODS)
+    assert run["summary"]["overall"]["heads"]["accept_at_least"] is None
+    written = bench_report.write_plots(run, tmp_path)
+    assert [p.name for p in written] == ["tau_by_category.png", "speedup.png"]
