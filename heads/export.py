@@ -13,7 +13,9 @@ is refused with the reason, never silently dropped.
 from __future__ import annotations
 
 import json
+import os
 import shutil
+import uuid
 import warnings
 from pathlib import Path
 
@@ -55,23 +57,33 @@ def export_heads(
     if out.exists() and not out.is_dir():
         raise ExportError(f"--out {out} is a file: give a folder to write the export into")
     if out.is_dir():
-        clear_earlier_export(out)
+        check_earlier_export(out)
     lora = getattr(heads.config, "base_lora", "")
     if lora and not (Path(src) / lora).is_dir():
         raise ExportError(
             f"these Medusa-2 heads read the base with the LoRA adapter of their '{lora}' "
             f"folder, which {src} lacks: export them from the training run's heads folder"
         )
-    _export_to(heads, Path(src), target, out, base_name)
-    if lora:  # Medusa-2's adapter: the engine serves the base with it merged
-        if not (out / LORA_FOLDER).is_dir():  # the vllm export's save_pretrained copied it
-            shutil.copytree(Path(src) / lora, out / LORA_FOLDER)
-        if target in ("tgi", "trtllm"):
-            warnings.warn(
-                f"{target} loads the base these heads name, without their LoRA adapter: merge "
-                f"{out / LORA_FOLDER} into the base, save it, and give that to {target}",
-                stacklevel=2,
-            )
+    # Written beside `out` and moved there whole: a refused or failed export leaves `out` as it was
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()  # the user's umask, as `out` would have (mkdtemp's are private)
+    try:
+        _export_to(heads, Path(src), target, staging, base_name)
+        if lora and not (staging / LORA_FOLDER).is_dir():  # vllm's save_pretrained copied it
+            shutil.copytree(Path(src) / lora, staging / LORA_FOLDER)
+        (staging / EXPORT_MARK).write_text(json.dumps({"target": target}) + "\n")
+        if out.is_dir():
+            shutil.rmtree(out)
+        staging.replace(out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    if lora and target in ("tgi", "trtllm"):  # the engine serves the base with it merged
+        warnings.warn(
+            f"{target} loads the base these heads name, without their LoRA adapter: merge "
+            f"{out / LORA_FOLDER} into the base, save it, and give that to {target}",
+            stacklevel=2,
+        )
     return out
 
 
@@ -108,26 +120,37 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
     _write_medusa_lm_head(heads, target, out, base_name)
 
 
+# Written into every export's folder: a folder without it is no earlier export (a heads folder
+# of save_pretrained holds the same names as a vllm export).
+EXPORT_MARK = ".headstart-export"
 # Everything an export writes into its folder, of every target.
-EXPORT_NAMES = {CONFIG_NAME, WEIGHTS_NAME, "medusa_lm_head.safetensors", "README.md", LORA_FOLDER}
+EXPORT_NAMES = {
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    "medusa_lm_head.safetensors",
+    "README.md",
+    LORA_FOLDER,
+    EXPORT_MARK,
+}
 
 
-def clear_earlier_export(out: Path) -> None:
-    """Remove an earlier export from the folder `out` before another is written there: one of
-    another target left its weights beside the new ones (an engine may read either). A folder
-    holding anything else is refused, untouched."""
-    present = {p.name: p for p in out.iterdir()}
+def check_earlier_export(out: Path) -> None:
+    """Refuse a folder `out` that is neither empty nor an earlier export (which the new export
+    replaces whole: one of another target left its weights beside the new ones, and an engine
+    may read either). A refused folder is left untouched."""
+    present = sorted(p.name for p in out.iterdir())
     other = sorted(set(present) - EXPORT_NAMES)
     if other:
         raise ExportError(
             f"--out {out} holds files an export does not write ({', '.join(other[:5])}): give "
             "an empty or new folder"
         )
-    for path in present.values():
-        if path.is_dir():
-            shutil.rmtree(path)
-        else:
-            path.unlink()
+    if present and EXPORT_MARK not in present:
+        raise ExportError(
+            f"--out {out} holds {', '.join(present)} but no {EXPORT_MARK}, so no export wrote "
+            "it (a heads folder saved by save_pretrained or training looks the same): give an "
+            "empty or new folder, or remove it yourself if it is an export of an older headstart"
+        )
 
 
 def _headstart_card(card: Path) -> bool:

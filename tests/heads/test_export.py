@@ -35,12 +35,56 @@ def test_an_export_replaces_an_earlier_one_and_leaves_other_folders_alone(medusa
     out = tmp_path / "out"
     export_heads(src, "vllm", out)
     export_heads(src, "tgi", out)  # the vllm export's model.safetensors must not stay beside it
-    assert sorted(p.name for p in out.iterdir()) == ["config.json", "medusa_lm_head.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        ".headstart-export",
+        "config.json",
+        "medusa_lm_head.safetensors",
+    ]
+    assert json.loads((out / ".headstart-export").read_text()) == {"target": "tgi"}
     export_heads(src, "tgi", out)  # the same command again
     (out / "notes.txt").write_text("mine")
     with pytest.raises(ExportError, match=r"holds files an export does not write \(notes.txt\)"):
         export_heads(src, "vllm", out)
     assert (out / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
+
+
+@pytest.mark.filterwarnings("ignore:these heads record")
+def test_a_refused_export_leaves_the_earlier_one_in_place(medusa_dir, tiny_llama, tmp_path):
+    """Refusals come before `--out` is touched: an EAGLE draft to tgi, heads over a draft
+    vocabulary to trtllm, Medusa to sglang leave the earlier export as it was, and no staging
+    folder behind."""
+    src, _ = medusa_dir
+    out = tmp_path / "exports" / "medusa-tgi"
+    export_heads(src, "tgi", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(tmp_path / "e1")
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=128)
+    reduced = MedusaHeads(config).init_from_base(tiny_llama, token_map=torch.arange(0, 256, 2))
+    reduced.save_pretrained(tmp_path / "reduced")
+    for source, target in [
+        (tmp_path / "e1", "tgi"),
+        (tmp_path / "reduced", "trtllm"),
+        (src, "sglang"),
+    ]:
+        with pytest.raises(ExportError):
+            export_heads(source, target, out)
+        assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in out.parent.iterdir()] == ["medusa-tgi"]
+
+
+def test_a_heads_folder_is_not_taken_for_an_earlier_export(medusa_dir, tiny_llama, tmp_path):
+    """save_pretrained writes the names a vllm export writes: without the export's mark the
+    folder is refused, untouched, instead of replaced."""
+    src, _ = medusa_dir
+    mine = tmp_path / "my-eagle"
+    EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1)).save_pretrained(mine)
+    before = {p.name: p.read_bytes() for p in mine.iterdir()}
+    with pytest.raises(ExportError, match=r"no \.headstart-export, so no export wrote it"):
+        export_heads(src, "vllm", mine)
+    assert {p.name: p.read_bytes() for p in mine.iterdir()} == before
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    assert export_heads(src, "vllm", empty) == empty and (empty / "model.safetensors").is_file()
 
 
 def test_vllm_export_is_native_copy(medusa_dir, tmp_path):
@@ -387,6 +431,7 @@ def test_medusa2_heads_to_trtllm_warn_and_export_again_into_the_same_folder(tiny
     # the earlier export's adapter folder is the export's own: replaced, not refused
     export_heads(src, "vllm", out)
     assert sorted(p.name for p in out.iterdir()) == [
+        ".headstart-export",
         "README.md",
         "config.json",
         "lora",
