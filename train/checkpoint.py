@@ -373,17 +373,36 @@ def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Acc
 def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
     """A run that starts afresh (training.resume=never over an earlier run's output) removes
     that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
-    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
+    and be resumed after a kill."""
     if accelerator.is_main_process:
         output = Path(output_dir)
         old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
         for path in old:
             shutil.rmtree(path)
-        removed = [f"{len(old)} checkpoint(s)"] if old else []
-        vocab = output / "draft_vocab.safetensors"
-        if vocab.is_file():
-            vocab.unlink()
-            removed.append(vocab.name)
-        if removed:
-            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
+        if old:
+            print(
+                f"starting afresh in {output}: removed the earlier run's {len(old)} checkpoint(s)"
+            )
     accelerator.wait_for_everyone()
+
+
+def drop_earlier_vocabulary(output_dir: str | Path, accelerator: Accelerator) -> None:
+    """A run that starts afresh builds its draft vocabulary from its own data: an earlier run's
+    came from that run's data. Dropping it loses nothing: the earlier checkpoints hold their
+    own (d2t / token_map), and the same data builds the same file again."""
+    vocab = Path(output_dir) / "draft_vocab.safetensors"
+    if accelerator.is_main_process and vocab.is_file():
+        vocab.unlink()
+        print(f"starting afresh in {output_dir}: {vocab.name} is built from this run's data")
+    accelerator.wait_for_everyone()
+
+
+def begin_run(recipe, ckpt: Path | None, accelerator: Accelerator) -> None:
+    """Called once every input is checked (base, data, heads, the checkpoint's state), before
+    the first write: a run refused for bad input leaves the earlier checkpoints where they were.
+    Starting afresh removes the earlier run's checkpoints; resuming an earlier checkpoint than
+    the latest removes those of the continuation it replaces."""
+    if ckpt is None:
+        clear_earlier_run(recipe.output.dir, accelerator)
+    else:
+        clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)

@@ -272,6 +272,15 @@ class Recipe:
     hub: HubConfig = field(default_factory=HubConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
+    def __post_init__(self) -> None:
+        # training reads every *.jsonl of data.output_dir, and would read its own metrics.jsonl
+        if Path(self.output.dir).resolve() == Path(self.data.output_dir).resolve():
+            raise RecipeError(
+                f"output.dir and data.output_dir are both {self.output.dir}: training writes its "
+                "metrics.jsonl and checkpoints beside the answers it reads; give output.dir "
+                "another folder"
+            )
+
 
 def refuse_file(key: str, folder: str) -> None:
     """An output folder of the recipe must not be an existing file (checked before any work)."""

@@ -30,6 +30,7 @@ from heads.checkpoint import load_state_checked
 from heads.eagle import check_vocab_map
 from train.checkpoint import (
     base_identity,
+    begin_run,
     check_finite,
     load_checkpoint,
     resumed_line,
@@ -298,6 +299,7 @@ def training_function(recipe: Recipe) -> dict:
         )
         with stop_on_bad_input():
             accelerator.print(resumed_line(ckpt, step, total))
+    begin_run(recipe, ckpt, accelerator)  # every input checked: earlier checkpoints go now
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

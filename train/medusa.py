@@ -23,6 +23,7 @@ from heads.base import logits_scaling, output_logits
 from heads.checkpoint import load_state_checked
 from train.checkpoint import (
     base_identity,
+    begin_run,
     check_finite,
     load_checkpoint,
     resumed_line,
@@ -266,6 +267,7 @@ def training_function(recipe: Recipe) -> dict:
         )
         with stop_on_bad_input():
             accelerator.print(resumed_line(ckpt, step, total))
+    begin_run(recipe, ckpt, accelerator)  # every input checked: earlier checkpoints go now
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

@@ -35,9 +35,8 @@ from train.checkpoint import (
     built_on_dtype,
     check_same_examples,
     check_same_run,
-    clear_earlier_run,
-    clear_later_checkpoints,
     data_fingerprint,
+    drop_earlier_vocabulary,
     examples_fingerprint,
     resolve_resume,
 )
@@ -113,7 +112,9 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
 
 def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     """The checkpoint this run continues (`training.resume`), checked against the recipe before
-    any work: another base, heads, data or batch order exits with the difference."""
+    any work: another base, heads, data or batch order exits with the difference. A run that
+    starts afresh drops an earlier run's draft vocabulary, to be built from this run's data
+    (its checkpoints go in `begin_run`, once every input is checked)."""
     with stop_on_bad_input():
         check_writable("output.dir", recipe.output.dir)
         if accelerator.is_main_process:  # its workers write beside it
@@ -123,9 +124,7 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
     if ckpt is None:
-        clear_earlier_run(recipe.output.dir, accelerator)
-    else:
-        clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)
+        drop_earlier_vocabulary(recipe.output.dir, accelerator)
     return ckpt
 
 

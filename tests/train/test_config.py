@@ -231,6 +231,17 @@ def test_exponent_floats_and_null_words_read_as_meant(tmp_path):
             load_recipe(None, [bad])
 
 
+def test_training_beside_the_answers_it_reads_is_refused(tmp_path, monkeypatch):
+    """Training reads every *.jsonl of data.output_dir: its metrics.jsonl written there would be
+    read as answers by the next run. Another spelling of the same folder is the same folder."""
+    monkeypatch.chdir(tmp_path)
+    for same in (["runs/x", "runs/x"], ["runs/x", f"{tmp_path}/runs/./x"]):
+        with pytest.raises(RecipeError, match="output.dir and data.output_dir are both runs/x"):
+            load_recipe(None, [f"output.dir={same[0]}", f"data.output_dir={same[1]}"])
+    recipe = load_recipe(None, ["output.dir=runs/x/heads", "data.output_dir=runs/x"])
+    assert recipe.output.dir == "runs/x/heads"
+
+
 def test_null_for_a_text_field_and_files_where_folders_go_are_refused_up_front(tmp_path):
     # `data.output_dir=null` made a folder named "null"; an output path that is a file, a
     # recipe that is a folder or not text ended in tracebacks from the filesystem or the codec

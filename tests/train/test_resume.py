@@ -201,10 +201,38 @@ def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabul
         "heads.draft_vocab_size=128",
     )
     printed = capsys.readouterr().out
-    assert "removed the earlier run's 2 checkpoint(s) and draft_vocab.safetensors" in printed
+    assert "draft_vocab.safetensors is built from this run's data" in printed
+    assert "removed the earlier run's 2 checkpoint(s)" in printed
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert load_file(out / "draft_vocab.safetensors")["token_ids"].numel() == 128
     assert sorted(read_metrics(out)[0]) == [1, 2, 3]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "bad",
+    [
+        "training.init_heads=no/such/heads",  # found once the base and data are loaded
+        "heads.draft_vocab_size=100000",  # past the base's 256 tokens
+    ],
+)
+def test_a_fresh_run_refused_for_bad_input_leaves_the_earlier_checkpoints(
+    tiny_task, tmp_path, capsys, bad
+):
+    """resume=never removes the earlier run's checkpoints only once every input is checked: a
+    run refused on the way (exit 2) leaves them to resume, which goes on as before."""
+    out = tmp_path / "out"
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.max_steps=2")
+    before = sorted(p.name for p in (out / "checkpoints").iterdir())
+    assert before == ["step-00000002"]
+    with pytest.raises(SystemExit) as exit_info:
+        run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.resume=never", bad)
+    assert exit_info.value.code == 2
+    assert "removed the earlier run" not in capsys.readouterr().out
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.max_steps=4")  # resume=auto
+    assert "resumed" in capsys.readouterr().out
+    assert sorted(read_metrics(out)[0]) == [1, 2, 3, 4]
 
 
 @pytest.mark.slow
