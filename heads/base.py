@@ -20,6 +20,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
@@ -257,7 +258,13 @@ def load_base(
             )
         if device_map is None:
             model = model.to(device)
-    except OSError as e:  # transformers' own message may not name it: no such repo, no network
+    # transformers' own message may not name it: no such repo, no network, a damaged file
+    except (OSError, SafetensorError) as e:
+        if Path(path).resolve().is_relative_to(cache_dir().resolve()):  # converted from a GGUF
+            raise BaseNotFoundError(
+                f"base model '{name_or_path}': its converted copy in {path} cannot be loaded "
+                f"({e}); remove that folder, and the next load converts the GGUF again"
+            ) from e
         raise BaseNotFoundError(
             f"base model '{name_or_path}' could not be loaded: {e}{_name_hint(str(name_or_path))}"
         ) from e

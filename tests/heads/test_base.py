@@ -63,6 +63,26 @@ def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_token
         load_base(str(tmp_path), dtype="Tensor", device="cpu")
 
 
+def test_a_damaged_converted_copy_of_the_embedded_model_says_to_remove_it(
+    tmp_path, monkeypatch, smollm2_tokenizer
+):
+    """The GGUF's converted copy, cut short or missing its weights (disk trouble, a hand-deleted
+    file): the error names the folder to remove, not a traceback or "did you mean" the name."""
+    monkeypatch.setenv("HEADSTART_CACHE", str(tmp_path))
+    copy = tmp_path / base_module.EMBEDDED_NAME
+    make_tiny_llama(vocab_size=len(smollm2_tokenizer)).save_pretrained(copy)
+    smollm2_tokenizer.save_pretrained(copy)
+    weights = copy / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])
+    remove = rf"converted copy in {copy} cannot be loaded .*remove that folder"
+    with pytest.raises(FileNotFoundError, match=remove) as cut:
+        load_base("smollm2-135m-instruct", device="cpu")
+    weights.unlink()
+    with pytest.raises(FileNotFoundError, match=remove) as missing:
+        load_base("smollm2-135m-instruct", device="cpu")
+    assert "did you mean" not in str(cut.value) + str(missing.value)
+
+
 def test_missing_gguf_file_is_clear(tmp_path):
     with pytest.raises(FileNotFoundError, match="GGUF file not found"):
         load_base(tmp_path / "absent.gguf")
