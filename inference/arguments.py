@@ -19,6 +19,7 @@ def check_generation_arguments(
     acceptance: str,
     stop_strings: str | Sequence[str] | None,
     tokenizer,
+    seed=None,
 ) -> tuple[int, list[str] | None]:
     """Raise for a value `generate` cannot take; return max_new_tokens as an int (numpy's and
     torch's integers too) and stop_strings as a list (one string, as HF takes it)."""
@@ -26,10 +27,19 @@ def check_generation_arguments(
         raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
     if isinstance(stop_strings, str):  # one string, as HF takes it
         stop_strings = [stop_strings]
+    if stop_strings is not None and (
+        not isinstance(stop_strings, Sequence) or not all(isinstance(s, str) for s in stop_strings)
+    ):
+        raise TypeError(f"stop_strings must be a string or a list of them, got {stop_strings!r}")
     if stop_strings and not all(stop_strings):
         raise ValueError("stop_strings holds an empty string, which matches anywhere: leave it out")
     if stop_strings and tokenizer is None:
         raise ValueError("stop_strings need the tokenizer= to decode the generated text")
+    if stop_strings and not callable(getattr(tokenizer, "decode", None)):
+        raise TypeError(
+            f"tokenizer={tokenizer!r} has no decode(): pass the base's tokenizer object (as "
+            "load_base or AutoTokenizer.from_pretrained return it) to read stop_strings"
+        )
     if not isinstance(max_new_tokens, numbers.Integral) or isinstance(max_new_tokens, bool):
         raise TypeError(f"max_new_tokens must be an int, got {max_new_tokens!r}")
     max_new_tokens = int(max_new_tokens)  # numpy's and torch's integers too
@@ -43,6 +53,8 @@ def check_generation_arguments(
             f"temperature and top_p must be numbers and top_k an int; got "
             f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
         )
+    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+        raise TypeError(f"seed must be an int, or None for a fresh draw each call; got {seed!r}")
     if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(
             f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "
@@ -54,6 +66,23 @@ def check_generation_arguments(
             "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
         )
     return max_new_tokens, stop_strings
+
+
+def integral(t: torch.Tensor) -> bool:
+    """Whether a tensor holds integers (token ids), not floats, complex numbers or bools."""
+    return not (t.dtype.is_floating_point or t.dtype.is_complex or t.dtype == torch.bool)
+
+
+def check_token_ids(ids: torch.Tensor, base) -> None:
+    """A prompt's ids must index the base's embeddings (another model's tokenizer gives ids
+    past them, which would fail deep in the forward as an IndexError)."""
+    vocab = base.get_input_embeddings().num_embeddings
+    low, high = int(ids.min()), int(ids.max())
+    if low < 0 or high >= vocab:
+        raise ValueError(
+            f"input_ids hold the token id {low if low < 0 else high}, outside the base's "
+            f"{vocab} embeddings: tokenize with the base's own tokenizer"
+        )
 
 
 def eos_ids(base, eos_token_id) -> set[int]:
@@ -68,7 +97,15 @@ def eos_ids(base, eos_token_id) -> set[int]:
     # an int, a list or set of them, or a tensor / numpy value of either
     if isinstance(eos_token_id, (set, frozenset)):
         eos_token_id = sorted(eos_token_id)
-    return {int(t) for t in torch.as_tensor(eos_token_id).reshape(-1).tolist()}
+    try:
+        eos = torch.as_tensor(eos_token_id)
+    except (TypeError, ValueError, RuntimeError):
+        eos = None
+    if eos is None or eos.numel() and not integral(eos):  # [] is no EOS at all
+        raise TypeError(
+            f"eos_token_id must be a token id (an int), a list of them or None, got {eos_token_id!r}"
+        )
+    return {int(t) for t in eos.reshape(-1).tolist()}
 
 
 def warn_pad_in_prompt(base, ids: torch.Tensor, attention_mask, eos: set[int]) -> None:

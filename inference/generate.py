@@ -34,7 +34,12 @@ from inference.acceptance import (
     warp_probs,
 )
 from inference.adaptive import AdaptivePolicy, check_arms
-from inference.arguments import check_generation_arguments, eos_ids, warn_pad_in_prompt
+from inference.arguments import (
+    check_generation_arguments,
+    check_token_ids,
+    eos_ids,
+    warn_pad_in_prompt,
+)
 from inference.base_checks import (
     PositionRules,
     base_logits,
@@ -293,8 +298,9 @@ class SpeculativeGenerator:
         """
         ids = prompt_ids(input_ids, attention_mask)
         max_new_tokens, stop_strings = check_generation_arguments(
-            max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer
+            max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer, seed
         )
+        check_token_ids(ids, self.base)
         max_positions = self.base.config.max_position_embeddings
         rules = position_rules(self.base.config)
         if len(ids) > max_positions:

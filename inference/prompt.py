@@ -10,6 +10,8 @@ from collections.abc import Mapping
 
 import torch
 
+from inference.arguments import integral
+
 
 def prompt_tensor(input_ids) -> torch.Tensor:
     """The prompt's token ids as a tensor, or a clear error for text or a tokenizer's dict."""
@@ -45,6 +47,11 @@ def prompt_ids(input_ids, attention_mask=None) -> torch.Tensor:
         raise ValueError(f"input_ids must be (1, T) or (T,), got shape {tuple(ids.shape)}")
     if ids.numel() == 0:
         raise ValueError("input_ids is empty: give at least one prompt token")
+    if not integral(ids):
+        raise TypeError(
+            f"input_ids are {ids.dtype}: token ids are integers (torch.long), as the tokenizer "
+            "gives them"
+        )
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask)
         shape = tuple(mask.shape)

@@ -34,7 +34,7 @@ def check(**kw):
 
 def test_valid_arguments_are_normalised():
     assert check(max_new_tokens=np.int64(3)) == (3, None)
-    assert check(stop_strings="###", tokenizer=object()) == (4, ["###"])
+    assert check(stop_strings="###", tokenizer=SimpleNamespace(decode=str)) == (4, ["###"])
     assert check(temperature=0.7, top_k=5, top_p=1.0) == (4, None)
     assert check(temperature=0.7, top_p=1.0, acceptance="typical") == (4, None)
 
@@ -54,6 +54,11 @@ def test_valid_arguments_are_normalised():
         (dict(acceptance="exact"), ValueError, "acceptance must be"),
         (dict(stop_strings=["\n\n"]), ValueError, "need the tokenizer"),
         (dict(stop_strings="\n\n"), ValueError, "need the tokenizer"),
+        (dict(stop_strings=5), TypeError, "stop_strings must be a string or a list of them"),
+        (dict(stop_strings=["a", 5]), TypeError, "stop_strings must be a string or a list"),
+        (dict(stop_strings="x", tokenizer="gpt2"), TypeError, "tokenizer='gpt2' has no decode"),
+        (dict(seed="a"), TypeError, "seed must be an int, or None"),
+        (dict(seed=True), TypeError, "seed must be an int, or None"),
         (
             dict(acceptance="typical", temperature=0.7, top_p=0.9),
             ValueError,
@@ -83,6 +88,10 @@ def test_eos_ids_prefer_the_generation_config_as_hf_does():
     assert eos_ids(base, torch.tensor([3])) == {3}
     assert eos_ids(base, {9, 8}) == {8, 9}
     assert eos_ids(SimpleNamespace(generation_config=None, config=base.config), None) == {2}
+    assert eos_ids(base, []) == set()  # no EOS: generate to max_new_tokens
+    for wrong in ("2", 2.0, [2, "3"], True):
+        with pytest.raises(TypeError, match="eos_token_id must be a token id"):
+            eos_ids(base, wrong)
 
 
 def test_a_pad_token_that_is_an_eos_token_is_not_warned_of():
@@ -113,6 +122,19 @@ def test_prompt_ids_take_one_sequence_and_refuse_the_rest():
         prompt_ids(ids, torch.tensor([0, 0, 0]))
     with pytest.raises(TypeError, match="input_ids is text"):
         prompt_ids([3, "four"])
+    for wrong in (ids.float(), ids.bool()):  # a tensor of another dtype than the tokenizer's
+        with pytest.raises(TypeError, match=f"input_ids are {wrong.dtype}: token ids are integers"):
+            prompt_ids(wrong)
+    assert prompt_ids(ids.int()).tolist() == [3, 4, 5]
+
+
+def test_token_ids_past_the_bases_embeddings_are_refused():
+    """Another model's tokenizer: ids past the base's embeddings, said before any forward."""
+    gen = SpeculativeGenerator(make_tiny_llama(), None, num_tokens=3)  # 256 embeddings
+    for outside in (256, -1):
+        with pytest.raises(ValueError, match=f"token id {outside}, outside the base's 256 emb"):
+            gen.generate(torch.tensor([[5, outside, 7]]), max_new_tokens=2)
+    assert gen.generate(torch.tensor([[1, 255]]), max_new_tokens=2).sequences.shape == (1, 4)
 
 
 class Plain(Drafter):
