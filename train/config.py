@@ -162,6 +162,18 @@ class HeadsSpec:
                 "would feed the draft's fc in another order than training did"
             )
 
+    def unused_eagle_settings(self) -> list[str]:
+        """`key=value` of the settings this EAGLE version does not read that differ from their
+        defaults (EAGLE-3's for an EAGLE-1 layer, and the reverse): said, not dropped unsaid."""
+        only = {  # by the version that does not read them
+            1: ("draft_vocab_size", "aux_layer_ids", "ttt_steps", "init_from_base"),
+            3: ("feature_loss_weight", "token_loss_weight", "feature_noise"),
+        }[self.version]
+        default = HeadsSpec()
+        return [
+            f"heads.{k}={getattr(self, k)}" for k in only if getattr(self, k) != getattr(default, k)
+        ]
+
 
 @dataclass
 class TrainingConfig:

@@ -231,6 +231,13 @@ class EagleTrainee(Trainee):
 
 def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
     spec = recipe.heads
+    unused = spec.unused_eagle_settings()
+    if unused:
+        other = 3 if spec.version == 1 else 1
+        accelerator.print(
+            f"note: {', '.join(unused)}: EAGLE-{other}'s, unused by this EAGLE-{spec.version} "
+            "draft (heads.version)"
+        )
     with stop_on_bad_input():  # aux layers out of order
         cfg = EagleConfig.from_base(
             base.config,

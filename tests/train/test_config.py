@@ -271,3 +271,11 @@ def test_max_steps_overrides_epochs_as_in_hf_trainer():
     assert count_steps(29, load_recipe(None, settings), one) == (7, 14)
     assert count_steps(29, load_recipe(None, [*settings, "training.max_steps=5"]), one) == (7, 5)
     assert count_steps(29, load_recipe(None, [*settings, "training.max_steps=20"]), one) == (7, 20)
+
+
+def test_settings_of_the_other_eagle_version_are_named():
+    eagle1 = load_recipe("recipes/tiny-eagle.yaml", ["heads.version=1"]).heads
+    assert eagle1.unused_eagle_settings() == ["heads.draft_vocab_size=256", "heads.ttt_steps=3"]
+    eagle3 = load_recipe("recipes/tiny-eagle.yaml", ["heads.feature_noise=0.1"]).heads
+    assert eagle3.unused_eagle_settings() == ["heads.feature_noise=0.1"]
+    assert load_recipe("recipes/tiny-eagle.yaml").heads.unused_eagle_settings() == []
