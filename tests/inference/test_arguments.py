@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import inspect
 import warnings
+from collections import UserDict
 from types import SimpleNamespace
 
 import numpy as np
@@ -192,3 +193,24 @@ def test_sampling_without_a_seed_given_repeats_its_text():
     other = gen.generate(prompt, max_new_tokens=12, temperature=1.0, seed=1, eos_token_id=[])
     assert torch.equal(first.sequences, again.sequences)  # the default seed, 0
     assert not torch.equal(first.sequences, other.sequences)
+
+
+def test_a_tokenizers_batch_encoding_is_named_not_read_as_ids():
+    """transformers' BatchEncoding is a UserDict, not a dict."""
+    encoding = UserDict(input_ids=[[3, 4, 5]], attention_mask=[[1, 1, 1]])
+    with pytest.raises(TypeError, match=r"tokenizer's output dict: pass its \['input_ids'\]"):
+        prompt_ids(encoding)
+
+
+def test_a_single_token_id_is_not_a_prompt():
+    with pytest.raises(ValueError, match=r"must be \(1, T\) or \(T,\), got shape \(\)"):
+        prompt_ids(torch.tensor(5))
+    assert prompt_ids([5]).tolist() == [5]
+
+
+def test_a_mask_of_another_shape_than_the_prompt_is_refused():
+    ids = torch.tensor([[3, 4, 5]])
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(2, 3\) for 3 prompt tokens"):
+        prompt_ids(ids, torch.ones(2, 3, dtype=torch.long))  # a batch's mask
+    with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 4\) for 3 prompt tokens"):
+        prompt_ids(ids, torch.ones(1, 4, dtype=torch.long))

@@ -10,6 +10,8 @@ import pytest
 from heads import MedusaConfig, MedusaHeads
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import json
+
 import export  # noqa: E402  (scripts/ is not a package)
 
 
@@ -67,3 +69,23 @@ def test_the_cli_says_the_converter_flags_of_four_heads_of_two_layers(tiny_llama
         out = capsys.readouterr().out
         assert ("--num_medusa_heads 4 --num_medusa_layers 2" in out) == said
         assert ("--num_medusa_heads" in out) == said
+
+
+BASE = "HuggingFaceTB/SmolLM2-135M-Instruct"
+
+
+def test_the_base_name_given_is_the_one_tgi_loads(medusa_dir, tmp_path, capsys):
+    out = tmp_path / "g"
+    assert (
+        export.main([str(medusa_dir[0]), "--to", "tgi", "--out", str(out), "--base-name", BASE])
+        == 0
+    )
+    assert json.loads((out / "config.json").read_text())["base_model_name_or_path"] == BASE
+    assert capsys.readouterr().out == f"wrote tgi layout to {out}\n"
+
+
+def test_a_base_name_for_another_engine_than_tgi_is_refused(medusa_dir, tmp_path, capsys):
+    argv = [str(medusa_dir[0]), "--to", "vllm", "--out", str(tmp_path / "v"), "--base-name", BASE]
+    assert export.main(argv) == 2
+    assert capsys.readouterr().err.startswith("export failed: ")
+    assert not (tmp_path / "v").exists()

@@ -1,9 +1,11 @@
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Literal
 
 import pytest
 
 from train.config import DataConfig, Recipe, RecipeError, load_recipe, save_recipe
+from train.typed_config import apply_override, build
 
 RECIPES = sorted((Path(__file__).parents[2] / "recipes").glob("*.yaml"))
 
@@ -279,3 +281,29 @@ def test_settings_of_the_other_eagle_version_are_named():
     eagle3 = load_recipe("recipes/tiny-eagle.yaml", ["heads.feature_noise=0.1"]).heads
     assert eagle3.unused_eagle_settings() == ["heads.feature_noise=0.1"]
     assert load_recipe("recipes/tiny-eagle.yaml").heads.unused_eagle_settings() == []
+
+
+@dataclass
+class Schedule:
+    peak: float | Literal["auto"] = "auto"
+    window: tuple[int, int] = (0, 10)
+
+
+def test_null_is_refused_for_a_union_that_does_not_take_none():
+    assert build(Schedule, {"peak": 3e-4}, "schedule", "r.yaml") == Schedule(peak=3e-4)
+    assert build(Schedule, {"peak": "auto"}, "schedule", "r.yaml") == Schedule(peak="auto")
+    with pytest.raises(RecipeError, match=r"r.yaml: 'schedule.peak' expects .*, got NoneType None"):
+        build(Schedule, {"peak": None}, "schedule", "r.yaml")
+
+
+def test_a_fixed_length_tuple_takes_exactly_its_length():
+    assert build(Schedule, {"window": [2, 5]}, "schedule", "r.yaml").window == (2, 5)
+    for wrong in ([2], [2, 5, 9]):
+        with pytest.raises(RecipeError, match=r"'schedule.window' expects tuple\[int, int\]"):
+            build(Schedule, {"window": wrong}, "schedule", "r.yaml")
+
+
+@pytest.mark.parametrize("item", ["=5", " =5", "data.limit"])
+def test_an_override_without_a_key_or_value_shows_the_form(item):
+    with pytest.raises(RecipeError, match=r"expected key=value \(e.g. data.limit=100\)"):
+        apply_override(Recipe, {}, item)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from types import SimpleNamespace
 
 import pytest
@@ -145,9 +146,9 @@ def test_a_missing_folder_is_named(tiny_task, tmp_path, capsys):
     assert f"heads folder not found: {tmp_path}/x" in capsys.readouterr().err
 
 
-def _recipe(folder):
+def _recipe(folder, lora_r=0):
     return SimpleNamespace(
-        training=SimpleNamespace(init_heads=str(folder)), heads=SimpleNamespace(lora_r=0)
+        training=SimpleNamespace(init_heads=str(folder)), heads=SimpleNamespace(lora_r=lora_r)
     )
 
 
@@ -213,3 +214,42 @@ def test_an_eagle1_draft_with_an_fc_bias_does_not_start_one_without(capsys, base
     config = EagleConfig.from_base(base4.config, version=1)
     err = _refusal(capsys, config, base4, tmp_path / "heads")
     assert "fc_bias: True there, False here" in err
+
+
+def test_an_eagle3_draft_does_not_start_a_medusa_run(capsys, base4, tmp_path):
+    EagleDraft(EagleConfig.from_base(base4.config, draft_vocab_size=128)).save_pretrained(
+        tmp_path / "heads"
+    )
+    err = _refusal(
+        capsys, MedusaConfig.from_base(base4.config, num_heads=2), base4, tmp_path / "heads"
+    )
+    assert (
+        f"training.init_heads={tmp_path / 'heads'} holds an EAGLE-3 draft, and this recipe trains "
+        "Medusa heads: go on training them with train/eagle.py and a recipe of heads.type=eagle, "
+        "heads.version=3, or leave init_heads out to start fresh" in err
+    )
+
+
+def test_medusa_heads_of_another_count_are_refused_by_name(capsys, base4, tmp_path):
+    heads = MedusaHeads(MedusaConfig.from_base(base4.config, num_heads=2)).init_from_base(base4)
+    heads.save_pretrained(tmp_path / "heads")
+    err = _refusal(
+        capsys, MedusaConfig.from_base(base4.config, num_heads=3), base4, tmp_path / "heads"
+    )
+    assert "is not the heads this recipe builds (num_heads: 2 there, 3 here)" in err
+
+
+def test_only_medusa2_heads_say_they_start_without_their_adapter(base4, tmp_path):
+    config = MedusaConfig.from_base(base4.config, num_heads=2)
+    MedusaHeads(config).init_from_base(base4).save_pretrained(tmp_path / "medusa1")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        read_init_heads(_recipe(tmp_path / "medusa1"), config, base4)
+    medusa2 = MedusaConfig.from_base(base4.config, num_heads=2, base_lora="base_lora")
+    (tmp_path / "medusa2" / "base_lora").mkdir(parents=True)  # training writes the adapter first
+    MedusaHeads(medusa2).init_from_base(base4).save_pretrained(tmp_path / "medusa2")
+    with pytest.warns(
+        UserWarning,
+        match="adapter in their 'base_lora' folder; this run starts them on the base with no adapter",
+    ):
+        read_init_heads(_recipe(tmp_path / "medusa2"), config, base4)

@@ -265,3 +265,27 @@ def test_either_avx512_bf16_or_amx_counts_as_native_bf16(monkeypatch, avx512_bf1
     monkeypatch.setattr(torch.cpu, "_is_avx512_bf16_supported", lambda: avx512_bf16, raising=False)
     monkeypatch.setattr(torch.cpu, "_is_amx_tile_supported", lambda: amx, raising=False)
     assert cpu_has_bf16() is expected
+
+
+CPU = torch.device("cpu")
+
+
+def test_explicit_bf16_on_a_gpu_is_kept_without_the_cpu_warning(monkeypatch):
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert resolve_mixed_precision("bf16", on_gpu=True) == ("bf16", "bf16")
+
+
+def test_a_bf16_cache_warns_only_on_a_cpu_without_bf16(monkeypatch):
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: True)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert training_base_dtype("auto", "bf16", "offline", CPU, "bfloat16") == (
+            "bfloat16",
+            "auto: as the checkpoint or feature cache it builds on",
+        )
+    monkeypatch.setattr(train.precision, "cpu_has_bf16", lambda: False)
+    with pytest.warns(UserWarning, match="this CPU has no bf16 instructions: the bf16 base runs"):
+        assert training_base_dtype("auto", "bf16", "offline", CPU, "bfloat16")[0] == "bfloat16"
