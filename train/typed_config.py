@@ -221,9 +221,14 @@ def apply_override(root: type, raw: dict[str, Any], item: str) -> None:
         )
     elif _accepts_str(tp):
         value = text  # a string field keeps the text verbatim (no YAML surprises like 1e3)
+    elif not text.strip():  # `data.limit=` read as null would mean "no limit", unsaid
+        raise RecipeError(
+            f"override {item!r} has no value: give one ({_type_name(tp)}), or leave the override "
+            "out for the recipe's own"
+        )
     else:
         try:
-            value = yaml.safe_load(text) if text.strip() else None
+            value = yaml.safe_load(text)
         except yaml.YAMLError as e:
             raise RecipeError(f"override {item!r}: value is not valid YAML: {e}") from e
     node = raw

@@ -307,3 +307,12 @@ def test_a_fixed_length_tuple_takes_exactly_its_length():
 def test_an_override_without_a_key_or_value_shows_the_form(item):
     with pytest.raises(RecipeError, match=r"expected key=value \(e.g. data.limit=100\)"):
         apply_override(Recipe, {}, item)
+
+
+def test_an_override_without_a_value_is_refused_unless_the_field_takes_text():
+    # `data.limit=` read as null would answer every prompt of the sources instead of the limit
+    for item in ("data.limit=", "training.max_steps= ", "training.learning_rate="):
+        with pytest.raises(RecipeError, match=f"override '{item}' has no value"):
+            load_recipe(None, [item])
+    assert load_recipe(None, ["data.limit=null"]).data.limit is None  # said, it is taken
+    assert load_recipe(None, ["hub.repo_id="]).hub.repo_id == ""  # text: empty, no push
