@@ -64,20 +64,24 @@ def export_heads(
             f"these Medusa-2 heads read the base with the LoRA adapter of their '{lora}' "
             f"folder, which {src} lacks: export them from the training run's heads folder"
         )
-    # Written beside `out` and moved there whole: a refused or failed export leaves `out` as it was
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = out.parent / f".{out.name}.export-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    staging.mkdir()  # the user's umask, as `out` would have (mkdtemp's are private)
+    # Written into a hidden folder inside `out` (its filesystem, its mode; a mount point or a
+    # link stays what it is) and moved in by renames: a refused, failed or interrupted export
+    # leaves `out` as it was.
+    created = not out.is_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    for leftover in out.glob(f"*{WORK_PREFIX}*"):  # of an export killed before
+        shutil.rmtree(leftover, ignore_errors=True)
+    staging = out / f"{WORK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    staging.mkdir()
     try:
         _export_to(heads, Path(src), target, staging, base_name)
         if lora and not (staging / LORA_FOLDER).is_dir():  # vllm's save_pretrained copied it
             shutil.copytree(Path(src) / lora, staging / LORA_FOLDER)
         (staging / EXPORT_MARK).write_text(json.dumps({"target": target}) + "\n")
-        if out.is_dir():
-            shutil.rmtree(out)
-        staging.replace(out)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
+        _move_in(staging, out)
+    except BaseException:
+        shutil.rmtree(out if created else staging, ignore_errors=True)
+        raise
     if lora and target in ("tgi", "trtllm"):  # the engine serves the base with it merged
         warnings.warn(
             f"{target} loads the base these heads name, without their LoRA adapter: merge "
@@ -123,6 +127,9 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
 # Written into every export's folder: a folder without it is no earlier export (a heads folder
 # of save_pretrained holds the same names as a vllm export).
 EXPORT_MARK = ".headstart-export"
+# In the name of the hidden folders an export works in inside its `--out` (those a killed export
+# left are removed by the next).
+WORK_PREFIX = ".headstart-export-work-"
 # Everything an export writes into its folder, of every target.
 EXPORT_NAMES = {
     CONFIG_NAME,
@@ -134,11 +141,35 @@ EXPORT_NAMES = {
 }
 
 
+def _move_in(staging: Path, out: Path) -> None:
+    """Replace the earlier export's files in `out` by the staged ones, by renames: put aside,
+    moved in, and put back if a rename fails; the earlier files are deleted last."""
+    replaced = staging.with_name(f"{staging.name}-replaced")
+    replaced.mkdir()
+    old, new = [], []
+    try:
+        for path in [p for p in out.iterdir() if p.name in EXPORT_NAMES]:
+            path.rename(replaced / path.name)
+            old.append(path.name)
+        for path in list(staging.iterdir()):
+            path.rename(out / path.name)
+            new.append(path.name)
+    except BaseException:
+        for name in new:
+            (out / name).rename(staging / name)
+        for name in old:
+            (replaced / name).rename(out / name)
+        shutil.rmtree(replaced, ignore_errors=True)
+        raise
+    shutil.rmtree(replaced, ignore_errors=True)
+    staging.rmdir()
+
+
 def check_earlier_export(out: Path) -> None:
     """Refuse a folder `out` that is neither empty nor an earlier export (which the new export
     replaces whole: one of another target left its weights beside the new ones, and an engine
     may read either). A refused folder is left untouched."""
-    present = sorted(p.name for p in out.iterdir())
+    present = sorted(p.name for p in out.iterdir() if WORK_PREFIX not in p.name)
     other = sorted(set(present) - EXPORT_NAMES)
     if other:
         raise ExportError(

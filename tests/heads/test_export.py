@@ -72,6 +72,64 @@ def test_a_refused_export_leaves_the_earlier_one_in_place(medusa_dir, tiny_llama
     assert [p.name for p in out.parent.iterdir()] == ["medusa-tgi"]
 
 
+@pytest.mark.filterwarnings("ignore:these heads record")
+def test_an_export_interrupted_while_moving_in_leaves_the_earlier_one(
+    medusa_dir, tmp_path, monkeypatch
+):
+    """The new files are moved in by renames after the earlier ones are put aside: a rename
+    that fails (or a Ctrl-C) there puts the earlier export back, whole."""
+    src, _ = medusa_dir
+    out = tmp_path / "out"
+    export_heads(src, "vllm", out)
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+    real, renames = Path.rename, []
+
+    def second_new_file_fails(self, target):
+        if Path(target).parent == out:
+            renames.append(self.name)
+            if len(renames) == 2:
+                raise KeyboardInterrupt
+        return real(self, target)
+
+    monkeypatch.setattr(Path, "rename", second_new_file_fails)
+    with pytest.raises(KeyboardInterrupt):
+        export_heads(src, "tgi", out)
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+
+
+@pytest.mark.filterwarnings("ignore:these heads record")
+def test_out_keeps_its_own_folder_its_mode_a_link_and_the_working_directory(
+    medusa_dir, tmp_path, monkeypatch
+):
+    """The export replaces what is in `--out`, not the folder: a link to a folder (an
+    exports/current -> v3 alias), `.`, and a folder's own mode stay; a killed export's work
+    folder is cleared by the next."""
+    src, _ = medusa_dir
+    target = tmp_path / "v3"
+    target.mkdir()
+    target.chmod(0o2750)
+    link = tmp_path / "current"
+    link.symlink_to(target)
+    export_heads(src, "tgi", link)
+    export_heads(src, "vllm", link)  # an earlier export replaced through the link
+    assert link.is_symlink() and (target / "model.safetensors").is_file()
+    assert not (target / "medusa_lm_head.safetensors").exists()
+    assert target.stat().st_mode & 0o7777 == 0o2750
+    (target / ".headstart-export-work-99-dead").mkdir()  # left by a killed export
+    export_heads(src, "tgi", link)
+    assert sorted(p.name for p in target.iterdir()) == [
+        ".headstart-export",
+        "config.json",
+        "medusa_lm_head.safetensors",
+    ]
+    here = tmp_path / "here"
+    here.mkdir()
+    monkeypatch.chdir(here)
+    assert export_heads(src, "tgi", ".") == Path(".")
+    assert (here / "medusa_lm_head.safetensors").is_file()
+
+
 def test_a_heads_folder_is_not_taken_for_an_earlier_export(medusa_dir, tiny_llama, tmp_path):
     """save_pretrained writes the names a vllm export writes: without the export's mark the
     folder is refused, untouched, instead of replaced."""
