@@ -25,6 +25,7 @@ from heads.base import default_dtype
 from heads.config import same_base
 from train.config import RecipeError, recipe_to_dict, save_recipe
 from train.feature_cache import cache_base_dtype, weights_fingerprint
+from train.features import VOCAB_FILE, save_draft_vocabulary
 
 STATE_NAME = "trainer_state.json"
 # How the held-out answers were chosen (train.features.split_held_out), recorded in each
@@ -373,36 +374,34 @@ def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Acc
 def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
     """A run that starts afresh (training.resume=never over an earlier run's output) removes
     that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
-    and be resumed after a kill."""
+    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
     if accelerator.is_main_process:
         output = Path(output_dir)
         old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
         for path in old:
             shutil.rmtree(path)
-        if old:
-            print(
-                f"starting afresh in {output}: removed the earlier run's {len(old)} checkpoint(s)"
-            )
+        removed = [f"{len(old)} checkpoint(s)"] if old else []
+        vocab = output / VOCAB_FILE
+        if vocab.is_file():
+            vocab.unlink()
+            removed.append(vocab.name)
+        if removed:
+            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
     accelerator.wait_for_everyone()
 
 
-def drop_earlier_vocabulary(output_dir: str | Path, accelerator: Accelerator) -> None:
-    """A run that starts afresh builds its draft vocabulary from its own data: an earlier run's
-    came from that run's data. Dropping it loses nothing: the earlier checkpoints hold their
-    own (d2t / token_map), and the same data builds the same file again."""
-    vocab = Path(output_dir) / "draft_vocab.safetensors"
-    if accelerator.is_main_process and vocab.is_file():
-        vocab.unlink()
-        print(f"starting afresh in {output_dir}: {vocab.name} is built from this run's data")
-    accelerator.wait_for_everyone()
-
-
-def begin_run(recipe, ckpt: Path | None, accelerator: Accelerator) -> None:
+def begin_run(recipe, ckpt: Path | None, accelerator: Accelerator, vocab=None) -> None:
     """Called once every input is checked (base, data, heads, the checkpoint's state), before
-    the first write: a run refused for bad input leaves the earlier checkpoints where they were.
-    Starting afresh removes the earlier run's checkpoints; resuming an earlier checkpoint than
-    the latest removes those of the continuation it replaces."""
+    the first write: a run refused for bad input or stopped before leaves the earlier run's
+    files as they were. Starting afresh removes the earlier run's checkpoints and draft
+    vocabulary; resuming an earlier checkpoint than the latest removes those of the
+    continuation it replaces. `vocab`: the draft vocabulary this run built from its data,
+    written for a resumed run to read."""
     if ckpt is None:
         clear_earlier_run(recipe.output.dir, accelerator)
     else:
         clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)
+    written = (Path(recipe.output.dir) / VOCAB_FILE).is_file()  # the file a resumed run read
+    if vocab is not None and accelerator.is_main_process and not written:
+        save_draft_vocabulary(recipe.output.dir, vocab)
+    accelerator.wait_for_everyone()

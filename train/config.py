@@ -285,6 +285,10 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
+        if self.heads.lora_r > 0 and self.training.mode == "offline":
+            raise RecipeError(
+                "Medusa-2 (heads.lora_r > 0) adapts the base, so it needs training.mode=online"
+            )
         # training reads every *.jsonl of data.output_dir, and would read its own metrics.jsonl
         if Path(self.output.dir).resolve() == Path(self.data.output_dir).resolve():
             raise RecipeError(

@@ -229,7 +229,12 @@ class EagleTrainee(Trainee):
         return loss, metrics
 
 
-def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
+def build_draft(
+    recipe: Recipe, base, train_ds, accelerator, resumed: bool
+) -> tuple[EagleDraft, torch.Tensor | None]:
+    """The draft and the EAGLE-3 draft vocabulary built from the data, which `begin_run` keeps
+    for a resumed run to use again (None: EAGLE-1, or `training.init_heads`, whose weights and
+    vocabulary are taken)."""
     spec = recipe.heads
     unused = spec.unused_eagle_settings()
     if unused:
@@ -254,11 +259,16 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
             if spec.version == 3:
                 check_vocab_map(draft.d2t, draft.t2d)
         accelerator.print(f"the draft starts from {where} (training.init_heads)")
-        return draft.to(base.device)
+        return draft.to(base.device), None
+    vocab = None
     if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
-        with accelerator.main_process_first(), stop_on_bad_input():
+        with stop_on_bad_input():
             vocab = draft_vocabulary(
-                recipe.output.dir, train_ds.examples, cfg.draft_vocab_size, base.config.vocab_size
+                recipe.output.dir,
+                train_ds.examples,
+                cfg.draft_vocab_size,
+                base.config.vocab_size,
+                resumed,
             )
         draft.set_vocab_map(vocab)
         if spec.init_from_base:
@@ -269,7 +279,7 @@ def build_draft(recipe: Recipe, base, train_ds, accelerator) -> EagleDraft:
                 notes = draft.init_from_base(base)
             for note in notes:
                 accelerator.print(f"heads.init_from_base: {note}")
-    return draft.to(base.device)
+    return draft.to(base.device), vocab
 
 
 def training_function(recipe: Recipe) -> dict:
@@ -287,7 +297,7 @@ def training_function(recipe: Recipe) -> dict:
         recipe, base, tokenizer, accelerator, aux_ids, ckpt
     )
     identity |= data_identity
-    draft = build_draft(recipe, base, train_ds, accelerator)
+    draft, vocab = build_draft(recipe, base, train_ds, accelerator, resumed=ckpt is not None)
     model = EagleTrainee(base, draft, recipe)
     assert_trainable(model, draft.num_trainable_parameters(), accelerator)
     per_epoch, total = count_steps(len(train_ds), recipe, accelerator)
@@ -306,7 +316,7 @@ def training_function(recipe: Recipe) -> dict:
         )
         with stop_on_bad_input():
             accelerator.print(resumed_line(ckpt, step, total))
-    begin_run(recipe, ckpt, accelerator)  # every input checked: earlier checkpoints go now
+    begin_run(recipe, ckpt, accelerator, vocab)  # all loaded: the earlier run's files go now
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

@@ -190,15 +190,19 @@ def collate(
     return {k: v.to(device) for k, v in batch.items()}
 
 
-def draft_vocabulary(
-    output_dir: str | Path, examples: Sequence[Example], size: int, vocab_size: int
-) -> torch.Tensor:
-    """The reduced draft vocabulary of a run: built once from the training targets and kept in
-    OUTPUT/draft_vocab.safetensors, so a resumed run never rebuilds it."""
-    from safetensors.torch import load_file, save_file
+VOCAB_FILE = "draft_vocab.safetensors"
 
-    path = Path(output_dir) / "draft_vocab.safetensors"
-    if path.is_file():
+
+def draft_vocabulary(
+    output_dir: str | Path, examples: Sequence[Example], size: int, vocab_size: int, resumed: bool
+) -> torch.Tensor:
+    """The reduced draft vocabulary of a run: built from the training targets, and kept in
+    OUTPUT/draft_vocab.safetensors (`save_draft_vocabulary`, once the run begins), which a
+    `resumed` run reads rather than rebuild it. A fresh run never reads an earlier run's."""
+    from safetensors.torch import load_file
+
+    path = Path(output_dir) / VOCAB_FILE
+    if resumed and path.is_file():
         try:
             ids = load_file(path)["token_ids"]
         except Exception as e:  # safetensors' own error type for a damaged file
@@ -210,12 +214,19 @@ def draft_vocabulary(
                 f"{path} holds {ids.numel()} tokens but the recipe asks for {size}; use a new output.dir"
             )
         return ids
-    ids = frequent_tokens(examples, size, vocab_size)
+    return frequent_tokens(examples, size, vocab_size)
+
+
+def save_draft_vocabulary(output_dir: str | Path, ids: torch.Tensor) -> None:
+    """Write a run's draft vocabulary where a resumed run reads it (a kill mid-write leaves no
+    half file behind)."""
+    from safetensors.torch import save_file
+
+    path = Path(output_dir) / VOCAB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.tmp")  # a kill mid-write leaves no half file behind
-    save_file({"token_ids": ids}, tmp)
+    tmp = path.with_name(f".{path.name}.tmp")
+    save_file({"token_ids": ids.contiguous()}, tmp)
     tmp.replace(path)
-    return ids
 
 
 def frequent_tokens(examples: Sequence[Example], size: int, vocab_size: int) -> torch.Tensor:

@@ -174,10 +174,12 @@ class MedusaTrainee(Trainee):
         return loss, metrics
 
 
-def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
-    """Fresh heads (lm_heads from the base's); a reduced vocabulary is chosen from the data once
-    and kept in OUTPUT/draft_vocab.safetensors so a resumed run uses the same one. With
-    `training.init_heads`, those heads' weights and vocabulary instead."""
+def build_heads(
+    recipe: Recipe, base, train_ds, accelerator, resumed: bool
+) -> tuple[MedusaHeads, torch.Tensor | None]:
+    """Fresh heads (lm_heads from the base's) and the reduced vocabulary chosen from the data,
+    which `begin_run` keeps in OUTPUT/draft_vocab.safetensors for a resumed run to use again
+    (None: none, or `training.init_heads`, whose heads' weights and vocabulary are taken)."""
     spec = recipe.heads
     vocab = spec.draft_vocab_size
     cfg = MedusaConfig.from_base(
@@ -188,15 +190,14 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
         medusa_fc_bias=spec.fc_bias,
         truncated_vocab_size=vocab,
     )
-    token_map, init = None, None
+    token_map, init, built = None, None, None
     if recipe.training.init_heads:  # their weights and reduced vocabulary (token_map)
         init = read_init_heads(recipe, cfg, base)
         token_map = init[0].get("token_map")
     elif vocab is not None:
-        # the first process writes it, the others read
-        with accelerator.main_process_first(), stop_on_bad_input():
-            token_map = draft_vocabulary(
-                recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size
+        with stop_on_bad_input():
+            token_map = built = draft_vocabulary(
+                recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size, resumed
             )
     # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
     with (
@@ -212,7 +213,7 @@ def build_heads(recipe: Recipe, base, train_ds, accelerator) -> MedusaHeads:
             load_state_checked(heads, tensors, where, optional=shared)
             accelerator.print(f"the heads start from {where} (training.init_heads)")
     # Own weights stay fp32 (built so); a shared lm_head stays the base's own tensor.
-    return heads.to(device=base.device)
+    return heads.to(device=base.device), built
 
 
 def training_function(recipe: Recipe) -> dict:
@@ -224,13 +225,9 @@ def training_function(recipe: Recipe) -> dict:
         identity = base_identity(base, ckpt)
     train_ds, eval_ds, data_identity = prepare_data(recipe, base, tokenizer, accelerator, ckpt=ckpt)
     identity |= data_identity
-    heads = build_heads(recipe, base, train_ds, accelerator)
+    heads, vocab = build_heads(recipe, base, train_ds, accelerator, resumed=ckpt is not None)
     lora_params = []
-    if recipe.heads.lora_r > 0:  # Medusa-2
-        if recipe.training.mode == "offline":
-            raise SystemExit(
-                "error: Medusa-2 (heads.lora_r > 0) adapts the base, so it needs training.mode=online"
-            )
+    if recipe.heads.lora_r > 0:  # Medusa-2 (training.mode=online, as the recipe checks)
         from peft import LoraConfig, get_peft_model
 
         spec = recipe.heads
@@ -267,7 +264,7 @@ def training_function(recipe: Recipe) -> dict:
         )
         with stop_on_bad_input():
             accelerator.print(resumed_line(ckpt, step, total))
-    begin_run(recipe, ckpt, accelerator)  # every input checked: earlier checkpoints go now
+    begin_run(recipe, ckpt, accelerator, vocab)  # all loaded: the earlier run's files go now
     log = MetricsLog(recipe, accelerator, step)
     pad_id, device = tokenizer.pad_token_id, accelerator.device
     eval_every = recipe.training.eval_every_steps or per_epoch

@@ -36,7 +36,6 @@ from train.checkpoint import (
     check_same_examples,
     check_same_run,
     data_fingerprint,
-    drop_earlier_vocabulary,
     examples_fingerprint,
     resolve_resume,
 )
@@ -112,9 +111,8 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
 
 def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     """The checkpoint this run continues (`training.resume`), checked against the recipe before
-    any work: another base, heads, data or batch order exits with the difference. A run that
-    starts afresh drops an earlier run's draft vocabulary, to be built from this run's data
-    (its checkpoints go in `begin_run`, once every input is checked)."""
+    any work: another base, heads, data or batch order exits with the difference. An earlier
+    run's files are removed only in `begin_run`, once every input has loaded."""
     with stop_on_bad_input():
         check_writable("output.dir", recipe.output.dir)
         if accelerator.is_main_process:  # its workers write beside it
@@ -123,8 +121,6 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
             check_same_run(ckpt, recipe, accelerator.num_processes)
-    if ckpt is None:
-        drop_earlier_vocabulary(recipe.output.dir, accelerator)
     return ckpt
 
 

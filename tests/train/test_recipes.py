@@ -208,7 +208,7 @@ def test_eagle3_draft_starts_from_the_base_unless_the_recipe_says_not(
         TINY_EAGLE, [*tiny_task.overrides(tmp_path), f"heads.init_from_base={from_base}"]
     )
     answers = SimpleNamespace(examples=[{"input_ids": list(range(400)), "loss_mask": [1] * 400}])
-    draft = train.eagle.build_draft(recipe, base, answers, Accelerator(cpu=True))
+    draft, _ = train.eagle.build_draft(recipe, base, answers, Accelerator(cpu=True), resumed=False)
     kept = draft.to_base_ids(torch.arange(256))
     starts_as_base = torch.equal(draft.lm_head.weight, base.lm_head.weight[kept])
     mlp = draft.midlayer.mlp.down_proj.weight

@@ -201,8 +201,7 @@ def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabul
         "heads.draft_vocab_size=128",
     )
     printed = capsys.readouterr().out
-    assert "draft_vocab.safetensors is built from this run's data" in printed
-    assert "removed the earlier run's 2 checkpoint(s)" in printed
+    assert "removed the earlier run's 2 checkpoint(s) and draft_vocab.safetensors" in printed
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step-00000003"]
     assert load_file(out / "draft_vocab.safetensors")["token_ids"].numel() == 128
     assert sorted(read_metrics(out)[0]) == [1, 2, 3]
@@ -212,25 +211,41 @@ def test_starting_afresh_over_an_earlier_run_removes_its_checkpoints_and_vocabul
 @pytest.mark.parametrize(
     "bad",
     [
-        "training.init_heads=no/such/heads",  # found once the base and data are loaded
-        "heads.draft_vocab_size=100000",  # past the base's 256 tokens
+        ["training.init_heads=no/such/heads"],  # found once the base and data are loaded
+        ["heads.draft_vocab_size=100000"],  # past the base's 256 tokens
+        # stopped (a Ctrl-C) after the heads and their vocabulary of 64 are built
+        ["heads.draft_vocab_size=64", "stop in make_optimizer"],
     ],
 )
-def test_a_fresh_run_refused_for_bad_input_leaves_the_earlier_checkpoints(
-    tiny_task, tmp_path, capsys, bad
+def test_a_fresh_run_refused_for_bad_input_leaves_the_earlier_run(
+    tiny_task, tmp_path, capsys, monkeypatch, bad
 ):
-    """resume=never removes the earlier run's checkpoints only once every input is checked: a
-    run refused on the way (exit 2) leaves them to resume, which goes on as before."""
-    out = tmp_path / "out"
-    run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.max_steps=2")
+    """resume=never removes the earlier run's checkpoints and draft vocabulary only once every
+    input has loaded: a run refused on the way (exit 2), or stopped before it begins, leaves
+    both, and the earlier run resumes as before."""
+    out, vocab = tmp_path / "out", tmp_path / "out" / "draft_vocab.safetensors"
+    earlier = ["training.max_steps=2", "heads.draft_vocab_size=128"]
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *earlier)
     before = sorted(p.name for p in (out / "checkpoints").iterdir())
     assert before == ["step-00000002"]
-    with pytest.raises(SystemExit) as exit_info:
-        run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.resume=never", bad)
-    assert exit_info.value.code == 2
+    vocab_before = vocab.read_bytes()
+    if "stop in make_optimizer" in bad:
+
+        def stop(*args):
+            raise KeyboardInterrupt
+
+        with monkeypatch.context() as mp, pytest.raises(SystemExit) as exit_info:
+            mp.setattr(train.medusa, "make_optimizer", stop)
+            run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.resume=never", bad[0])
+        assert exit_info.value.code == 130  # as a Ctrl-C ends a run
+    else:
+        with pytest.raises(SystemExit) as exit_info:
+            run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.resume=never", *bad)
+        assert exit_info.value.code == 2
     assert "removed the earlier run" not in capsys.readouterr().out
     assert sorted(p.name for p in (out / "checkpoints").iterdir()) == before
-    run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.max_steps=4")  # resume=auto
+    assert vocab.read_bytes() == vocab_before
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, "training.max_steps=4", earlier[1])
     assert "resumed" in capsys.readouterr().out
     assert sorted(read_metrics(out)[0]) == [1, 2, 3, 4]
 
@@ -366,19 +381,20 @@ def test_resume_refuses_other_weights_of_the_base_and_says_an_older_split(
     assert (out / "heads" / "config.json").is_file()
 
 
-def test_the_draft_vocabulary_is_written_whole_and_a_damaged_one_named(tmp_path):
-    from train.features import draft_vocabulary
+def test_the_draft_vocabulary_is_written_whole_read_on_resume_and_a_damaged_one_named(tmp_path):
+    from train.features import draft_vocabulary, save_draft_vocabulary
 
     examples = [{"input_ids": [5, 6, 6, 7, 7, 7], "loss_mask": [0, 1, 1, 1, 1, 1]}]
-    ids = draft_vocabulary(tmp_path, examples, 2, 16)
-    assert ids.tolist() == [6, 7] and sorted(p.name for p in tmp_path.iterdir()) == [
-        "draft_vocab.safetensors"  # no temporary file left
-    ]
-    assert torch.equal(draft_vocabulary(tmp_path, [], 2, 16), ids)  # read back, not rebuilt
+    ids = draft_vocabulary(tmp_path, examples, 2, 16, resumed=False)
+    assert ids.tolist() == [6, 7] and list(tmp_path.iterdir()) == []  # written at begin_run
+    save_draft_vocabulary(tmp_path, torch.tensor([3, 9]))  # an earlier run's, of other data
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["draft_vocab.safetensors"]  # no tmp
+    assert draft_vocabulary(tmp_path, [], 2, 16, resumed=True).tolist() == [3, 9]  # read back
+    assert draft_vocabulary(tmp_path, examples, 2, 16, resumed=False).tolist() == [6, 7]
     path = tmp_path / "draft_vocab.safetensors"
     path.write_bytes(path.read_bytes()[:20])  # as a kill mid-write left it before
     with pytest.raises(ValueError, match="draft_vocab.safetensors cannot be read.*delete it"):
-        draft_vocabulary(tmp_path, examples, 2, 16)
+        draft_vocabulary(tmp_path, examples, 2, 16, resumed=True)
 
 
 @pytest.mark.slow
