@@ -260,7 +260,8 @@ def load_base(
             model = model.to(device)
     # transformers' own message may not name it: no such repo, no network, a damaged file
     except (OSError, SafetensorError) as e:
-        if Path(path).resolve().is_relative_to(cache_dir().resolve()):  # converted from a GGUF
+        name = str(name_or_path)
+        if name.lower() == EMBEDDED_NAME or name.endswith(".gguf"):  # a copy converted from it
             raise BaseNotFoundError(
                 f"base model '{name_or_path}': its converted copy in {path} cannot be loaded "
                 f"({e}); remove that folder, and the next load converts the GGUF again"

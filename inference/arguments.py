@@ -5,8 +5,9 @@ from __future__ import annotations
 
 import math
 import numbers
+import operator
 import warnings
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 
 import torch
 
@@ -27,10 +28,13 @@ def check_generation_arguments(
         raise ValueError("acceptance must be 'lossless' (exact) or 'typical' (Medusa's, lossy)")
     if isinstance(stop_strings, str):  # one string, as HF takes it
         stop_strings = [stop_strings]
-    if stop_strings is not None and (
-        not isinstance(stop_strings, Sequence) or not all(isinstance(s, str) for s in stop_strings)
-    ):
-        raise TypeError(f"stop_strings must be a string or a list of them, got {stop_strings!r}")
+    if stop_strings is not None:  # a list, tuple, set or other iterable of strings
+        given = stop_strings
+        if isinstance(given, (bytes, Mapping)) or not isinstance(given, Iterable):
+            raise TypeError(f"stop_strings must be a string or a list of them, got {given!r}")
+        stop_strings = list(given)
+        if not all(isinstance(s, str) for s in stop_strings):
+            raise TypeError(f"stop_strings must be a string or a list of them, got {given!r}")
     if stop_strings and not all(stop_strings):
         raise ValueError("stop_strings holds an empty string, which matches anywhere: leave it out")
     if stop_strings and tokenizer is None:
@@ -53,7 +57,7 @@ def check_generation_arguments(
             f"temperature and top_p must be numbers and top_k an int; got "
             f"temperature={temperature!r}, top_k={top_k!r}, top_p={top_p!r}"
         )
-    if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+    if seed is not None and (not _is_index(seed) or isinstance(seed, bool)):
         raise TypeError(f"seed must be an int, or None for a fresh draw each call; got {seed!r}")
     if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(
@@ -66,6 +70,15 @@ def check_generation_arguments(
             "top_k / top_p: leave them off (top_k=0, top_p=1), or use lossless acceptance"
         )
     return max_new_tokens, stop_strings
+
+
+def _is_index(value) -> bool:
+    """An integer as Python reads one: an int, a numpy integer, a one-element integer tensor."""
+    try:
+        operator.index(value)
+    except TypeError:
+        return False
+    return True
 
 
 def integral(t: torch.Tensor) -> bool:

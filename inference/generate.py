@@ -14,6 +14,7 @@ This is the only module that calls the base model in a loop. Per step:
 
 from __future__ import annotations
 
+import operator
 import time
 import warnings
 from collections.abc import Iterator, Sequence
@@ -314,7 +315,7 @@ class SpeculativeGenerator:
         warn_pad_in_prompt(self.base, ids, attention_mask, eos)
         generator = None
         if seed is not None:
-            generator = torch.Generator(device=device).manual_seed(seed)
+            generator = torch.Generator(device=device).manual_seed(operator.index(seed))
         sampling = Sampling(temperature, top_k, top_p, generator)
         stats = {} if stats is None else stats
         stats.update(accepted_lengths=[], finished=False)

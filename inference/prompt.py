@@ -52,6 +52,7 @@ def prompt_ids(input_ids, attention_mask=None) -> torch.Tensor:
             f"input_ids are {ids.dtype}: token ids are integers (torch.long), as the tokenizer "
             "gives them"
         )
+    ids = ids.long()  # the embedding takes long or int ids only (not uint8, int16)
     if attention_mask is not None:
         mask = torch.as_tensor(attention_mask)
         shape = tuple(mask.shape)

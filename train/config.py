@@ -32,6 +32,13 @@ class ModelConfig:
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     attn_implementation: Literal["sdpa", "eager"] = "sdpa"
 
+    def __post_init__(self) -> None:
+        if not self.name_or_path.strip():
+            raise RecipeError(
+                "'model.name_or_path' is empty: give the base (the embedded "
+                "'smollm2-135m-instruct', a Hub id, a folder or a .gguf)"
+            )
+
 
 @dataclass
 class DataConfig:
@@ -285,10 +292,6 @@ class Recipe:
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
     def __post_init__(self) -> None:
-        if self.heads.lora_r > 0 and self.training.mode == "offline":
-            raise RecipeError(
-                "Medusa-2 (heads.lora_r > 0) adapts the base, so it needs training.mode=online"
-            )
         # training reads every *.jsonl of data.output_dir, and would read its own metrics.jsonl
         if Path(self.output.dir).resolve() == Path(self.data.output_dir).resolve():
             raise RecipeError(
@@ -299,7 +302,10 @@ class Recipe:
 
 
 def refuse_file(key: str, folder: str) -> None:
-    """An output folder of the recipe must not be an existing file (checked before any work)."""
+    """An output folder of the recipe must be named (`key=` would mean the working directory)
+    and not be an existing file (checked before any work)."""
+    if not folder.strip():
+        raise RecipeError(f"'{key}' is empty: give a folder (new or of an earlier run)")
     if Path(folder).is_file():
         raise RecipeError(f"'{key}' is {folder}, a file: give a folder (new or of an earlier run)")
 

@@ -101,6 +101,8 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
         if recipe.heads.type != default_type:
             kind = recipe.heads.type
             raise ValueError(f"heads.type={kind!r}: run train/{kind}.py for this recipe")
+        if recipe.heads.lora_r > 0 and recipe.training.mode == "offline":  # Medusa-2
+            raise ValueError("heads.lora_r > 0 adapts the base, so it needs training.mode=online")
         if recipe.hub.repo_id and (why := push_refused()):  # not after the whole run
             raise ValueError(
                 f"hub.repo_id={recipe.hub.repo_id}: {why}; or leave hub.repo_id out and push "

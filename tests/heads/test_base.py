@@ -81,6 +81,11 @@ def test_a_damaged_converted_copy_of_the_embedded_model_says_to_remove_it(
     with pytest.raises(FileNotFoundError, match=remove) as missing:
         load_base("smollm2-135m-instruct", device="cpu")
     assert "did you mean" not in str(cut.value) + str(missing.value)
+    mine = tmp_path / "my-model"  # a model of the user's own kept in the cache folder
+    shutil.copytree(copy, mine)
+    with pytest.raises(FileNotFoundError, match="could not be loaded") as own:
+        load_base(str(mine), device="cpu")
+    assert "converts the GGUF" not in str(own.value)
 
 
 def test_missing_gguf_file_is_clear(tmp_path):

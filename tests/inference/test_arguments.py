@@ -36,6 +36,8 @@ def check(**kw):
 def test_valid_arguments_are_normalised():
     assert check(max_new_tokens=np.int64(3)) == (3, None)
     assert check(stop_strings="###", tokenizer=SimpleNamespace(decode=str)) == (4, ["###"])
+    for given in ({"###"}, ("###",), (s for s in ["###"]), np.array(["###"])):  # as a list
+        assert check(stop_strings=given, tokenizer=SimpleNamespace(decode=str)) == (4, ["###"])
     assert check(temperature=0.7, top_k=5, top_p=1.0) == (4, None)
     assert check(temperature=0.7, top_p=1.0, acceptance="typical") == (4, None)
 
@@ -127,6 +129,18 @@ def test_prompt_ids_take_one_sequence_and_refuse_the_rest():
         with pytest.raises(TypeError, match=f"input_ids are {wrong.dtype}: token ids are integers"):
             prompt_ids(wrong)
     assert prompt_ids(ids.int()).tolist() == [3, 4, 5]
+
+
+def test_a_numpy_seed_and_small_integer_ids_are_taken_as_python_ints_and_long_ids():
+    gen = SpeculativeGenerator(make_tiny_llama(), None, num_tokens=3)
+    prompt = torch.tensor([[5, 6, 7]])
+    kw = dict(max_new_tokens=6, temperature=1.0)
+    sampled = gen.generate(prompt, seed=3, **kw).sequences
+    for seed in (np.int64(3), torch.tensor(3)):
+        assert torch.equal(gen.generate(prompt, seed=seed, **kw).sequences, sampled)
+    greedy = gen.generate(prompt, max_new_tokens=4).sequences
+    for dtype in (torch.uint8, torch.int16, torch.int32):
+        assert torch.equal(gen.generate(prompt.to(dtype), max_new_tokens=4).sequences, greedy)
 
 
 def test_token_ids_past_the_bases_embeddings_are_refused():

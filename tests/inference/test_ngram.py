@@ -181,7 +181,12 @@ def test_the_sequence_lookup_follows_its_rule_on_random_sequences(max_ngram, min
 
 
 def test_the_corpus_continues_a_long_sequence_from_its_suffix():
-    corpus = NgramTable([[10, 11, 12, 13, 14]], max_ngram=3, min_count=1)
+    # (7, 2, 3) -> 10 once, (2, 3) -> 20 twice: the 3-token context decides, and only a suffix
+    # of max_ngram tokens holds it
+    corpus = NgramTable(
+        [[7, 2, 3, 10], [8, 2, 3, 20], [9, 2, 3, 20]], max_ngram=3, min_count=1, min_share=0.0
+    )
     drafter = NgramDrafter(num_tokens=3, corpus=corpus)
-    sequence = torch.cat([torch.arange(100, 1100), torch.tensor([10, 11, 12])])
-    assert drafter.lookup(sequence) == [13, 14]
+    sequence = torch.cat([torch.arange(100, 1100), torch.tensor([7, 2, 3])])
+    assert drafter.lookup(sequence) == [10]
+    assert drafter.lookup(torch.cat([torch.arange(100, 1100), torch.tensor([2, 3])])) == [20]

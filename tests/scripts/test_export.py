@@ -1,6 +1,7 @@
 """scripts/export.py: the converter flags it prints, its exit codes and messages, run as a
 script and as main()."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -10,8 +11,6 @@ import pytest
 from heads import MedusaConfig, MedusaHeads
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
-import json
-
 import export  # noqa: E402  (scripts/ is not a package)
 
 

@@ -100,6 +100,16 @@ def test_heads_type_must_match_the_script(capsys):
     assert "run train/eagle.py" in capsys.readouterr().err
 
 
+def test_medusa2_offline_is_refused_before_the_run(capsys):
+    """Medusa-2 adapts the base, so its features cannot be cached: said before any work."""
+    with pytest.raises(SystemExit) as exit_:
+        train.medusa.main([str(TINY_MEDUSA), "heads.lora_r=4", "training.mode=offline"])
+    assert exit_.value.code == 2
+    assert "heads.lora_r > 0 adapts the base, so it needs training.mode=online" in (
+        capsys.readouterr().err
+    )
+
+
 def test_a_hub_repo_that_could_not_be_pushed_to_is_refused_before_the_run(monkeypatch, capsys):
     """Offline or without a token, the push at the end would fail after the whole run."""
     import huggingface_hub

@@ -316,10 +316,7 @@ def test_an_override_without_a_value_is_refused_unless_the_field_takes_text():
             load_recipe(None, [item])
     assert load_recipe(None, ["data.limit=null"]).data.limit is None  # said, it is taken
     assert load_recipe(None, ["hub.repo_id="]).hub.repo_id == ""  # text: empty, no push
-
-
-def test_medusa2_offline_is_refused_with_the_recipe():
-    """Medusa-2 adapts the base, so its features cannot be cached: said before any work."""
-    with pytest.raises(RecipeError, match="Medusa-2 .* needs training.mode=online"):
-        load_recipe(None, ["heads.lora_r=4", "training.mode=offline"])
-    assert load_recipe(None, ["heads.lora_r=4"]).training.mode == "online"
+    # a folder or the base left empty would be the working directory or no model at all
+    for key in ("output.dir", "data.output_dir", "model.name_or_path"):
+        with pytest.raises(RecipeError, match=f"'{key}' is empty: give"):
+            load_recipe(None, [f"{key}="])
