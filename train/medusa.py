@@ -227,7 +227,7 @@ def training_function(recipe: Recipe) -> dict:
     identity |= data_identity
     heads, vocab = build_heads(recipe, base, train_ds, accelerator, resumed=ckpt is not None)
     lora_params = []
-    if recipe.heads.lora_r > 0:  # Medusa-2 (training.mode=online, as the recipe checks)
+    if recipe.heads.lora_r > 0:  # Medusa-2 (online: parse_args refuses training.mode=offline)
         from peft import LoraConfig, get_peft_model
 
         spec = recipe.heads
