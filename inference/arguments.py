@@ -30,10 +30,9 @@ def check_generation_arguments(
         stop_strings = [stop_strings]
     if stop_strings is not None:  # a list, tuple, set or other iterable of strings
         given = stop_strings
-        if isinstance(given, (bytes, Mapping)) or not isinstance(given, Iterable):
-            raise TypeError(f"stop_strings must be a string or a list of them, got {given!r}")
-        stop_strings = list(given)
-        if not all(isinstance(s, str) for s in stop_strings):
+        iterable = isinstance(given, Iterable) and not isinstance(given, (bytes, Mapping))
+        stop_strings = list(given) if iterable else []
+        if not iterable or not all(isinstance(s, str) for s in stop_strings):
             raise TypeError(f"stop_strings must be a string or a list of them, got {given!r}")
     if stop_strings and not all(stop_strings):
         raise ValueError("stop_strings holds an empty string, which matches anywhere: leave it out")
