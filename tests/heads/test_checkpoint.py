@@ -388,3 +388,90 @@ def test_heads_for_another_base_of_the_same_sizes_are_warned_about(
         warnings.simplefilter("always")
         SpeculativeGenerator(tiny_llama, heads)
     assert not [w for w in caught if "trained on 'tiny-llama-0'" in str(w.message)]
+
+
+def test_a_weights_file_whose_target_is_gone_is_said_to_be_unreadable(tiny_llama, tmp_path):
+    # the Hub cache keeps model.safetensors as a link to a blob: a deleted blob leaves it dangling
+    _medusa(tiny_llama).save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").symlink_to(tmp_path / "blobs" / "gone")
+    with pytest.raises(
+        ValueError, match="model.safetensors is unreadable or truncated .*re-download"
+    ):
+        load_heads(tmp_path)
+
+
+@pytest.mark.parametrize("name", ["medusa_lm_head.pt", "heads.pth", "last.ckpt", "model.bin"])
+def test_every_pickled_checkpoint_kind_is_named_and_refused(tiny_llama, tmp_path, name):
+    heads = _medusa(tiny_llama)
+    heads.save_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    torch.save(heads.state_dict(), tmp_path / name)
+    with pytest.raises(FileNotFoundError, match=f"Found {name}: pickled checkpoints are never"):
+        load_heads(tmp_path)
+
+
+def test_a_path_that_is_no_repo_id_is_not_looked_for_on_the_hub(tmp_path, monkeypatch):
+    import huggingface_hub
+
+    def asked(repo_id, **kwargs):
+        raise AssertionError(f"the Hub was asked for {repo_id}")
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", asked)
+    for path in (tmp_path / "nope", "./runs/heads", "runs/x/heads"):
+        with pytest.raises(FileNotFoundError, match=f"heads folder not found: {path}$"):
+            load_heads(path)
+
+
+def test_a_repo_id_the_hub_refuses_is_said_as_not_found():
+    # one slash, so a repo id's form, but a name the Hub never accepts: refused before any request
+    with pytest.raises(
+        FileNotFoundError,
+        match=r"heads not found: me/my heads is not a local folder, and the Hub gave: Repo id must",
+    ):
+        load_heads("me/my heads")
+
+
+def test_a_shared_medusa_head_left_out_of_the_folder_is_the_bases_or_missing(tiny_llama, tmp_path):
+    heads = _medusa(tiny_llama, original_lm_head=True)
+    heads.save_pretrained(tmp_path)
+    tensors = load_file(tmp_path / "model.safetensors")
+    del tensors["lm_head.weight"]  # vLLM's Medusa reads the base's lm_head when it is absent
+    save_file(tensors, tmp_path / "model.safetensors")
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert loaded.lm_head is tiny_llama.lm_head
+    hidden = torch.randn(1, 4, 64)
+    torch.testing.assert_close(loaded(hidden), heads.eval()(hidden), rtol=0, atol=0)
+    # without the base there is no head to take: refused, not left at its random init
+    with pytest.raises(ValueError, match="missing tensors: lm_head.weight"):
+        load_heads(tmp_path)
+
+
+def test_heads_loaded_on_a_base_take_the_dtype_asked_for(tiny_llama, tmp_path):
+    _medusa(tiny_llama).save_pretrained(tmp_path)
+    assert {p.dtype for p in load_heads(tmp_path, base=tiny_llama).parameters()} == {torch.float32}
+    cast = load_heads(tmp_path, base=tiny_llama, dtype=torch.bfloat16)
+    assert {p.dtype for p in cast.parameters()} == {torch.bfloat16}
+
+
+def test_a_shared_head_of_a_reduced_vocabulary_keeps_its_rows_on_the_base(tiny_llama, tmp_path):
+    keep = torch.tensor([0, 2, 3, 7, 100, 255])
+    config = MedusaConfig.from_base(
+        tiny_llama.config, num_heads=2, truncated_vocab_size=6, original_lm_head=True
+    )
+    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map=keep)
+    heads.save_pretrained(tmp_path)
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    hidden = torch.randn(1, 3, 64)
+    logits = loaded(hidden)  # (K, B, T, V_draft)
+    assert logits.shape == (2, 1, 3, 6)
+    torch.testing.assert_close(logits[0], tiny_llama.lm_head(hidden)[..., keep])
+    assert loaded.to_base_ids(logits.argmax(-1)).max() <= 255
+
+
+def test_a_base_models_folder_given_for_heads_is_refused(tmp_path):
+
+    make_tiny_llama().save_pretrained(tmp_path)  # a 2-layer Llama: a base, not an EAGLE draft
+    assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
+    with pytest.raises(ValueError, match="neither Medusa heads .* got model_type='llama'"):
+        load_heads(tmp_path)

@@ -2,6 +2,7 @@
 reference keys, other trainers' EAGLE-3 (aux ids in either meaning, no base record, the whole
 vocabulary), EAGLE's reference EAGLE-1."""
 
+import dataclasses
 import json
 
 import pytest
@@ -282,3 +283,23 @@ def test_medusa_truncated_to_the_whole_vocabulary_without_token_map(tiny_llama, 
     assert loaded.token_map is None and loaded.config.truncated_vocab_size is None
     hidden = torch.randn(1, 3, 64)
     torch.testing.assert_close(loaded(hidden), heads(hidden), rtol=0, atol=0)
+
+
+def test_an_eagle3_draft_narrower_than_its_base_is_checked_by_target_hidden_size(
+    tiny_llama, tmp_path
+):
+    config = EagleConfig.from_base(tiny_llama.config, version=3, draft_vocab_size=256)
+    config = dataclasses.replace(
+        config, hidden_size=32, num_attention_heads=2, num_key_value_heads=1, head_dim=16
+    )
+    EagleDraft(config).save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    for key in ("base_model_name_or_path", "base_hidden_size", "base_vocab_size"):
+        del cfg[key]  # as written by other trainers
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    assert (cfg["hidden_size"], cfg["target_hidden_size"]) == (32, 64)
+    loaded = load_heads(tmp_path, base=tiny_llama)
+    assert loaded.config.base_hidden_size == 64
+    narrow = make_tiny_llama(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
+    with pytest.raises(ValueError, match=r"hidden_size=64.*hidden_size=32"):
+        load_heads(tmp_path, base=narrow)

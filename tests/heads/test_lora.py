@@ -1,5 +1,6 @@
 import copy
 import shutil
+from contextlib import contextmanager
 from pathlib import Path
 
 import torch
@@ -277,3 +278,44 @@ def test_the_probe_goes_by_all_its_entries_not_the_one_furthest_off():
         "merged": merged,
     }
     assert lora_merged(base, probe) is True
+
+
+def _sharded(adapted):
+    """`adapted` with its adapted q_proj's parameters emptied, as ZeRO-3 leaves them outside a
+    gather, and the `gather(*params)` that makes them whole for the while."""
+    module = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    whole = {p: p.data for p in module.parameters()}
+    for p in whole:
+        p.data = torch.empty(0)
+    gathered = []
+
+    @contextmanager
+    def gather(*params):
+        gathered.append(set(params))
+        for p in params:
+            p.data = whole[p]
+        try:
+            yield
+        finally:
+            for p in params:
+                p.data = torch.empty(0)
+
+    return module, gather, gathered
+
+
+def test_a_sharded_adapter_is_probed_within_its_gather():
+    adapted = _adapted(make_tiny_llama(seed=2))
+    want = lora_probe(adapted, k=4)
+    module, gather, gathered = _sharded(adapted)
+    assert lora_probe(adapted, k=4, gather=gather) == want
+    assert gathered == [set(module.parameters())]  # once, for the module read
+    assert all(p.numel() == 0 for p in module.parameters())  # sharded again afterwards
+
+
+def test_the_probe_holds_eight_entries_unless_told():
+    adapted = _adapted(make_tiny_llama(seed=2))
+    module = adapted.base_model.model.model.layers[0].self_attn.q_proj
+    delta = module.get_delta_weight("default").reshape(-1)
+    probe = lora_probe(adapted)
+    assert sorted(probe["index"]) == sorted(delta.abs().topk(8).indices.tolist())
+    assert len(probe["plain"]) == len(probe["merged"]) == 8

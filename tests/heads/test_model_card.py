@@ -1,6 +1,7 @@
 """The model card's serving lines: each kind of heads gets the vLLM method, draft path and
 token count, and the SGLang algorithm and draft path, that serve it as headstart drafts."""
 
+import pytest
 import torch
 from transformers import LlamaConfig
 
@@ -50,3 +51,54 @@ def test_medusa_cards_draft_one_token_per_head_on_the_base_they_read():
     config.base_lora = "lora"  # Medusa-2: served on the base with the adapter merged
     card = model_card(config, "me/m2")
     assert 'LLM(model="BASE_WITH_LORA_MERGED"' in card and 'LLM(model="org/base"' not in card
+
+
+def _front_matter(card: str) -> str:
+    assert card.startswith("---\n")
+    return card.split("---\n")[1]
+
+
+@pytest.mark.parametrize(
+    ("config", "tag"),
+    [
+        (MedusaConfig.from_base(BASE, num_heads=2), "medusa"),
+        (EagleConfig.from_base(BASE, version=3, draft_vocab_size=256), "eagle"),
+        (EagleConfig.from_base(BASE, version=1), "eagle"),
+    ],
+)
+def test_the_cards_tags_name_the_kind_of_heads(config, tag):
+    tags = [
+        line.removeprefix("- ")
+        for line in _front_matter(model_card(config, "me/x")).splitlines()
+        if line.startswith("- ")
+    ]
+    assert tags == ["speculative-decoding", tag, "headstart"]
+
+
+def test_a_base_folder_here_named_like_a_repo_is_not_the_cards_base_model(tmp_path, monkeypatch):
+    # "org/base" has a repo id's form; a base loaded from the folder ./org/base is no Hub repo
+    config = MedusaConfig.from_base(BASE, num_heads=2)
+    config.base_model_name_or_path = "org/base"
+    assert "base_model: org/base\n" in _front_matter(model_card(config, "me/m"))
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "org" / "base").mkdir(parents=True)
+    assert "base_model" not in _front_matter(model_card(config, "me/m"))
+
+
+def test_a_medusa2_card_loads_its_heads_on_the_base_with_their_adapter_merged():
+    config = MedusaConfig.from_base(BASE, num_heads=2)
+    config.base_model_name_or_path = "org/base"
+    config.base_lora = "lora"
+    card = model_card(config, "me/m2")
+    assert (
+        'base, tokenizer = load_base("org/base")\n'
+        "from peft import PeftModel\n"
+        'base = PeftModel.from_pretrained(base, "me/m2", subfolder="lora").merge_and_unload()\n'
+        'heads = load_heads("me/m2", base=base)\n'
+    ) in card
+    config.base_lora = ""  # Medusa-1: the heads on the base as it is
+    card = model_card(config, "me/m")
+    assert (
+        'base, tokenizer = load_base("org/base")\nheads = load_heads("me/m", base=base)\n' in card
+    )
+    assert "PeftModel" not in card

@@ -9,12 +9,14 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from transformers import DynamicCache, Phi3Config
+from transformers import DynamicCache, GenerationConfig, LlamaConfig, Phi3Config
 
 from heads import MedusaConfig, MedusaHeads
 from inference import SpeculativeGenerator, plain_generation_config
 from inference.base_checks import (
+    _LOGITS_SETTINGS,
     not_full_attention,
+    plain_generation,
     position_rules,
     warn_unapplied_logits_settings,
 )
@@ -340,3 +342,69 @@ def test_a_base_that_scales_its_logits_slightly_is_refused():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         SpeculativeGenerator(make_tiny_llama())  # the unscaled base is taken
+
+
+def test_a_longrope_under_the_older_type_key_sets_its_switch():
+    # Phi-3's config.json files name the rope kind under "type" (transformers 4's rope_scaling)
+    config = SimpleNamespace(
+        rope_scaling={
+            "type": "longrope",
+            "original_max_position_embeddings": 4096,
+            "short_factor": [1.0] * 8,
+            "long_factor": [2.0] * 8,
+        },
+        model_type="llama",
+    )
+    assert position_rules(config).crossings == (4096,)
+
+
+@pytest.mark.parametrize("model_type", ["phi3", "phimoe", "phi4_multimodal"])
+def test_the_phi3_family_recomputes_at_its_original_context(model_type):
+    config = SimpleNamespace(model_type=model_type, original_max_position_embeddings=64)
+    rules = position_rules(config)
+    assert rules.recompute_at == 64 and rules.crossings == (64,)
+
+
+def test_other_families_with_an_original_context_take_trees_across_it():
+    # only the Phi-3 family's generate computes the sequence again there
+    config = LlamaConfig(**TINY, original_max_position_embeddings=64)
+    rules = position_rules(config)
+    assert rules.recompute_at is None and rules.crossings == ()
+
+
+NOT_NEUTRAL = {
+    "repetition_penalty": 1.05,
+    "no_repeat_ngram_size": 3,
+    "min_length": 4,
+    "min_new_tokens": 5,
+    "bad_words_ids": [[7]],
+    "suppress_tokens": [7],
+    "begin_suppress_tokens": [7],
+    "sequence_bias": {(7,): -1.0},
+    "forced_eos_token_id": 2,
+    "exponential_decay_length_penalty": (4, 1.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(NOT_NEUTRAL))
+def test_each_logits_setting_of_the_generation_config_is_said_and_left_out(name):
+    assert set(NOT_NEUTRAL) == set(_LOGITS_SETTINGS)
+    base = make_tiny_llama()
+    setattr(base.generation_config, name, NOT_NEUTRAL[name])
+    with pytest.warns(UserWarning, match=f"sets {name}="):
+        warn_unapplied_logits_settings(base)
+    assert getattr(plain_generation_config(base), name) is None
+    assert getattr(base.generation_config, name) == NOT_NEUTRAL[name]  # the base's own kept
+
+
+def test_plain_generation_takes_the_config_given_and_gives_the_bases_back():
+    base = make_tiny_llama()
+    base.generation_config.repetition_penalty = 1.3
+    kept = base.generation_config
+    given = GenerationConfig(max_new_tokens=3, do_sample=False)  # as the scripts build it
+    prompt = torch.tensor([[1, 5, 9, 22, 7]])
+    with plain_generation(base, given):
+        assert base.generation_config is given
+        out = base.generate(prompt)
+    assert out.shape == (1, 8)  # the given config's max_new_tokens
+    assert base.generation_config is kept
