@@ -190,3 +190,17 @@ def test_the_corpus_continues_a_long_sequence_from_its_suffix():
     sequence = torch.cat([torch.arange(100, 1100), torch.tensor([7, 2, 3])])
     assert drafter.lookup(sequence) == [10]
     assert drafter.lookup(torch.cat([torch.arange(100, 1100), torch.tensor([2, 3])])) == [20]
+
+
+def test_a_corpus_context_longer_than_the_drafters_ngrams_decides():
+    # (1, 2, 3, 4) -> 10 once; (2, 3, 4) and (3, 4) -> 20 twice: only the 4-token context,
+    # which the drafter's 2-gram lookup of the sequence would not reach, gives 10
+    corpus = NgramTable(
+        [[1, 2, 3, 4, 10], [8, 2, 3, 4, 20], [9, 2, 3, 4, 20]],
+        max_ngram=4,
+        min_count=1,
+        min_share=0.0,
+    )
+    drafter = NgramDrafter(num_tokens=2, max_ngram=2, corpus=corpus)
+    assert drafter.lookup(torch.cat([torch.arange(100, 200), torch.tensor([1, 2, 3, 4])])) == [10]
+    assert drafter.lookup(torch.cat([torch.arange(100, 200), torch.tensor([7, 2, 3, 4])])) == [20]

@@ -148,3 +148,12 @@ def test_an_empty_stop_string_is_refused():
             stop_strings=["x", ""],
             tokenizer=ByteTokenizer(),
         )
+
+
+def test_a_stop_string_ending_where_the_prompt_ends_does_not_stop_the_answer():
+    stopping = Stopping(list(b"say END"), 10, set(), ["END"], ByteTokenizer())
+    new, done = stopping.cut(list(b"ok"))
+    assert new == list(b"ok") and not done and not stopping.finished
+    new, done = stopping.cut(list(b" END!"))
+    assert new == list(b" END") and done and stopping.finished
+    assert stopping.generated == list(b"ok END")

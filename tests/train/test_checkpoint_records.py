@@ -9,10 +9,16 @@ from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+import torch
 import yaml
+from safetensors.torch import load_file
 
 from train.checkpoint import (
     STATE_NAME,
+    TrainingDiverged,
+    base_identity,
+    begin_run,
+    check_finite,
     check_same_examples,
     check_same_run,
     complete_checkpoints,
@@ -22,6 +28,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import RecipeError, load_recipe, recipe_to_dict
+from train.features import VOCAB_FILE, save_draft_vocabulary
 
 
 class FakeAccelerator(SimpleNamespace):
@@ -159,3 +166,122 @@ def test_an_infinite_loss_stops_training_as_a_nan_does(tmp_path, loss):
     check_finite(1.5, 3, tmp_path)  # finite: goes on
     with pytest.raises(TrainingDiverged, match=rf"loss is {loss} at step 3; training stopped"):
         check_finite(loss, 3, tmp_path)
+
+
+def _names(folder) -> list[str]:
+    return sorted(p.name for p in folder.iterdir())
+
+
+def test_a_fresh_run_removes_the_earlier_runs_checkpoints_a_killed_save_and_vocabulary(
+    tmp_path, capsys
+):
+    out = tmp_path / "out"
+    for step in (2, 4):
+        _step(out, step)
+    killed = out / "checkpoints" / ".tmp-step-00000006"  # a save cut short by a kill
+    killed.mkdir()
+    save_draft_vocabulary(out, torch.tensor([3, 9]))  # the earlier run's, of its data
+    recipe = load_recipe(None, [f"output.dir={out}"])
+
+    begin_run(recipe, None, FakeAccelerator(), vocab=torch.tensor([5, 6, 7]))
+
+    assert _names(out / "checkpoints") == []
+    assert load_file(out / VOCAB_FILE)["token_ids"].tolist() == [5, 6, 7]  # this run's
+    printed = capsys.readouterr().out
+    assert "removed the earlier run's 3 checkpoint(s) and draft_vocab.safetensors" in printed
+
+
+def test_resuming_an_earlier_checkpoint_removes_the_later_ones_and_keeps_the_vocabulary(
+    tmp_path, capsys
+):
+    out = tmp_path / "out"
+    two = _step(out, 2)
+    for step in (4, 6):
+        _step(out, step)
+    save_draft_vocabulary(out, torch.tensor([3, 9]))
+    recipe = load_recipe(None, [f"output.dir={out}"])
+
+    begin_run(recipe, two, FakeAccelerator(), vocab=torch.tensor([3, 9]))
+
+    assert _names(out / "checkpoints") == ["step-00000002"]
+    assert load_file(out / VOCAB_FILE)["token_ids"].tolist() == [3, 9]
+    assert "resuming from step-00000002: removed the 2 later checkpoint(s)" in (
+        capsys.readouterr().out
+    )
+
+
+def test_resuming_a_checkpoint_of_another_folder_keeps_this_outputs_checkpoints(tmp_path, capsys):
+    """training.resume=PATH of another run's checkpoint: the later steps of this output are not
+    a continuation of it, and stay."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    for step in (4, 6):
+        _step(out, step)
+    other = _step(elsewhere, 2)
+    recipe = load_recipe(None, [f"output.dir={out}"])
+
+    begin_run(recipe, other, FakeAccelerator())
+
+    assert _names(out / "checkpoints") == ["step-00000004", "step-00000006"]
+    assert "removed" not in capsys.readouterr().out
+
+
+def test_a_run_keeps_its_last_keep_last_checkpoints(tmp_path):
+    recipe = load_recipe(None, [f"output.dir={tmp_path}"])
+    for step in (1, 2, 3, 4):
+        save_checkpoint(FakeAccelerator(), tmp_path, recipe, {"step": step}, keep_last=2)
+    assert _names(tmp_path / "checkpoints") == ["step-00000003", "step-00000004"]
+
+
+@pytest.mark.parametrize(
+    "override, named",
+    [
+        ("training.seed=1", "training.seed: 0 there, 1 now"),
+        ("training.init_heads=other/heads", "training.init_heads: None there, 'other/heads' now"),
+        ("training.text_corpus=[notes]", r"training.text_corpus: \[\] there, \['notes'\] now"),
+        ("data.chat_template=chat.jinja", "data.chat_template: None there, 'chat.jinja' now"),
+    ],
+)
+def test_what_the_heads_start_from_and_train_on_is_fixed_on_resume(tmp_path, override, named):
+    ckpt = tmp_path / "step-00000004"
+    ckpt.mkdir()
+    recipe = load_recipe(None, [])
+    (ckpt / STATE_NAME).write_text(json.dumps({"step": 4, "num_processes": 1}))
+    (ckpt / "recipe.yaml").write_text(yaml.safe_dump(recipe_to_dict(recipe)))
+    with pytest.raises(RecipeError, match=rf"{named}.*resume=never"):
+        check_same_run(ckpt, load_recipe(None, [override]), processes=1)
+
+
+def test_a_nan_right_after_a_checkpoint_also_names_the_one_before(tmp_path):
+    """The last checkpoint holds the weights the diverged step started from: the one before it
+    is named too (or a fresh start, when it is the only one)."""
+    for step in (2, 4, 6):
+        _step(tmp_path, step)
+    ckpts = tmp_path / "checkpoints"
+    with pytest.raises(TrainingDiverged) as stopped:
+        check_finite(float("nan"), 7, tmp_path)
+    said = str(stopped.value)
+    assert f"goes on from the last checkpoint, {ckpts / 'step-00000006'}" in said
+    assert f"rerun with training.resume={ckpts / 'step-00000004'}, the one before" in said
+
+    with pytest.raises(TrainingDiverged) as stopped:  # steps 7-8 ran from step 6's weights
+        check_finite(float("nan"), 9, tmp_path)
+    assert "started from" not in str(stopped.value)
+
+    (ckpts / "step-00000002" / STATE_NAME).unlink()  # two checkpoints: 4 and 6
+    with pytest.raises(TrainingDiverged, match=r"resume=\S*step-00000004, the one before"):
+        check_finite(float("nan"), 7, tmp_path)
+    (ckpts / "step-00000004" / STATE_NAME).unlink()  # step 6 is the only one
+    with pytest.raises(TrainingDiverged, match="rerun with training.resume=never, afresh"):
+        check_finite(float("nan"), 7, tmp_path)
+
+
+def test_other_weights_of_a_checkpoint_without_a_dtype_are_said_as_other_weights(
+    tiny_llama, tmp_path
+):
+    """A checkpoint from before the base's dtype was recorded: the fingerprints still tell
+    other weights apart, and the error says so rather than blame a dtype of None."""
+    ckpt = tmp_path / "step-00000002"
+    ckpt.mkdir()
+    (ckpt / STATE_NAME).write_text(json.dumps({"step": 2, "base_weights": "0123456789abcdef"}))
+    with pytest.raises(RecipeError, match="other weights of the base than those loaded now"):
+        base_identity(tiny_llama, ckpt)

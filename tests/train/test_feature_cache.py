@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 from collections import namedtuple
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -319,3 +320,102 @@ def test_offline_features_are_each_examples_own_length_and_the_bases():
         assert feats["hidden"].shape == (len(example["input_ids"]), 64)
         torch.testing.assert_close(feats["hidden"], alone["hidden"][0], atol=1e-5, rtol=1e-4)
         assert torch.equal(feats["top"], alone["top"][0])
+
+
+class Process(SimpleNamespace):
+    """What fill_cache uses of an Accelerator, as process `rank` of `world` sees it."""
+
+    def __init__(self, rank: int, world: int):
+        super().__init__(is_main_process=rank == 0, process_index=rank, num_processes=world)
+
+    def print(self, *args):
+        print(*args)
+
+    def wait_for_everyone(self):
+        pass
+
+
+def test_two_processes_compute_each_missing_example_once(tmp_path, monkeypatch):
+    base, exs = make_tiny_llama(seed=3), examples(5)
+    plans = []  # the main process's plan, as broadcast_object_list hands it to the other
+
+    def broadcast(plan, from_process):
+        if plan[0] is not None or plan[1] is not None:
+            plans.append(plan)
+        return plans[-1]
+
+    computed = []
+    real = features.base_features
+    monkeypatch.setattr(fc, "broadcast_object_list", broadcast)
+    monkeypatch.setattr(
+        features, "base_features", lambda *a, **kw: computed.append(a[1].shape[0]) or real(*a, **kw)
+    )
+    for rank in (0, 1):
+        fc.fill_cache(
+            base,
+            exs,
+            [],
+            tmp_path,
+            base_name="tiny",
+            batch_size=3,
+            pad_token_id=0,
+            accelerator=Process(rank, 2),
+        )
+    assert sum(computed) == len(exs)  # 3 on the main process, 2 on the other
+    shards = sorted(tmp_path.glob("features-r*.safetensors"))
+    assert [s.name[:13] for s in shards] == ["features-r000", "features-r001"]
+    cache = fc.FeatureCache(tmp_path, exs, torch.float32)
+    assert [cache[i]["hidden"].shape[0] for i in range(len(exs))] == [
+        len(e["input_ids"]) for e in exs
+    ]
+
+
+def test_greedy_tokens_of_a_large_vocabulary_are_kept_exactly(tmp_path):
+    """Token ids past 256 are not all bf16 numbers (49,153 would read 49,152): "top" is int32."""
+    base = make_tiny_llama(seed=3, vocab_size=50_000)
+    ids = [40_001, 49_153, 257, 12_345, 33_333]
+    exs = [{"input_ids": ids, "loss_mask": [1] * len(ids), "labels": ids}]
+    fill(base, exs, tmp_path, aux=[])
+    greedy = base(input_ids=torch.tensor([exs[0]["input_ids"]])).logits[0].argmax(-1)
+    assert torch.equal(fc.FeatureCache(tmp_path, exs, torch.float32)[0]["top"], greedy)
+    assert not torch.equal(greedy.to(torch.bfloat16).long(), greedy)  # ids bf16 cannot hold
+
+
+def test_the_fingerprint_tells_apart_a_base_retrained_past_each_tensors_start():
+    """Embedding rows of the upper half of the vocabulary retrained (tokens added, say): the
+    values sampled over each whole tensor see it, not only its first ones."""
+    base, other = make_tiny_llama(seed=3), make_tiny_llama(seed=3)
+    assert fc.weights_fingerprint(base) == fc.weights_fingerprint(other)
+    with torch.no_grad():
+        other.model.embed_tokens.weight[128:] += 0.5
+    assert fc.weights_fingerprint(base) != fc.weights_fingerprint(other)
+
+
+def test_a_cache_that_just_fits_the_free_disk_is_filled(tmp_path, monkeypatch):
+    exs = examples(3)
+    need = sum(len(e["input_ids"]) for e in exs) * fc.bytes_per_token(64, with_aux=False)
+    Usage = namedtuple("Usage", "total used free")
+    monkeypatch.setattr(fc.shutil, "disk_usage", lambda _: Usage(10**9, 10**9 - need, need))
+    fill(make_tiny_llama(seed=3), exs, tmp_path, aux=[])
+    index = []
+    for shard in tmp_path.glob("features-r000-*.safetensors"):
+        with fc.safe_open(shard, framework="pt") as f:
+            index += json.loads(f.metadata()["index"])
+    assert len(index) == 3
+
+
+def test_a_shard_is_written_once_it_holds_its_limit(tmp_path):
+    """Each shard holds the examples added until its bytes reached shard_bytes; the rest wait
+    for the next."""
+    exs, limit = examples(7), 4096
+    fill(make_tiny_llama(seed=3), exs, tmp_path, aux=[], shard_bytes=limit)
+    per_token = fc.bytes_per_token(64, with_aux=False)  # what a shard holds of each token
+    sizes = []
+    for shard in sorted(tmp_path.glob("features-r000-*.safetensors")):
+        with fc.safe_open(shard, framework="pt") as f:
+            sizes.append([rows for _, _, rows in json.loads(f.metadata()["index"])])
+    tokens = sum(len(e["input_ids"]) for e in exs)
+    assert tokens * per_token > 2 * limit and len(sizes) >= 2
+    for rows in sizes[:-1]:  # each reached the limit, and would not have without its last
+        assert sum(rows) * per_token >= limit > sum(rows[:-1]) * per_token
+    assert sum(map(len, sizes)) == len(exs)

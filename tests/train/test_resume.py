@@ -7,6 +7,7 @@ import math
 from pathlib import Path
 
 import pytest
+import safetensors.torch
 import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
@@ -16,6 +17,7 @@ import train.medusa
 from tests.train.conftest import MEDUSA_RUN, TINY_EAGLE, TINY_MEDUSA, load_tiny_base, run
 from tests.train.test_recipes import heads_tensors, read_metrics
 from train.config import load_recipe
+from train.features import VOCAB_FILE, draft_vocabulary, save_draft_vocabulary
 
 
 class Interrupted(Exception):
@@ -414,3 +416,32 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_on_its_stretched_schedule
     assert got[5]["lr"] > 0
     for step in (5, 6):
         assert got[step]["lr"] == pytest.approx(want[step]["lr"], rel=1e-9), step
+
+
+def test_a_resumed_run_refuses_a_draft_vocabulary_of_another_size(tmp_path):
+    examples = [{"input_ids": [5, 6, 6, 7, 7, 7], "loss_mask": [0, 1, 1, 1, 1, 1]}]
+    save_draft_vocabulary(tmp_path, torch.tensor([3, 9]))
+    with pytest.raises(
+        ValueError, match="holds 2 tokens but the recipe asks for 3; use a new output.dir"
+    ):
+        draft_vocabulary(tmp_path, examples, 3, 16, resumed=True)
+
+
+def test_a_vocabulary_write_killed_midway_leaves_the_earlier_one_whole(tmp_path, monkeypatch):
+    save_draft_vocabulary(tmp_path, torch.tensor([3, 9]))
+    real = safetensors.torch.save_file
+
+    def killed_mid_write(tensors, path, metadata=None):
+        real(tensors, path, metadata)
+        with open(path, "r+b") as f:
+            f.truncate(20)  # only part of it reached the disk
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(safetensors.torch, "save_file", killed_mid_write)
+    with pytest.raises(KeyboardInterrupt):
+        save_draft_vocabulary(tmp_path, torch.tensor([4, 8]))
+    monkeypatch.undo()
+    assert draft_vocabulary(tmp_path, [], 2, 16, resumed=True).tolist() == [3, 9]
+    save_draft_vocabulary(tmp_path, torch.tensor([4, 8]))  # the rerun writes it whole
+    assert sorted(p.name for p in tmp_path.iterdir()) == [VOCAB_FILE]
+    assert draft_vocabulary(tmp_path, [], 2, 16, resumed=True).tolist() == [4, 8]
