@@ -24,6 +24,7 @@ import hashlib
 import json
 import os
 import shutil
+import socket
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -266,9 +267,13 @@ def _plan(cache_dir: Path, examples: Sequence[dict], per_token: int) -> list:
 
 
 def _remove_stale_tmp(cache_dir: Path) -> None:
-    """Temporary shards of killed fills (their process is gone) on this machine."""
-    for tmp in cache_dir.glob(".features-*.tmp"):  # .NAME.PID.tmp
-        pid = tmp.name.split(".")[-2]
+    """Temporary shards of killed fills on this machine (their process is gone). Another
+    machine's, on shared storage, are left to it: its process ids mean nothing here."""
+    here = socket.gethostname()
+    for tmp in cache_dir.glob(".features-*.tmp"):  # .NAME.HOST.PID.tmp (.NAME.PID.tmp before)
+        host, _, pid = tmp.name.removesuffix(".tmp").partition(".safetensors.")[2].rpartition(".")
+        if host not in ("", here):
+            continue
         try:
             os.kill(int(pid), 0)
         except (ValueError, ProcessLookupError):
@@ -304,7 +309,7 @@ class _ShardBuffer:
         if not self.index:
             return
         name = f"{self.prefix}-{self.next_index:05d}.safetensors"
-        tmp = self.cache_dir / f".{name}.{os.getpid()}.tmp"
+        tmp = self.cache_dir / f".{name}.{socket.gethostname()}.{os.getpid()}.tmp"
         tensors = {k: torch.cat(v).contiguous() for k, v in self.rows.items()}  # (rows, D)
         save_file(tensors, tmp, metadata={"index": json.dumps(self.index)})
         with open(tmp, "rb+") as f:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -87,10 +88,14 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     shards = sorted(tmp_path.glob("features-r000-*.safetensors"))
     lost = {k for k, _, _ in json.loads(_metadata(shards[-1])["index"])}
     shards[-1].unlink()  # the shard being filled when the run was killed
-    dead = tmp_path / ".features-r000-0a1b2c-00003.safetensors.999999999.tmp"  # killed
-    dead.write_bytes(b"half a shard")
-    live = tmp_path / f".features-r000-3d4e5f-00000.safetensors.{os.getpid()}.tmp"  # filling
-    live.write_bytes(b"being written")
+    here = socket.gethostname()
+    dead = tmp_path / f".features-r000-0a1b2c-00003.safetensors.{here}.999999999.tmp"  # killed
+    older = tmp_path / ".features-r000-0a1b2c-00004.safetensors.999999999.tmp"  # named w/o host
+    live = tmp_path / f".features-r000-3d4e5f-00000.safetensors.{here}.{os.getpid()}.tmp"
+    # another machine's on shared storage: its process ids are not this machine's to judge
+    elsewhere = tmp_path / ".features-r008-4f5e6d-00000.safetensors.node-b.lan.999999999.tmp"
+    for tmp in (dead, older, live, elsewhere):
+        tmp.write_bytes(b"half a shard")
     capsys.readouterr()
 
     calls = []
@@ -103,7 +108,8 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     assert (
         f"{len(exs) - len(lost)} examples cached, {len(lost)} to compute" in capsys.readouterr().out
     )
-    assert not dead.exists() and live.exists()
+    assert not dead.exists() and not older.exists()
+    assert live.exists() and elsewhere.exists()
     after = fc.FeatureCache(tmp_path, exs, torch.float32)
     for i in range(len(exs)):
         for k in full[i]:
