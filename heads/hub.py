@@ -176,13 +176,16 @@ def push_folder(
                 folder_path=str(staged), repo_id=repo_id, commit_message=commit_message
             )
         except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
+            said = str(e).rstrip(". ")
             hint = (
-                "HF_HUB_OFFLINE is set: unset it to push"
-                if hub_offline()
-                else "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+                "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+                if not hub_offline()
+                else ""
+                if "HF_HUB_OFFLINE" in said  # huggingface_hub's own message says to unset it
+                else "HF_HUB_OFFLINE is set: unset it to push"
             )
             raise HubPushError(
-                f"could not push to the Hub repo {repo_id}: {type(e).__name__}: {e}. {hint}"
+                f"could not push to the Hub repo {repo_id}: {type(e).__name__}: {said}. {hint}".strip()
             ) from e
     return str(getattr(info, "commit_url", info))
 

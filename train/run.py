@@ -418,10 +418,11 @@ def save_final(
         try:
             url = push_folder(folder, recipe.hub.repo_id, private=recipe.hub.private)
         except HubPushError as e:
+            private = ", private=True" if recipe.hub.private else ""  # as the run was to push
             raise SystemExit(
                 f"error: {e}\nThe heads are saved in {folder}; push them again with: python -c "
                 f"\"from heads.hub import push_folder; push_folder('{folder}', "
-                f"'{recipe.hub.repo_id}')\""
+                f"'{recipe.hub.repo_id}'{private})\""
             ) from e
         accelerator.print(f"pushed to {url}")
     return folder

@@ -125,3 +125,15 @@ def test_the_card_names_a_hub_base_but_not_a_local_folder(tiny_llama, tmp_path):
     local.mkdir()
     config.base_model_name_or_path = str(local)  # the Hub refuses such a base_model
     assert "base_model:" not in model_card(config, "me/m")
+
+
+def test_an_offline_push_says_so_once(tiny_llama, tmp_path, monkeypatch):
+    from huggingface_hub import constants
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+    folder = tmp_path / "heads"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)
+    with pytest.raises(HubPushError, match="offline mode is enabled") as error:
+        push_folder(folder, "me/heads")  # huggingface_hub's own message says to unset it
+    said = str(error.value)
+    assert said.count("HF_HUB_OFFLINE") == 1 and ".." not in said and said.endswith(".")

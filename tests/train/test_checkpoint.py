@@ -138,6 +138,11 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, fake_hub
         save_final(recipe, heads, Accelerator(cpu=True), {})
     assert f"The heads are saved in {folder}; push them again" in str(stop.value)
     assert (folder / "model.safetensors").is_file()
+    # the command given pushes them as the run would have: private, as the recipe asked
+    command = str(stop.value).split("push them again with: python -c ")[1]
+    fake_hub.unreachable, fake_hub.private = False, {}
+    exec(command.strip('"'))
+    assert fake_hub.private == {"me/tiny-medusa": True}
 
 
 def test_a_resumed_optimizer_takes_the_recipes_rates_at_the_step_resumed(tmp_path):
