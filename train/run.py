@@ -173,6 +173,15 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
             f"{world} processes were launched but accelerate joined {accelerator.num_processes}: "
             "each would train alone and overwrite the others' files"
         )
+    processes = accelerator.num_processes
+    joined = f"training on {processes} process{'es' if processes > 1 else ''}"
+    if world == 1 and os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ:
+        # what accelerate launch --num_processes N (N > 1) leaves when it starts one process
+        joined += (
+            ": accelerate launch started one; several on a machine without a GPU need "
+            "--multi_gpu --num_processes N (--cpu starts one)"
+        )
+    accelerator.print(joined)
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None and deepspeed.is_auto("train_micro_batch_size_per_gpu"):
         # accelerate reads "auto" from a prepared DataLoader; the recipes batch by themselves.

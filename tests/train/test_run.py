@@ -94,7 +94,7 @@ def accelerators(monkeypatch):
     `.processes` to the number of processes it joins. No GPU, one process unless set."""
     import train.run
 
-    made = SimpleNamespace(kwargs=[], processes=1)
+    made = SimpleNamespace(kwargs=[], processes=1, printed=[])
 
     class Recording:
         def __init__(self, **kwargs):
@@ -103,7 +103,7 @@ def accelerators(monkeypatch):
             self.state = SimpleNamespace(deepspeed_plugin=None)
 
         def print(self, *args, **kwargs):
-            pass
+            made.printed.append(" ".join(map(str, args)))
 
         def init_trackers(self, project, config=None):
             pass
@@ -122,6 +122,30 @@ def test_a_single_process_is_not_told_cpu_and_several_without_a_gpu_are(accelera
     accelerators.processes = 2
     make_accelerator(load_recipe(None, []))
     assert accelerators.kwargs[-1]["cpu"] is True  # joined with gloo
+
+
+def test_training_says_how_many_processes_it_runs_on(accelerators, monkeypatch):
+    monkeypatch.delenv("MASTER_ADDR", raising=False)
+    make_accelerator(load_recipe(None, []))
+    assert accelerators.printed == ["training on 1 process"]
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    accelerators.processes = 2
+    make_accelerator(load_recipe(None, []))
+    assert accelerators.printed[-1] == "training on 2 processes"
+
+
+def test_one_process_of_a_launch_asking_for_several_says_how_to_start_them(
+    accelerators, monkeypatch
+):
+    # `accelerate launch --num_processes 2` without --multi_gpu, or with --cpu, on a machine
+    # without a GPU: one process, with the rendezvous address set for the two asked for
+    monkeypatch.setenv("ACCELERATE_USE_CPU", "False")
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    make_accelerator(load_recipe(None, []))
+    assert accelerators.printed == [
+        "training on 1 process: accelerate launch started one; several on a machine without a "
+        "GPU need --multi_gpu --num_processes N (--cpu starts one)"
+    ]
 
 
 def test_processes_that_accelerate_did_not_join_are_refused(accelerators, monkeypatch):
