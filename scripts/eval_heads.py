@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
         category = categories_of(args.categories) if args.categories else {}
         if category and not any(first_user_turn(c) in category for c, _ in records):
             raise BenchError(f"no answer in {args.data} answers a prompt of {args.categories}")
+        if args.out and Path(args.out).is_dir():
+            raise ValueError(f"--out {args.out} is a folder: give the JSON file to write")
+        resolve_folder(args.heads)  # a missing folder or an unreachable Hub id: said at once
     except (RecipeError, FileNotFoundError, ValueError, PromptSourceError, BenchError) as e:
         raise fail(str(e)) from None
     heads_class, trainee_class = TRAINEES[recipe.heads.type]
@@ -211,6 +214,7 @@ def main(argv: list[str] | None = None) -> int:
     for name, row in scores.items():
         print(f"| {name} | {row['answers']} | " + " | ".join(f"{row[k]:.3f}" for k in keys) + " |")
     if args.out:
+        Path(args.out).parent.mkdir(parents=True, exist_ok=True)
         Path(args.out).write_text(json.dumps(scores, indent=2) + "\n")
     return 0
 

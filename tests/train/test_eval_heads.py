@@ -16,7 +16,13 @@ from transformers import AutoTokenizer
 import train.eagle
 import train.medusa
 from heads import load_heads
-from tests.train.conftest import LETTERS, N_RECORDS, letter_prompt, load_tiny_base
+from tests.train.conftest import (
+    LETTERS,
+    N_RECORDS,
+    TINY_MEDUSA,
+    letter_prompt,
+    load_tiny_base,
+)
 from train.config import load_recipe
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -45,7 +51,7 @@ def test_eval_heads_scores_the_held_out_split_and_other_answers(
     """scripts/eval_heads.py: without --data it reproduces the run's final held-out metrics; with
     --data and --categories it scores every answer, each category and all of them."""
     for out in (medusa_run[0], eagle3_run[0]):
-        scores = tmp_path / f"{out.parent.name}.json"
+        scores = tmp_path / "scores" / f"{out.parent.name}.json"  # its folder is made
         eval_heads.main([str(out / "recipe.yaml"), str(out / "heads"), "--out", str(scores)])
         got = json.loads(scores.read_text())["held-out"]
         final = json.loads((out / "heads" / "training_metrics.json").read_text())
@@ -183,6 +189,23 @@ def test_medusa2_heads_are_scored_as_their_run_scored_them(medusa2_run, tmp_path
     assert {"eval/kl", "eval/loss", "eval/head0/top1", "eval/walk_tau"} <= set(final)
     assert final["eval/kl"] > 0.01
     assert {k: got[k] for k in final} == pytest.approx(final, rel=1e-3)
+
+
+def test_a_missing_heads_folder_or_an_out_that_is_a_folder_is_said_before_the_base_loads(
+    tiny_task, tmp_path, capsys, monkeypatch
+):
+    def load_frozen_base(*args):
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr(eval_heads, "load_frozen_base", load_frozen_base)
+    data = f"data.output_dir={tiny_task.data_dir}"
+    for argv, message in (
+        ([tmp_path / "missing"], "heads folder not found"),
+        ([tmp_path / "heads", "--out", tmp_path], f"--out {tmp_path} is a folder"),
+    ):
+        with pytest.raises(SystemExit) as stop:
+            eval_heads.main([str(a) for a in (TINY_MEDUSA, *argv, data)])
+        assert stop.value.code == 2 and message in capsys.readouterr().err, argv
 
 
 @pytest.mark.slow
