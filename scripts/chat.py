@@ -16,6 +16,7 @@ recipe's data.chat_template and data.system_prompt; the tokenizer's own by defau
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 from pathlib import Path
@@ -28,6 +29,7 @@ from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa:
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
+from heads.checkpoint import resolve_folder  # noqa: E402
 from heads.lora import base_as_served  # noqa: E402
 from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
 from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
@@ -73,8 +75,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.max_new_tokens < 1:
         parser.error("--max-new-tokens must be >= 1")
-    if args.temperature < 0 or not 0 < args.top_p <= 1 or args.top_k < 0:
+    if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1 or args.top_k < 0:
         parser.error("need --temperature >= 0 (0: greedy), 0 < --top-p <= 1 and --top-k >= 0")
+    if args.threads is not None and args.threads < 1:
+        parser.error("--threads must be >= 1")
     if args.compare and args.temperature > 0:
         parser.error("--compare times greedy decoding: leave --temperature at 0")
     return args
@@ -137,7 +141,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    if args.temperature == 0 and (args.top_p < 1 or args.top_k):
+        print(
+            "note: --top-p and --top-k shape sampling (--temperature > 0): greedy here",
+            file=sys.stderr,
+        )
     try:
+        for name in args.heads:  # a missing folder or an unreachable Hub id: before the base
+            resolve_folder(name)
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
         base, _ = base_as_served(base, args.heads, "chat")  # Medusa-2: its adapter merged
         # the template is needed for every turn: a tokenizer without one is said at once
@@ -145,6 +156,14 @@ def main(argv: list[str] | None = None) -> int:
         gen = build_generator(args, base, tokenizer)
     except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template
         print(f"chat failed: {e}", file=sys.stderr)
+        return 2
+    context = base.config.max_position_embeddings
+    if args.max_new_tokens >= context:
+        print(
+            f"chat failed: --max-new-tokens {args.max_new_tokens} leaves no room for a message "
+            f"in the base's context of {context} positions",
+            file=sys.stderr,
+        )
         return 2
     device = input_device(base)
     eos = stop_token_ids(base, tokenizer)
@@ -163,18 +182,26 @@ def main(argv: list[str] | None = None) -> int:
             continue
         if not line:
             continue
+        try:
+            line.encode("utf-8")
+        except UnicodeEncodeError:  # stdin's bytes were not UTF-8 (a Latin-1 file, say)
+            print(
+                "(not sent: the line is not UTF-8 text; convert the input to UTF-8, e.g. "
+                "iconv -t utf-8, or set the terminal's encoding to UTF-8)",
+                file=sys.stderr,
+            )
+            continue
         messages.append({"role": "user", "content": line})
         try:
             ids = prompt_ids(messages, tokenizer).to(device)  # (1, T)
         except ChatTemplateError as e:  # a template that raises on these messages
             print(f"chat failed: {e}", file=sys.stderr)
             return 2
-        context = base.config.max_position_embeddings
         if ids.shape[1] + args.max_new_tokens > context:
             alone = prompt_ids([*system, messages[-1]], tokenizer).shape[1]
             if alone + args.max_new_tokens > context:  # /reset would not help
                 what = f"this message alone has {alone} tokens"
-                fix = "shorten it or lower --max-new-tokens"
+                fix = "shorten it" if alone >= context else "shorten it or lower --max-new-tokens"
             else:
                 what = f"the conversation has {ids.shape[1]} tokens"
                 fix = "/reset to start anew, then send it again"

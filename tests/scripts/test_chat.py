@@ -71,8 +71,12 @@ def test_a_conversation_past_the_context_is_refused_and_dropped(folders, monkeyp
     argv = ["--base", str(folders["base"]), "--max-new-tokens", "1900"]
     assert _chat(monkeypatch, ["word " * 200, "Hi."], *argv) == 0
     out, err = capsys.readouterr()
-    assert "(not sent: this message alone has" in err and "shorten it" in err
+    assert "(not sent: this message alone has" in err and "shorten it or lower" in err
     assert "/reset to start anew" not in err  # it would not help
+    # a message that fills the context alone: fewer new tokens would not help either
+    assert _chat(monkeypatch, ["word " * 2100, "Hi."], *argv) == 0
+    err = capsys.readouterr().err
+    assert "shorten it)" in err and "lower --max-new-tokens" not in err
     assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
 
 
@@ -88,10 +92,54 @@ def test_bad_heads_an_empty_corpus_and_sampled_compare_are_refused(
     argv = ["--base", str(folders["base"]), "--lookup-corpus", str(empty)]
     assert _chat(monkeypatch, ["Hi."], *argv) == 2
     assert "chat failed: --lookup-corpus" in capsys.readouterr().err
-    for bad in (["--compare", "--temperature", "0.5"], ["--temperature", "-1"], ["--top-p", "0"]):
+    for bad in (
+        ["--compare", "--temperature", "0.5"],
+        ["--temperature", "-1"],
+        ["--temperature", "nan"],
+        ["--temperature", "inf"],
+        ["--top-p", "0"],
+        ["--threads", "0"],
+        ["--threads", "-1"],
+    ):
         with pytest.raises(SystemExit) as e:
             chat.parse_args(bad)
         assert e.value.code == 2, bad
+
+
+def test_a_missing_heads_folder_is_said_before_the_base_loads(tmp_path, monkeypatch, capsys):
+    def load_base(*args, **kwargs):
+        raise AssertionError("the base was loaded")
+
+    monkeypatch.setattr(chat, "load_base", load_base)
+    assert _chat(monkeypatch, ["Hi."], "--heads", str(tmp_path / "missing")) == 2
+    assert "chat failed: heads folder not found" in capsys.readouterr().err
+
+
+def test_max_new_tokens_that_leave_no_room_are_refused_before_any_turn(
+    folders, monkeypatch, capsys
+):
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "2048"]  # the base's context
+    assert _chat(monkeypatch, ["Hi."], *argv) == 2
+    out, err = capsys.readouterr()
+    assert out == ""
+    assert "chat failed: --max-new-tokens 2048 leaves no room" in err
+
+
+def test_a_line_that_is_not_utf8_is_said_and_the_chat_goes_on(folders, monkeypatch, capsys):
+    """Python reads stdin's undecodable bytes as lone surrogates ("Caf\\xe9" of a Latin-1
+    file): such a line is not sent, and the next one is answered."""
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "4"]
+    assert _chat(monkeypatch, ["Caf\udce9 au lait?", "Hi."], *argv) == 0
+    out, err = capsys.readouterr()
+    assert "(not sent: the line is not UTF-8 text" in err
+    assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
+    assert len(out.splitlines()) == 1
+
+
+def test_top_p_and_top_k_without_a_temperature_are_said_to_do_nothing(folders, monkeypatch, capsys):
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "4", "--top-k", "3"]
+    assert _chat(monkeypatch, ["Hi."], *argv) == 0
+    assert "note: --top-p and --top-k shape sampling" in capsys.readouterr().err
 
 
 def test_ctrl_c_stops_an_answer_and_leaves_its_turn_out(folders, monkeypatch, capsys):
