@@ -332,8 +332,17 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     torch.manual_seed(seed)
     writer = ShardWriter(out_dir, state.process_index, data.records_per_shard)
     delay = float(os.environ.get(DELAY_ENV, "0") or 0)
+    # each process counts its own share: the bar is that of each machine's first process
+    share = (
+        f" (process {state.process_index}'s {len(mine)} of {len(todo)})"
+        if state.num_processes > 1
+        else ""
+    )
     bar = tqdm(
-        total=len(mine), unit="prompt", desc="distill", disable=not state.is_local_main_process
+        total=len(mine),
+        unit="prompt",
+        desc=f"distill{share}",
+        disable=not state.is_local_main_process,
     )
     start, tokens = time.perf_counter(), 0
     # vLLM batches continuously inside one call: hand it a shard's worth at a time.
@@ -393,6 +402,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"distill failed: {e}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:  # Ctrl-C: the shards written stay (each is written whole)
+        if int(os.environ.get("RANK", "0")) > 0:  # every process is stopped: the first one says
+            return 130
         print(
             "\ndistill interrupted: the records written are kept; the same command answers the "
             "rest",

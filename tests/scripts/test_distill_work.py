@@ -54,7 +54,7 @@ def _word_prompts(tmp_path, counts=(1, 2, 3, 4)):
 
 
 def test_a_process_answers_every_other_prompt_of_the_longest_first_order(
-    tmp_path, tiny_base, monkeypatch
+    tmp_path, tiny_base, monkeypatch, capsys
 ):
     """Sorted longest first, then split: process 0 of 2 gets the longest and the third longest,
     so that both processes' batches have like lengths."""
@@ -64,6 +64,7 @@ def test_a_process_answers_every_other_prompt_of_the_longest_first_order(
     assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 0
     words = sorted(r["conversations"][0]["value"].count("word") for r in read_records(out))
     assert words == [2, 4]
+    assert "distill (process 0's 2 of 4):" in capsys.readouterr().err  # its bar counts its share
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["counts"]["records_expected"] == 4
     assert manifest["counts"]["records_written"] == 2 and manifest["complete"] is False
@@ -114,6 +115,9 @@ def test_ctrl_c_keeps_the_shards_and_exits_130(tmp_path, tiny_base, monkeypatch,
     recipe = recipe_file(tmp_path, tiny_base, _word_prompts(tmp_path), tmp_path / "out")
     assert distill.main([str(recipe)]) == 130
     assert "distill interrupted: the records written are kept" in capsys.readouterr().err
+    monkeypatch.setenv("RANK", "1")  # Ctrl-C stops every process: the first one says so
+    assert distill.main([str(recipe)]) == 130
+    assert capsys.readouterr().err == ""
 
 
 def test_a_resume_with_other_settings_that_shape_the_answers_is_refused(
