@@ -27,6 +27,7 @@ from accelerate.utils import (
 from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
+from heads.checkpoint import resolve_folder
 from heads.hub import HubPushError, push_folder, push_refused
 from heads.lora import LORA_FOLDER, lora_probe
 from inference.base_checks import base_logits, not_full_attention, windowed_cache_layers
@@ -103,6 +104,8 @@ def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
             raise ValueError(f"heads.type={kind!r}: run train/{kind}.py for this recipe")
         if recipe.heads.lora_r > 0 and recipe.training.mode == "offline":  # Medusa-2
             raise ValueError("heads.lora_r > 0 adapts the base, so it needs training.mode=online")
+        if recipe.training.init_heads:  # a missing folder or an offline Hub id: before the base
+            resolve_folder(recipe.training.init_heads)
         if recipe.hub.repo_id and (why := push_refused()):  # not after the whole run
             raise ValueError(
                 f"hub.repo_id={recipe.hub.repo_id}: {why}; or leave hub.repo_id out and push "

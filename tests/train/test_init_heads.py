@@ -140,10 +140,11 @@ def test_medusa_heads_do_not_start_an_eagle_run(medusa_run, tiny_task, tmp_path,
     )
 
 
-def test_a_missing_folder_is_named(tiny_task, tmp_path, capsys):
+def test_a_missing_folder_is_named_before_the_run_starts(tiny_task, tmp_path, capsys):
     with pytest.raises(SystemExit):
         run(train.eagle, TINY_EAGLE, tiny_task, tmp_path / "o", f"training.init_heads={tmp_path}/x")
     assert f"heads folder not found: {tmp_path}/x" in capsys.readouterr().err
+    assert not (tmp_path / "o").exists()  # said with the recipe's checks, before the base loads
 
 
 def _recipe(folder, lora_r=0):
