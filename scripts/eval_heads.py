@@ -62,6 +62,10 @@ from train.run import evaluate, load_frozen_base  # noqa: E402
 TRAINEES = {"medusa": (MedusaHeads, MedusaTrainee), "eagle": (EagleDraft, EagleTrainee)}
 
 
+# Recipe settings that choose which prompts distill answers, not which answers are read.
+DISTILL_SELECTION = ("data.sources", "data.limit", "data.num_samples")
+
+
 def fail(message: str) -> SystemExit:
     print(f"error: {message}", file=sys.stderr)
     return SystemExit(2)
@@ -164,6 +168,13 @@ def main(argv: list[str] | None = None) -> int:
         category = categories_of(args.categories) if args.categories else {}
         if category and not any(first_user_turn(c) in category for c, _ in records):
             raise BenchError(f"no answer in {args.data} answers a prompt of {args.categories}")
+        chosen = [o for o in args.overrides if o.split("=")[0] in DISTILL_SELECTION]
+        if chosen:  # as training reads them: every answer of the folder
+            print(
+                f"note: eval_heads scores every answer in {data}; {', '.join(chosen)} choose what "
+                "scripts/distill.py answers, not what is scored",
+                file=sys.stderr,
+            )
         if args.out and Path(args.out).is_dir():
             raise ValueError(f"--out {args.out} is a folder: give the JSON file to write")
         resolve_folder(args.heads)  # a missing folder or an unreachable Hub id: said at once

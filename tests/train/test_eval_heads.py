@@ -208,6 +208,18 @@ def test_a_missing_heads_folder_or_an_out_that_is_a_folder_is_said_before_the_ba
         assert stop.value.code == 2 and message in capsys.readouterr().err, argv
 
 
+def test_data_limit_is_said_to_choose_what_distill_answers_not_what_is_scored(
+    tiny_task, tmp_path, capsys
+):
+    data = f"data.output_dir={tiny_task.data_dir}"
+    with pytest.raises(SystemExit):  # stopped at the missing heads, after the note
+        eval_heads.main([str(TINY_MEDUSA), str(tmp_path / "missing"), data, "data.limit=4"])
+    assert (
+        f"note: eval_heads scores every answer in {tiny_task.data_dir}; data.limit=4 choose"
+        in capsys.readouterr().err
+    )
+
+
 @pytest.mark.slow
 def test_eval_heads_refuses_bad_arguments(medusa_run, eagle3_run, tiny_task, tmp_path, capsys):
     medusa, eagle = medusa_run[0], eagle3_run[0]
