@@ -11,6 +11,7 @@ import json
 import os
 import shutil
 import tempfile
+import warnings
 from pathlib import Path
 
 import torch
@@ -188,6 +189,12 @@ def resolve_folder(
     """A local folder as is, else download a Hub repo's config, weights and card."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
+        if revision is not None:  # a folder here named like a repo id is read as it is
+            warnings.warn(
+                f"{path_or_repo_id} is a local folder: revision={revision!r} is for Hub repos "
+                "and is not applied",
+                stacklevel=3,
+            )
         return path
     if path.is_file():
         raise FileNotFoundError(

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import fnmatch
 import shutil
+import warnings
 from pathlib import Path
 
 import pytest
@@ -137,3 +138,13 @@ def test_an_offline_push_says_so_once(tiny_llama, tmp_path, monkeypatch):
         push_folder(folder, "me/heads")  # huggingface_hub's own message says to unset it
     said = str(error.value)
     assert said.count("HF_HUB_OFFLINE") == 1 and ".." not in said and said.endswith(".")
+
+
+def test_a_revision_given_for_a_local_folder_is_said_not_applied(tiny_llama, tmp_path):
+    folder = tmp_path / "me" / "heads"  # a repo id's form, and a folder here: the folder is read
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(folder)
+    with pytest.warns(UserWarning, match="is a local folder: revision='v2' is for Hub repos"):
+        load_heads(folder, revision="v2")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_heads(folder)
