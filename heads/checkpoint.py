@@ -116,6 +116,12 @@ def read_config(folder: Path) -> dict:
             raise FileNotFoundError(
                 f"{folder} is a training run's folder: its heads are in {folder / 'heads'}"
             )
+        if (folder / "trainer_state.json").is_file():  # one of a run's checkpoints/step-N
+            raise FileNotFoundError(
+                f"{folder} is a training checkpoint, not a heads folder: a run writes its heads "
+                "to OUTPUT/heads when it ends; go on training from the checkpoint with "
+                f"training.resume={folder}"
+            )
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a heads folder?")
     try:
         data = json.loads(path.read_text())

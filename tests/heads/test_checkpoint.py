@@ -328,6 +328,14 @@ def test_not_a_heads_folder(tiny_llama, tmp_path):
         FileNotFoundError, match=f"training run's folder: its heads are in {run}/heads"
     ):
         load_heads(run)
+    # one of its checkpoints: resumed from, not loaded as heads
+    step = run / "checkpoints" / "step-00000004"
+    step.mkdir(parents=True)
+    (step / "trainer_state.json").write_text(json.dumps({"step": 4}))
+    with pytest.raises(
+        FileNotFoundError, match=f"{step} is a training checkpoint.*training.resume={step}$"
+    ):
+        load_heads(step)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gpt2"}))
     with pytest.raises(ValueError, match="neither Medusa"):
         load_heads(tmp_path)
