@@ -1,24 +1,13 @@
 """Losses and accuracy metrics of the draft heads. Pure tensor functions, no model calls.
 
-Shapes: B batch, T tokens, H hidden, V vocab, K heads / steps. `mask` (B,T) marks the
-positions whose *target* token is an assistant token; a loss is normalised by its count unless
-given another divisor (the trainees divide every head's sum by the answer tokens).
+Shapes: B batch, T tokens, H hidden, V vocab, K heads / steps. `soft_target_ce` sums over the
+rows it is given; the trainees divide every head's sum by the answer tokens. Dense references of
+the trainees' losses, as the papers state them, are in tests/train/dense_losses.py.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-
-def soft_cross_entropy(
-    logits: torch.Tensor, target_probs: torch.Tensor, mask: torch.Tensor, divisor=None
-) -> torch.Tensor:
-    """sum_t mask_t * CE(target_probs_t, softmax(logits_t)) / divisor (sum mask by default).
-    logits, targets (B,T,V)."""
-    logp = logits.float().log_softmax(-1)
-    ce = -(target_probs.float() * logp).sum(-1)  # (B,T)
-    return (ce * mask).sum() / (mask.sum().clamp(min=1) if divisor is None else divisor)
 
 
 def _row_chunks(logits: torch.Tensor, targets: torch.Tensor, rows: torch.Tensor | None):
@@ -88,17 +77,6 @@ def soft_target_ce(
     return _SoftTargetCE.apply(logits, targets, rows)
 
 
-def hard_cross_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, mask: torch.Tensor, divisor=None
-) -> torch.Tensor:
-    """Masked token CE summed over the mask / divisor (sum mask by default). logits (B,T,V),
-    labels (B,T)."""
-    ce = F.cross_entropy(logits.float().flatten(0, 1), labels.flatten(), reduction="none").view_as(
-        labels
-    )
-    return (ce * mask).sum() / (mask.sum().clamp(min=1) if divisor is None else divisor)
-
-
 def shift_left(x: torch.Tensor, n: int, fill=0) -> torch.Tensor:
     """x[:, t] <- x[:, t+n] along dim 1; the last n positions get `fill`. (B,T,...) -> same."""
     if n == 0:
@@ -115,12 +93,6 @@ def top_ids(logits: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
     accuracy metrics, where on a CPU an argmax over a vocabulary costs more than the topk."""
     top = logits.detach().topk(min(k, logits.shape[-1]), dim=-1).indices
     return top if to_ids is None else to_ids(top)
-
-
-def topk_correct(logits: torch.Tensor, labels: torch.Tensor, k: int, to_ids=None) -> torch.Tensor:
-    """(...) bool: label in the top-k of logits (every label when k >= V). `to_ids` maps the
-    logits' indices to the labels' ids first (a reduced draft vocabulary's `to_base_ids`)."""
-    return (top_ids(logits, k, to_ids) == labels[..., None]).any(-1)
 
 
 def count(values: torch.Tensor) -> tuple[int, int]:
@@ -182,32 +154,3 @@ def walk_accept_length(correct: torch.Tensor, start: torch.Tensor) -> tuple[int,
             a = min(accept[b][t], end - t + 1)
             tokens, steps, t = tokens + a, steps + 1, t + a
     return tokens, steps
-
-
-def medusa_loss(head_logits, labels, mask, decay: float = 0.8, target_probs=None):
-    """Medusa-1 loss (Cai et al. 2024): sum_k decay^k * CE(head_k(h_t), y_{t+k+2}), each head's
-    sum over its targets divided by the answer tokens (rows whose next token is one), as the
-    trainee divides it.
-
-    head_logits (K,B,T,V) from h_t; labels (B,T) the token ids; mask (B,T) 1 on assistant
-    tokens; target_probs optional (B,T,V): the base's distribution at each position (it predicts
-    token t+1), used as soft labels. Returns (loss, per-head (top1, top5) on valid positions).
-    """
-    K = head_logits.shape[0]
-    total = head_logits.new_zeros(())
-    answer_tokens = shift_left(mask, 1).sum().clamp(min=1)
-    stats = []
-    for k in range(K):
-        tgt = shift_left(labels, k + 2)
-        valid = shift_left(mask, k + 2).float()
-        if target_probs is None:
-            loss_k = hard_cross_entropy(head_logits[k], tgt, valid, answer_tokens)
-        else:
-            probs = shift_left(target_probs, k + 1)
-            loss_k = soft_cross_entropy(head_logits[k], probs, valid, answer_tokens)
-        total = total + decay**k * loss_k
-        v = valid.bool()
-        stats.append(
-            (topk_correct(head_logits[k], tgt, 1)[v], topk_correct(head_logits[k], tgt, 5)[v])
-        )
-    return total, stats

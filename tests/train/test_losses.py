@@ -1,4 +1,5 @@
-"""train/losses.py's pure tensor functions, on hand-written tensors."""
+"""train/losses.py's pure tensor functions, and the dense reference losses the trainees are
+checked against (tests/train/dense_losses.py), on hand-written tensors."""
 
 from __future__ import annotations
 
@@ -7,15 +8,17 @@ import math
 import pytest
 import torch
 
-from train.losses import (
-    chain_accept_length,
+from tests.train.dense_losses import (
     hard_cross_entropy,
     medusa_loss,
-    shift_left,
     soft_cross_entropy,
+    topk_correct,
+)
+from train.losses import (
+    chain_accept_length,
+    shift_left,
     soft_target_ce,
     top_ids,
-    topk_correct,
     walk_accept_length,
 )
 

@@ -8,12 +8,9 @@ import contextlib
 import pytest
 import torch
 
+from tests.train.dense_losses import medusa_loss, soft_cross_entropy
 from train.eagle import ttt_mask
-from train.losses import (
-    medusa_loss,
-    shift_left,
-    soft_cross_entropy,
-)
+from train.losses import shift_left
 
 
 @pytest.mark.parametrize("soft", [True, False])

@@ -12,10 +12,11 @@ import torch
 
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from tests.conftest import make_tiny_llama
+from tests.train.dense_losses import medusa_loss
 from train.config import load_recipe
 from train.eagle import EagleTrainee
 from train.features import base_features, frequent_tokens, greedy_tokens
-from train.losses import medusa_loss, shift_left, sim_tau, walk_accept_length
+from train.losses import shift_left, sim_tau, walk_accept_length
 from train.medusa import MedusaTrainee
 
 
