@@ -118,3 +118,28 @@ def test_a_draft_vocabulary_of_the_whole_one_is_saved_in_token_order(tiny_llama,
 def test_config_validation():
     with pytest.raises(ValueError, match="truncated_vocab_size"):
         MedusaHeads(MedusaConfig(vocab_size=10, truncated_vocab_size=20))
+
+
+def test_a_token_map_of_another_length_than_the_draft_vocabulary_is_refused(tiny_llama):
+    cfg = MedusaConfig.from_base(tiny_llama.config, num_heads=1, truncated_vocab_size=6)
+    MedusaHeads(cfg).init_from_base(tiny_llama, token_map=torch.tensor([0, 2, 3, 7, 100, 255]))
+    for wrong in (torch.tensor([0, 2, 3, 7, 100]), torch.tensor([5]), None):
+        with pytest.raises(ValueError, match="needs a token_map of 6 ids"):
+            MedusaHeads(cfg).init_from_base(tiny_llama, token_map=wrong)
+
+
+def test_a_shared_lm_head_is_frozen_before_it_is_tied_and_when_loaded_alone(tiny_llama, tmp_path):
+    """original_lm_head: the heads never train the base's lm_head, whether it is tied yet or the
+    heads are loaded without a base (their saved copy of it stands in)."""
+    from heads import load_heads
+
+    K, H = 2, 64
+    cfg = MedusaConfig.from_base(tiny_llama.config, num_heads=K, original_lm_head=True)
+    fresh = MedusaHeads(cfg)
+    assert not fresh.lm_head.weight.requires_grad
+    assert fresh.num_trainable_parameters() == K * (H * H + H)  # the residual blocks only
+    MedusaHeads(cfg).init_from_base(tiny_llama).save_pretrained(tmp_path)
+    alone = load_heads(tmp_path)
+    assert not alone.lm_head.weight.requires_grad
+    assert alone.num_trainable_parameters() == K * (H * H + H)
+    torch.testing.assert_close(alone.lm_head.weight, tiny_llama.lm_head.weight, rtol=0, atol=0)

@@ -228,3 +228,15 @@ def test_a_mask_of_another_shape_than_the_prompt_is_refused():
         prompt_ids(ids, torch.ones(2, 3, dtype=torch.long))  # a batch's mask
     with pytest.raises(ValueError, match=r"attention_mask has shape \(1, 4\) for 3 prompt tokens"):
         prompt_ids(ids, torch.ones(1, 4, dtype=torch.long))
+
+
+def test_an_empty_stop_string_is_refused():
+    tokenizer = SimpleNamespace(decode=str)
+    kw = dict(max_new_tokens=4, temperature=0.0, top_k=0, top_p=1.0, acceptance="lossless")
+    assert check_generation_arguments(stop_strings=["###"], tokenizer=tokenizer, **kw) == (
+        4,
+        ["###"],
+    )
+    for given in (["", "###"], ""):
+        with pytest.raises(ValueError, match="holds an empty string, which matches anywhere"):
+            check_generation_arguments(stop_strings=given, tokenizer=tokenizer, **kw)

@@ -2,8 +2,10 @@
 stdin, answers streamed to stdout, one statistics line per answer on stderr."""
 
 import io
+import json
 import sys
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -198,3 +200,86 @@ def test_a_base_without_chat_template_is_refused_before_any_turn(folders, tmp_pa
     monkeypatch.setattr(sys, "stdin", stdin)
     assert chat.main(["--base", str(base), "--threads", "1"]) == 2
     assert stdin.tell() == 0  # refused before reading a turn
+
+
+def test_max_new_tokens_below_one_is_a_usage_error():
+    chat.parse_args(["--max-new-tokens", "1"])
+    with pytest.raises(SystemExit) as e:
+        chat.parse_args(["--max-new-tokens", "0"])
+    assert e.value.code == 2
+
+
+def test_a_lookup_corpus_beside_heads_drafts_with_the_heads_and_the_corpus(folders, tmp_path):
+    """--lookup-corpus implies --lookup: the n-gram drafter joins the heads and reads the corpus."""
+    from heads import load_base
+    from inference import NgramDrafter
+    from inference.drafters.union import UnionDrafter
+
+    corpus = tmp_path / "answers"
+    corpus.mkdir()
+    record = {
+        "messages": [
+            {"role": "user", "content": "Hi."},
+            {"role": "assistant", "content": "The cat sat on the mat. The cat sat on the mat."},
+        ]
+    }
+    (corpus / "shard.jsonl").write_text(json.dumps(record) + "\n" + json.dumps(record) + "\n")
+    base, tokenizer = load_base(str(folders["base"]), device="cpu")
+    args = chat.parse_args(["--heads", str(folders["medusa"]), "--lookup-corpus", str(corpus)])
+    gen = chat.build_generator(args, base, tokenizer)
+    assert isinstance(gen.drafter, UnionDrafter)
+    lookups = [d for d in gen.drafter.drafters if isinstance(d, NgramDrafter)]
+    assert len(lookups) == 1 and lookups[0].corpus is not None
+    assert lookups[0].corpus.num_contexts > 0
+
+
+def test_an_answer_of_the_prefills_token_alone_has_tau_one(folders, monkeypatch, capsys):
+    """With --max-new-tokens 1 no verify step runs: tau is 1 token per step, not 0."""
+    monkeypatch.setattr(sys, "stdin", io.StringIO("Hi.\n"))
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "1", "--threads", "1"]
+    assert chat.main(argv) == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert len(stats) == 1
+    assert stats[0].startswith("[1 tokens in ") and stats[0].endswith(", tau 1.00]")
+
+
+def test_an_answer_that_ends_inside_a_character_shows_its_last_bytes(capsys):
+    # the answer stops (max_new_tokens) after a character's first byte: what was held back shows
+    texts = {(1,): "a", (1, 2): "a\ufffd"}
+    tokenizer = SimpleNamespace(decode=lambda ids, skip_special_tokens: texts[tuple(ids)])
+
+    def stream(ids, stats, **kwargs):
+        stats["accepted_lengths"] = [1]
+        yield from ([1], [2])
+
+    args = SimpleNamespace(max_new_tokens=2, temperature=0.0, top_p=1.0, top_k=0)
+    new, _, tau = chat.answer(SimpleNamespace(stream=stream), None, args, tokenizer, [], 0)
+    assert new == [1, 2] and tau == 1.0
+    assert capsys.readouterr().out == "a\ufffd\n"
+
+
+def test_a_message_that_just_fits_alone_is_told_to_reset_not_to_shorten(
+    folders, monkeypatch, capsys
+):
+    """The message alone fills the context exactly (prompt + answer = 2,048 positions): it can
+    be sent after /reset, so that is what the refusal of the grown conversation says."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    text = ("word " * 150).strip()  # as chat.py reads the line
+    alone = chat.prompt_ids([{"role": "user", "content": text}], tokenizer).shape[1]
+    answered = []
+
+    def answer(gen, ids, args, tokenizer, eos, seed):
+        answered.append(ids.shape[1])
+        print("ok")
+        return [330], 1.0, 1.0
+
+    monkeypatch.setattr(chat, "answer", answer)
+    monkeypatch.setattr(sys, "stdin", io.StringIO(f"{text}\n{text}\n"))
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", str(2048 - alone)]
+    assert chat.main([*argv, "--threads", "1"]) == 0
+    err = capsys.readouterr().err
+    assert answered == [alone]  # the first is answered; the second is not sent
+    assert "(not sent: the conversation has" in err and "/reset to start anew" in err
+    assert "shorten it" not in err
