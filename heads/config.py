@@ -84,6 +84,11 @@ class HeadsConfig:
     # the rename are read under their old key.
     base_hidden_layers: int = 0
     headstart_format: int = HEADSTART_FORMAT
+    # The system prompt and chat template (its text) of the answers the heads learned from, when
+    # the training recipe set them (null: the source's system turns, the tokenizer's template):
+    # the heads draft best under the same, and a folder from the Hub has no recipe beside it.
+    training_system_prompt: str | None = None
+    training_chat_template: str | None = None
 
     def validate(self) -> None:
         if self.headstart_format > HEADSTART_FORMAT:
@@ -131,7 +136,18 @@ class HeadsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         # the format written now, whatever the folder read was written in
-        return {**dataclasses.asdict(self), "headstart_format": HEADSTART_FORMAT}
+        d = {**dataclasses.asdict(self), "headstart_format": HEADSTART_FORMAT}
+        for key in ("training_system_prompt", "training_chat_template"):
+            del d[key]
+        return {**d, **self.training_prompts()}
+
+    def training_prompts(self) -> dict[str, str]:
+        """The training prompts' keys of config.json: only those the recipe set."""
+        prompts = {
+            "training_system_prompt": self.training_system_prompt,
+            "training_chat_template": self.training_chat_template,
+        }
+        return {k: v for k, v in prompts.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import tempfile
@@ -89,6 +90,7 @@ def model_card(config, repo_id: str = "REPO", sglang_layout: bool = False) -> st
             "merged (below;\nfor vLLM, `save_pretrained` the merged base and give its folder as "
             "`BASE_WITH_LORA_MERGED`).\n"
         )
+    prompts = _training_prompts(config)
     # The Hub refuses a card whose base_model is no repo id (a local folder, a GGUF's name)
     local = not is_repo_id(base) or Path(base).expanduser().exists()
     header = "" if local else f"base_model: {base}\n"
@@ -106,7 +108,7 @@ Draft heads for lossless speculative decoding of `{base}` (hidden size {config.b
 vocabulary {config.base_vocab_size}, {config.base_hidden_layers} layers), trained with
 [headstart](https://pypi.org/project/headstart/). The base model's outputs are unchanged: greedy
 decoding is token-for-token identical and sampling keeps the base's distribution.
-{adapted}
+{adapted}{prompts}
 ## headstart
 
 ```python
@@ -135,6 +137,23 @@ print(tokenizer.decode(out.sequences[0]), out.mean_accepted_length)
 {sglang}
 ```
 """
+
+
+def _training_prompts(config) -> str:
+    """The card's lines on the system prompt and chat template the heads learned under, where
+    their training recipe set them (config.json's training_* keys)."""
+    system = getattr(config, "training_system_prompt", None)
+    template = getattr(config, "training_chat_template", None)
+    said = [f"the system prompt {json.dumps(system)}"] if system is not None else []
+    if template is not None:
+        said.append("the chat template in config.json's `training_chat_template`")
+    if not said:
+        return ""
+    return (
+        f"\nThe heads learned from answers the base wrote under {' and '.join(said)}: they draft "
+        "best\nunder the same (headstart's `scripts/chat.py` and `scripts/bench.py` take "
+        "`--system-prompt`\nand `--chat-template`).\n"
+    )
 
 
 class HubPushError(OSError):

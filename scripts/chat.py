@@ -10,12 +10,14 @@ Without --heads the n-gram drafter (prompt lookup) drafts. Lines typed are user 
 starts a new conversation, `/quit` (or end of input, Ctrl-D) leaves; Ctrl-C stops an answer (or
 its HF comparison), and at the prompt leaves.
 The chat template and system prompt should be the ones the heads were trained with (the
-recipe's data.chat_template and data.system_prompt; the tokenizer's own by default).
+recipe's data.chat_template and data.system_prompt; the tokenizer's own by default): heads whose
+recipe set them record them in their config.json, and chat says when it is given others.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 import time
@@ -29,7 +31,7 @@ from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa:
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
-from heads.checkpoint import resolve_folder  # noqa: E402
+from heads.checkpoint import read_config, resolve_folder  # noqa: E402
 from heads.lora import base_as_served  # noqa: E402
 from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
 from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
@@ -95,6 +97,25 @@ def build_generator(args: argparse.Namespace, base, tokenizer) -> SpeculativeGen
     return SpeculativeGenerator(base, drafters[0] if len(drafters) == 1 else drafters)
 
 
+def note_training_prompts(name: str, config: dict, args, template: str) -> None:
+    """Say where the heads learned under another system prompt or chat template than this chat
+    has (their config records those their recipe set): they draft less well under others."""
+    system = config.get("training_system_prompt")
+    if system is not None and system != args.system_prompt:
+        print(
+            f"note: {name} learned under the system prompt {json.dumps(system)}: "
+            "--system-prompt gives it",
+            file=sys.stderr,
+        )
+    trained = config.get("training_chat_template")
+    if trained is not None and trained != template:
+        print(
+            f"note: {name} learned under another chat template (its config.json's "
+            "training_chat_template): --chat-template gives it",
+            file=sys.stderr,
+        )
+
+
 def answer(gen: SpeculativeGenerator, ids: torch.Tensor, args, tokenizer, eos, seed: int):
     """Stream one answer to stdout; returns (its token ids, seconds, tokens per verify step)."""
     stats: dict = {}
@@ -147,13 +168,15 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
     try:
-        for name in args.heads:  # a missing folder or an unreachable Hub id: before the base
-            resolve_folder(name)
+        # a missing folder or an unreachable Hub id: before the base
+        folders = {name: resolve_folder(name) for name in args.heads}
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
         base, _ = base_as_served(base, args.heads, "chat")  # Medusa-2: its adapter merged
         # the template is needed for every turn: a tokenizer without one is said at once
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         gen = build_generator(args, base, tokenizer)
+        for name, folder in folders.items():
+            note_training_prompts(name, read_config(folder), args, tokenizer.chat_template)
     except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template
         print(f"chat failed: {e}", file=sys.stderr)
         return 2

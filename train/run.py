@@ -41,6 +41,7 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import Recipe, check_writable, load_recipe, save_recipe
+from train.data import resolve_chat_template
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
@@ -420,6 +421,12 @@ def save_final(
         base.save_pretrained(folder / LORA_FOLDER)
     elif (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
         shutil.rmtree(folder / LORA_FOLDER)
+    # what the heads learned under, said to their users (a Hub folder has no recipe beside it)
+    template = recipe.data.chat_template
+    heads.config.training_system_prompt = recipe.data.system_prompt
+    heads.config.training_chat_template = (
+        resolve_chat_template(None, template) if template else None
+    )
     heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))

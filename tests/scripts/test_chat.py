@@ -3,6 +3,7 @@ stdin, answers streamed to stdout, one statistics line per answer on stderr."""
 
 import io
 import json
+import shutil
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -283,3 +284,30 @@ def test_a_message_that_just_fits_alone_is_told_to_reset_not_to_shorten(
     assert answered == [alone]  # the first is answered; the second is not sent
     assert "(not sent: the conversation has" in err and "/reset to start anew" in err
     assert "shorten it" not in err
+
+
+def test_heads_trained_under_another_system_prompt_or_template_are_said(
+    folders, tmp_path, monkeypatch, capsys
+):
+    """Heads whose recipe set a system prompt and a chat template record them: chat says when it
+    runs under others, and is quiet under the same."""
+    from transformers import AutoTokenizer
+
+    heads = tmp_path / "heads"
+    shutil.copytree(folders["medusa"], heads)
+    config = json.loads((heads / "config.json").read_text())
+    own = AutoTokenizer.from_pretrained(folders["base"]).chat_template
+    other = own.replace("<|im_start|>", "<|im_start|> ")  # another template
+    config.update(training_system_prompt="Be brief.", training_chat_template=other)
+    (heads / "config.json").write_text(json.dumps(config))
+    (tmp_path / "chat.jinja").write_text(other)
+    argv = ["--base", str(folders["base"]), "--heads", str(heads), "--max-new-tokens", "2"]
+
+    assert _chat(monkeypatch, ["/quit"], *argv) == 0
+    err = capsys.readouterr().err
+    assert f'note: {heads} learned under the system prompt "Be brief.": --system-prompt' in err
+    assert f"note: {heads} learned under another chat template" in err
+
+    same = ["--system-prompt", "Be brief.", "--chat-template", str(tmp_path / "chat.jinja")]
+    assert _chat(monkeypatch, ["/quit"], *argv, *same) == 0
+    assert "note:" not in capsys.readouterr().err
