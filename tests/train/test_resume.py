@@ -3,6 +3,7 @@ start over an earlier run's output, a finished run run again (the tiny recipes o
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -445,3 +446,50 @@ def test_a_vocabulary_write_killed_midway_leaves_the_earlier_one_whole(tmp_path,
     save_draft_vocabulary(tmp_path, torch.tensor([4, 8]))  # the rerun writes it whole
     assert sorted(p.name for p in tmp_path.iterdir()) == [VOCAB_FILE]
     assert draft_vocabulary(tmp_path, [], 2, 16, resumed=True).tolist() == [4, 8]
+
+
+THREE_A_EPOCH = ["training.micro_batch_size=12"]  # 36 training examples: 3 steps an epoch
+
+
+def test_a_resumed_medusa_run_reads_its_draft_vocabulary(tiny_task, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "out"
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *THREE_A_EPOCH, "training.max_steps=2")
+    vocab = load_file(out / "draft_vocab.safetensors")["token_ids"]
+
+    def rebuild(*args):
+        raise AssertionError("the draft vocabulary was rebuilt on resume")
+
+    monkeypatch.setattr("train.features.frequent_tokens", rebuild)
+    capsys.readouterr()
+    run(train.medusa, TINY_MEDUSA, tiny_task, out, *THREE_A_EPOCH, "training.max_steps=3")
+    assert "at step 2" in capsys.readouterr().out
+    assert torch.equal(load_file(out / "draft_vocab.safetensors")["token_ids"], vocab)
+
+
+def test_eagle_resumed_mid_epoch_goes_on_into_the_next_epoch_as_before(tiny_task, tmp_path):
+    """Killed during step 3: the run resumes at step 2 (batch 2 of epoch 0), ends epoch 0 and
+    takes epoch 1 from its first batch, with the uninterrupted run's losses; the checkpoint at an
+    epoch's end resumes at the next epoch's start."""
+    settings = [
+        *THREE_A_EPOCH,
+        "heads.ttt_steps=1",
+        "training.max_steps=5",
+        "training.save_every_steps=1",
+        "training.keep_last_checkpoints=5",
+    ]
+    reference, out = tmp_path / "reference", tmp_path / "out"
+    run(train.eagle, TINY_EAGLE, tiny_task, reference, *settings)
+    states = [
+        json.loads(
+            (reference / "checkpoints" / f"step-0000000{s}" / "trainer_state.json").read_text()
+        )
+        for s in (2, 3, 4)
+    ]
+    assert [(s["step"], s["epoch"], s["batch_in_epoch"]) for s in states] == [
+        (2, 0, 2),
+        (3, 1, 0),
+        (4, 1, 1),
+    ]
+    interrupted_run(train.eagle, TINY_EAGLE, tiny_task, out, 3, *settings)
+    run(train.eagle, TINY_EAGLE, tiny_task, out, *settings)
+    assert_same_run(out, reference, 5)

@@ -8,9 +8,12 @@ import contextlib
 import pytest
 import torch
 
+from heads import MedusaConfig, MedusaHeads
 from tests.train.dense_losses import medusa_loss, soft_cross_entropy
+from train.config import load_recipe
 from train.eagle import ttt_mask
 from train.losses import shift_left
+from train.medusa import MedusaTrainee
 
 
 @pytest.mark.parametrize("soft", [True, False])
@@ -452,3 +455,44 @@ def test_medusa2_kl_reads_the_adapted_logits_as_the_forward_returns_them():
         _, metrics = trainee({"input_ids": ids, "loss_mask": mask, "attention_mask": ids > 0})
     total, count = metrics["kl"]
     assert count == 38 and abs(total / count) < 1e-5
+
+
+def test_medusa_rows_whose_greedy_token_is_the_first_draft_token_train(tiny_llama):
+    """The draft vocabulary is the greedy tokens of the rows the heads read, so every such row
+    trains, those whose greedy token is the vocabulary's first (draft index 0) included."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 256, (2, 9))
+    attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
+    with torch.no_grad():
+        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        greedy = tiny_llama.lm_head(hidden).argmax(-1)  # (B,T)
+    read = shift_left(mask, 1).bool()  # rows whose next token is a target
+    read[:, 0] = False  # head k's label for t is row t + k + 1: row 0 is no head's
+    token_map = greedy[read].unique()  # sorted: those rows' greedy tokens
+    assert (read & (greedy == token_map[0])).any()
+    drafted = torch.isin(greedy, token_map)  # (B,T)
+    V = token_map.numel()
+    config = MedusaConfig.from_base(tiny_llama.config, num_heads=2, truncated_vocab_size=V)
+    heads = MedusaHeads(config).init_from_base(tiny_llama, token_map)
+    for block in heads.blocks:
+        torch.nn.init.normal_(block.layers[0].weight, std=0.3)
+    trainee = MedusaTrainee(tiny_llama, heads, load_recipe(None, ["heads.num_heads=2"]))
+    with torch.no_grad():
+        loss, _ = trainee(batch)
+        kept = tiny_llama.lm_head(hidden).softmax(-1)[..., token_map]
+        probs = kept / kept.sum(-1, keepdim=True)  # (B,T,V): the restricted soft labels
+        logits = heads(hidden)  # (K,B,T,V)
+    answer_tokens = shift_left(mask, 1).sum()
+    expected = sum(
+        0.8**k
+        * soft_cross_entropy(
+            logits[k],
+            shift_left(probs, k + 1),
+            shift_left(mask, k + 2) * shift_left(drafted, k + 1),
+            answer_tokens,
+        )
+        for k in range(2)
+    )
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)

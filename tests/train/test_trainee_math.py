@@ -6,10 +6,12 @@ training-time-test steps), EAGLE-1's loss terms, the draft vocabulary. Training 
 from __future__ import annotations
 
 import math
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import train.eagle
 from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
 from tests.conftest import make_tiny_llama
 from tests.train.dense_losses import medusa_loss
@@ -323,3 +325,148 @@ def test_greedy_tokens_cover_every_row_when_the_last_chunk_is_short():
     expected = base.lm_head(hidden).argmax(-1)  # (B, T)
     for rows in (2, 4, 5, 1024):  # chunks of 2+2+1, 4+1, 5, 5
         assert torch.equal(greedy_tokens(base, hidden, rows=rows), expected)
+
+
+# sim_tau accepts a head's token only when it is the head's top-1, not anywhere in its top-5
+def test_medusa_sim_tau_stops_at_a_head_whose_greedy_token_is_second(tiny_llama):
+    torch.manual_seed(0)
+    heads, trainee = _medusa(tiny_llama, num_heads=2)
+    ids = torch.randint(3, 256, (1, 10))
+    mask = torch.tensor([[0, 0, 0, 0] + [1] * 6])
+    with torch.no_grad():
+        greedy = tiny_llama(input_ids=ids).logits.argmax(-1)  # row t: token t+1
+    nxt = shift_left(mask.bool(), 1, False)
+    want = [shift_left(greedy, k + 1)[shift_left(nxt, k + 1, False)] for k in range(2)]
+
+    def logits(k, rows):
+        z = torch.nn.functional.one_hot(want[k], 256).float()
+        if k == 1:  # head 1 ranks another token first, the greedy one second
+            z[torch.arange(len(want[1])), (want[1] + 1) % 256] = 2.0
+        return z
+
+    heads.head_logits = logits
+    with torch.no_grad():
+        _, metrics = trainee.eval()(
+            {"input_ids": ids, "loss_mask": mask, "attention_mask": ids > 0}
+        )
+    assert metrics["head1/top1"] == (0, 6) and metrics["head1/top5"] == (6, 6)  # rows 1..6
+    # rows 3..8 predict the answer: head 0 right and head 1 wrong on rows 3-7 (2), row 8 (1)
+    assert metrics["sim_tau"] == (5 * 2 + 1, 6)
+
+
+# the held-out split passes norm=1.0 (a sum): the KL pair is still (sum, rows)
+def test_medusa2_kl_pair_is_a_sum_over_rows_whatever_the_divisor(tiny_llama):
+    _, trainee, _ = _medusa2(tiny_llama)
+    ids = torch.randint(3, 256, (1, 20), generator=torch.Generator().manual_seed(1))
+    mask = torch.tensor([[0, 0] + [1] * 18])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": torch.ones_like(ids)}
+    with torch.no_grad():
+        trainee.eval()
+        mean_total, rows = trainee(batch)[1]["kl"]  # divided by its own 18 rows
+        summed = trainee(batch, norm=1.0)[1]["kl"]  # as `evaluate` calls it
+        stepped = trainee(batch, norm=7.0)[1]["kl"]  # a step's mean count, as training does
+    assert rows == 18
+    assert summed[1] == stepped[1] == 18
+    assert summed[0] == pytest.approx(mean_total, rel=1e-5)
+    assert stepped[0] == pytest.approx(mean_total, rel=1e-5)
+
+
+# a batch without a target token costs 0 and no NaN, Medusa-2's KL term included
+def test_medusa2_batch_without_answer_tokens_costs_nothing(tiny_llama):
+    _, trainee, _ = _medusa2(tiny_llama)
+    ids = torch.randint(3, 256, (1, 8), generator=torch.Generator().manual_seed(2))
+    batch = {
+        "input_ids": ids,
+        "loss_mask": torch.zeros_like(ids),
+        "attention_mask": torch.ones_like(ids),
+    }
+    with torch.no_grad():
+        loss, metrics = trainee.eval()(batch)
+    assert float(loss) == 0.0
+    assert metrics["kl"] == (0.0, 0)
+
+
+# the walk over the rows is a held-out metric only: a training step never runs it
+@pytest.mark.parametrize("kind", ["medusa", "eagle3", "eagle1"])
+def test_training_steps_leave_the_walk_to_the_held_out_split(tiny_llama, kind):
+    if kind == "medusa":
+        trainee = _medusa(tiny_llama, num_heads=2)[1]
+    elif kind == "eagle3":
+        trainee = _eagle3(tiny_llama, 2)[1]
+    else:
+        trainee = _eagle1(tiny_llama)[2]
+    batch = _batch()
+    with torch.no_grad():
+        held_out = trainee.eval()(batch)[1]
+        trained = trainee.train()(batch)[1]
+    assert "walk_tau" in held_out and "walk_tau" not in trained
+    assert held_out["sim_tau"][1] == trained["sim_tau"][1] == 15  # rows 1..8 and 0..6
+
+
+# EAGLE-1's walk starts where the root and the first target are answer tokens
+def test_eagle1_walk_of_a_perfect_draft_takes_two_tokens_a_step(tiny_llama):
+    draft, _, trainee = _eagle1(tiny_llama)
+    ids = torch.randint(10, 256, (1, 16), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros_like(ids)
+    mask[:, 5:] = 1  # an answer of 11 tokens: the prefill gives the first, 10 are decoded
+    with torch.no_grad():
+        true = tiny_llama.model(input_ids=ids).last_hidden_state
+    draft.forward = lambda embeds, x, pos, **kw: shift_left(true, 1)  # every step right
+    with torch.no_grad():
+        _, metrics = trainee(
+            {"input_ids": ids, "attention_mask": torch.ones_like(ids), "loss_mask": mask}
+        )
+    assert metrics["walk_tau"] == (10, 5)  # 5 steps of the draft's token and the bonus token
+
+
+# noise is a training augmentation: the held-out loss of EAGLE-1 reads the clean features
+def test_eagle1_held_out_loss_is_that_without_noise(tiny_llama):
+    batch = _batch()
+
+    def held_out(noise: float) -> float:
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
+        recipe = load_recipe(
+            None, ["heads.type=eagle", "heads.version=1", f"heads.feature_noise={noise}"]
+        )
+        with torch.no_grad():
+            return float(EagleTrainee(tiny_llama, draft, recipe).eval()(batch, 3)[0])
+
+    assert held_out(0.5) == held_out(0.0)
+    assert held_out(0.5) == held_out(0.5)
+
+
+# two processes at the same step and micro-batch draw different noise
+def test_eagle1_noise_differs_between_processes(tiny_llama, monkeypatch):
+    batch = _batch()
+
+    def loss_on(process_index: int) -> float:
+        monkeypatch.setattr(
+            train.eagle, "PartialState", lambda: SimpleNamespace(process_index=process_index)
+        )
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
+        recipe = load_recipe(
+            None, ["heads.type=eagle", "heads.version=1", "heads.feature_noise=0.5"]
+        )
+        with torch.no_grad():
+            return float(EagleTrainee(tiny_llama, draft, recipe).train()(batch, 3)[0])
+
+    assert loss_on(0) == loss_on(0)  # seeded: a process draws the same again
+    assert loss_on(1) != loss_on(0)
+
+
+# a resumed run's trainee starts afresh: at a step, it draws the noise the uninterrupted run drew
+def test_eagle1_noise_of_a_step_does_not_depend_on_the_steps_before(tiny_llama):
+    batch = _batch()
+    recipe = load_recipe(None, ["heads.type=eagle", "heads.version=1", "heads.feature_noise=0.5"])
+
+    def losses(steps: list[int]) -> list[float]:
+        torch.manual_seed(0)
+        draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
+        trainee = EagleTrainee(tiny_llama, draft, recipe).train()
+        with torch.no_grad():
+            return [float(trainee(batch, step)[0]) for step in steps]
+
+    uninterrupted = losses([3, 3, 4, 4])  # two micro-batches a step
+    assert losses([4, 4]) == uninterrupted[2:]  # resumed at step 4
