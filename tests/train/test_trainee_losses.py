@@ -108,14 +108,8 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
     from train.features import greedy_tokens
     from train.medusa import MedusaTrainee
 
-    torch.manual_seed(1)
-    ids = torch.randint(3, 256, (2, 9))
-    attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
-    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
-    with torch.no_grad():
-        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
-        greedy = tiny_llama.lm_head(hidden).argmax(-1)  # (B,T)
+    batch, hidden, greedy = _two_answers(tiny_llama)
+    mask = batch["loss_mask"]
     # the greedy tokens of the first row in the map, the second row's out of it (but for those
     # it shares with the first)
     others = torch.tensor([t for t in range(256) if t not in set(greedy.flatten().tolist())])
@@ -137,16 +131,7 @@ def test_medusa_recipe_loss_with_a_reduced_vocabulary(tiny_llama):
         with _no_full_lm_head(tiny_llama):  # the draft vocabulary's rows only
             loss_offline, metrics_offline = trainee(offline)
     answer_tokens = shift_left(mask, 1).sum()  # each head's sum is divided by these
-    expected = sum(
-        0.8**k
-        * soft_cross_entropy(
-            logits[k],
-            shift_left(probs, k + 1),
-            shift_left(mask, k + 2) * shift_left(drafted, k + 1),
-            answer_tokens,
-        )
-        for k in range(2)
-    )
+    expected = _restricted_medusa_loss(logits, probs, mask, drafted, answer_tokens)
     assert float(loss) == pytest.approx(float(expected), rel=1e-5)
     assert float(loss_offline) == pytest.approx(float(expected), rel=1e-5)
     assert metrics_offline == metrics  # the same hits and rows
@@ -460,14 +445,8 @@ def test_medusa2_kl_reads_the_adapted_logits_as_the_forward_returns_them():
 def test_medusa_rows_whose_greedy_token_is_the_first_draft_token_train(tiny_llama):
     """The draft vocabulary is the greedy tokens of the rows the heads read, so every such row
     trains, those whose greedy token is the vocabulary's first (draft index 0) included."""
-    torch.manual_seed(1)
-    ids = torch.randint(3, 256, (2, 9))
-    attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
-    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
-    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
-    with torch.no_grad():
-        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
-        greedy = tiny_llama.lm_head(hidden).argmax(-1)  # (B,T)
+    batch, hidden, greedy = _two_answers(tiny_llama)
+    mask = batch["loss_mask"]
     read = shift_left(mask, 1).bool()  # rows whose next token is a target
     read[:, 0] = False  # head k's label for t is row t + k + 1: row 0 is no head's
     token_map = greedy[read].unique()  # sorted: those rows' greedy tokens
@@ -485,7 +464,14 @@ def test_medusa_rows_whose_greedy_token_is_the_first_draft_token_train(tiny_llam
         probs = kept / kept.sum(-1, keepdim=True)  # (B,T,V): the restricted soft labels
         logits = heads(hidden)  # (K,B,T,V)
     answer_tokens = shift_left(mask, 1).sum()
-    expected = sum(
+    expected = _restricted_medusa_loss(logits, probs, mask, drafted, answer_tokens)
+    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def _restricted_medusa_loss(logits, probs, mask, drafted, answer_tokens):
+    """Two heads' dense soft loss over a reduced vocabulary: rows whose greedy token
+    (`drafted` (B,T)) the vocabulary lacks train nothing. logits (K,B,T,V), probs (B,T,V)."""
+    return sum(
         0.8**k
         * soft_cross_entropy(
             logits[k],
@@ -495,4 +481,17 @@ def test_medusa_rows_whose_greedy_token_is_the_first_draft_token_train(tiny_llam
         )
         for k in range(2)
     )
-    assert float(loss) == pytest.approx(float(expected), rel=1e-5)
+
+
+def _two_answers(tiny_llama):
+    """(batch of two padded answers, the base's final hidden states (B,T,H), its greedy tokens
+    (B,T))."""
+    torch.manual_seed(1)
+    ids = torch.randint(3, 256, (2, 9))
+    attention = torch.tensor([[1] * 9, [1] * 7 + [0] * 2])
+    mask = torch.tensor([[0, 1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 1, 1, 1, 1, 1, 0, 0]])
+    batch = {"input_ids": ids, "loss_mask": mask, "attention_mask": attention}
+    with torch.no_grad():
+        hidden = tiny_llama.model(input_ids=ids, attention_mask=attention).last_hidden_state
+        greedy = tiny_llama.lm_head(hidden).argmax(-1)  # (B,T)
+    return batch, hidden, greedy
