@@ -144,7 +144,11 @@ def _training_prompts(config) -> str:
     their training recipe set them (config.json's training_* keys)."""
     system = getattr(config, "training_system_prompt", None)
     template = getattr(config, "training_chat_template", None)
-    said = [f"the system prompt {json.dumps(system)}"] if system is not None else []
+    said = (
+        [f"the system prompt {json.dumps(system, ensure_ascii=False)}"]
+        if system is not None
+        else []
+    )
     if template is not None:
         said.append("the chat template in config.json's `training_chat_template`")
     if not said:

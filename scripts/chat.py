@@ -97,21 +97,23 @@ def build_generator(args: argparse.Namespace, base, tokenizer) -> SpeculativeGen
     return SpeculativeGenerator(base, drafters[0] if len(drafters) == 1 else drafters)
 
 
-def note_training_prompts(name: str, config: dict, args, template: str) -> None:
+def note_training_prompts(name: str, folder: Path, args, template: str) -> None:
     """Say where the heads learned under another system prompt or chat template than this chat
     has (their config records those their recipe set): they draft less well under others."""
+    config = read_config(folder)
     system = config.get("training_system_prompt")
     if system is not None and system != args.system_prompt:
         print(
-            f"note: {name} learned under the system prompt {json.dumps(system)}: "
+            f"note: {name} learned under the system prompt {json.dumps(system, ensure_ascii=False)}: "
             "--system-prompt gives it",
             file=sys.stderr,
         )
     trained = config.get("training_chat_template")
-    if trained is not None and trained != template:
+    # a file's final newline is no part of the template (Jinja drops it)
+    if trained is not None and trained.rstrip("\n") != template.rstrip("\n"):
         print(
-            f"note: {name} learned under another chat template (its config.json's "
-            "training_chat_template): --chat-template gives it",
+            f"note: {name} learned under another chat template: save training_chat_template of "
+            f"{folder / 'config.json'} to a file and give it as --chat-template",
             file=sys.stderr,
         )
 
@@ -160,6 +162,8 @@ def read_turns(prompt: str):
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if hasattr(sys.stdin, "reconfigure"):  # bytes that are not UTF-8 come as lone surrogates
+        sys.stdin.reconfigure(errors="surrogateescape")
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.temperature == 0 and (args.top_p < 1 or args.top_k):
@@ -176,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         gen = build_generator(args, base, tokenizer)
         for name, folder in folders.items():
-            note_training_prompts(name, read_config(folder), args, tokenizer.chat_template)
+            note_training_prompts(name, folder, args, tokenizer.chat_template)
     except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template
         print(f"chat failed: {e}", file=sys.stderr)
         return 2
@@ -192,7 +196,11 @@ def main(argv: list[str] | None = None) -> int:
     eos = stop_token_ids(base, tokenizer)
     greedy = dict(max_new_tokens=args.max_new_tokens, eos=eos, temperature=0.0, top_p=1.0)
     hf_greedy = hf_runner(base, tokenizer.pad_token_id, greedy, {})
-    system = [{"role": "system", "content": args.system_prompt}] if args.system_prompt else []
+    system = (  # "" too is a system turn, as training gives it
+        [{"role": "system", "content": args.system_prompt}]
+        if args.system_prompt is not None
+        else []
+    )
     messages = list(system)
     answered = 0
     print("/reset: a new conversation; /quit or Ctrl-D: leave", file=sys.stderr)

@@ -63,7 +63,7 @@ TRAINEES = {"medusa": (MedusaHeads, MedusaTrainee), "eagle": (EagleDraft, EagleT
 
 
 # Recipe settings that choose which prompts distill answers, not which answers are read.
-DISTILL_SELECTION = ("data.sources", "data.limit", "data.num_samples")
+DISTILL_SELECTION = ("sources", "limit", "num_samples")
 
 
 def fail(message: str) -> SystemExit:
@@ -168,11 +168,16 @@ def main(argv: list[str] | None = None) -> int:
         category = categories_of(args.categories) if args.categories else {}
         if category and not any(first_user_turn(c) in category for c, _ in records):
             raise BenchError(f"no answer in {args.data} answers a prompt of {args.categories}")
-        chosen = [o for o in args.overrides if o.split("=")[0] in DISTILL_SELECTION]
+        given = load_recipe(args.recipe, []).data  # the settings the overrides changed
+        chosen = [
+            f"data.{key}={getattr(recipe.data, key)!r}"
+            for key in DISTILL_SELECTION
+            if getattr(recipe.data, key) != getattr(given, key)
+        ]
         if chosen:  # as training reads them: every answer of the folder
             print(
-                f"note: eval_heads scores every answer in {data}; {', '.join(chosen)} choose what "
-                "scripts/distill.py answers, not what is scored",
+                f"note: eval_heads scores every answer in {data}: {', '.join(chosen)} only "
+                f"shape{'s' * (len(chosen) == 1)} what scripts/distill.py answers",
                 file=sys.stderr,
             )
         if args.out and Path(args.out).is_dir():

@@ -59,6 +59,7 @@ from train.run import (
     load_frozen_base,
     make_accelerator,
     prepare_data,
+    record_training_prompts,
     run_training,
     save_final,
     stop_on_bad_input,
@@ -250,10 +251,10 @@ def build_draft(
             draft_vocab_size=spec.draft_vocab_size,
             aux_layer_ids=spec.aux_layer_ids,
         )
+        record_training_prompts(cfg, recipe)
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
-        with accelerator.main_process_first():  # the first process downloads
-            tensors, where = read_init_heads(recipe, cfg, base)
+        tensors, where = read_init_heads(recipe, cfg, base)  # found (or downloaded) by parse_args
         with stop_on_bad_input():
             load_state_checked(draft, tensors, where)
             if spec.version == 3:

@@ -25,6 +25,7 @@ import json
 import os
 import shutil
 import socket
+import time
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
@@ -40,6 +41,7 @@ from train.features import feature_batches
 FORMAT = "headstart-features-1"
 MANIFEST = "features.json"
 SHARD_BYTES = 1 << 30
+STALE_ELSEWHERE_SECONDS = 3600  # another machine's temporary shard this old is a killed fill's
 
 
 class FeatureCacheError(ValueError):
@@ -267,12 +269,18 @@ def _plan(cache_dir: Path, examples: Sequence[dict], per_token: int) -> list:
 
 
 def _remove_stale_tmp(cache_dir: Path) -> None:
-    """Temporary shards of killed fills on this machine (their process is gone). Another
-    machine's, on shared storage, are left to it: its process ids mean nothing here."""
+    """Temporary shards of killed fills: this machine's whose process is gone, and another
+    machine's (on shared storage: its process ids mean nothing here) once an hour old, far longer
+    than a shard takes to write (a container's or VM's next life has another host name)."""
     here = socket.gethostname()
     for tmp in cache_dir.glob(".features-*.tmp"):  # .NAME.HOST.PID.tmp (.NAME.PID.tmp before)
         host, _, pid = tmp.name.removesuffix(".tmp").partition(".safetensors.")[2].rpartition(".")
         if host not in ("", here):
+            try:
+                if time.time() - tmp.stat().st_mtime > STALE_ELSEWHERE_SECONDS:
+                    tmp.unlink(missing_ok=True)
+            except FileNotFoundError:  # renamed into place meanwhile
+                pass
             continue
         try:
             os.kill(int(pid), 0)

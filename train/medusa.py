@@ -52,6 +52,7 @@ from train.run import (
     load_frozen_base,
     make_accelerator,
     prepare_data,
+    record_training_prompts,
     run_training,
     save_final,
     stop_on_bad_input,
@@ -190,6 +191,8 @@ def build_heads(
         medusa_fc_bias=spec.fc_bias,
         truncated_vocab_size=vocab,
     )
+    with stop_on_bad_input():
+        record_training_prompts(cfg, recipe)
     token_map, init, built = None, None, None
     if recipe.training.init_heads:  # their weights and reduced vocabulary (token_map)
         init = read_init_heads(recipe, cfg, base)

@@ -179,11 +179,12 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         )
     processes = accelerator.num_processes
     joined = f"training on {processes} process{'es' if processes > 1 else ''}"
-    if world == 1 and os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ:
+    launched = os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ
+    if processes == 1 and world == 1 and launched:
         # what accelerate launch --num_processes N (N > 1) leaves when it starts one process
         joined += (
-            ": accelerate launch started one; several on a machine without a GPU need "
-            "--multi_gpu --num_processes N (--cpu starts one)"
+            ": if accelerate launch was asked for several, it started one; several on a machine "
+            "without a GPU need --multi_gpu --num_processes N (--cpu starts one)"
         )
     accelerator.print(joined)
     deepspeed = accelerator.state.deepspeed_plugin
@@ -399,6 +400,14 @@ class MetricsLog:
         self.accelerator.log(metrics, step=step)
 
 
+def record_training_prompts(config, recipe: Recipe) -> None:
+    """The system prompt and chat template (its text, read as the data is) that the recipe sets,
+    in the heads' config: said to their users, as a Hub folder has no recipe beside it."""
+    template = recipe.data.chat_template
+    config.training_system_prompt = recipe.data.system_prompt
+    config.training_chat_template = resolve_chat_template(None, template) if template else None
+
+
 def save_final(
     recipe: Recipe, heads, accelerator: Accelerator, metrics: dict, base=None
 ) -> Path | None:
@@ -421,12 +430,6 @@ def save_final(
         base.save_pretrained(folder / LORA_FOLDER)
     elif (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
         shutil.rmtree(folder / LORA_FOLDER)
-    # what the heads learned under, said to their users (a Hub folder has no recipe beside it)
-    template = recipe.data.chat_template
-    heads.config.training_system_prompt = recipe.data.system_prompt
-    heads.config.training_chat_template = (
-        resolve_chat_template(None, template) if template else None
-    )
     heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))
     save_recipe(recipe, Path(recipe.output.dir) / "recipe.yaml")
     (folder / "training_metrics.json").write_text(json.dumps(metrics, indent=2))

@@ -129,14 +129,30 @@ def test_max_new_tokens_that_leave_no_room_are_refused_before_any_turn(
 
 
 def test_a_line_that_is_not_utf8_is_said_and_the_chat_goes_on(folders, monkeypatch, capsys):
-    """Python reads stdin's undecodable bytes as lone surrogates ("Caf\\xe9" of a Latin-1
-    file): such a line is not sent, and the next one is answered."""
-    argv = ["--base", str(folders["base"]), "--max-new-tokens", "4"]
-    assert _chat(monkeypatch, ["Caf\udce9 au lait?", "Hi."], *argv) == 0
+    """A Latin-1 line ("Caf\\xe9") on a stdin that decodes UTF-8 strictly, as a UTF-8 locale's
+    does: that line is not sent, and the next one is answered."""
+    latin1 = io.TextIOWrapper(io.BytesIO(b"Caf\xe9 au lait?\nHi.\n"), encoding="utf-8")
+    monkeypatch.setattr(sys, "stdin", latin1)
+    argv = ["--base", str(folders["base"]), "--max-new-tokens", "4", "--threads", "1"]
+    assert chat.main(argv) == 0
     out, err = capsys.readouterr()
     assert "(not sent: the line is not UTF-8 text" in err
     assert len([line for line in err.splitlines() if line.startswith("[")]) == 1
     assert len(out.splitlines()) == 1
+
+
+def test_an_empty_system_prompt_is_an_empty_system_turn(folders, monkeypatch):
+    """As training gives it (data.system_prompt: ""), not the template's default system turn."""
+    sent = []
+
+    def prompt_ids(messages, tokenizer):
+        sent.append(list(messages))
+        raise chat.ChatTemplateError("stop here")
+
+    monkeypatch.setattr(chat, "prompt_ids", prompt_ids)
+    argv = ["--base", str(folders["base"]), "--system-prompt", ""]
+    assert _chat(monkeypatch, ["Hi."], *argv) == 2
+    assert sent == [[{"role": "system", "content": ""}, {"role": "user", "content": "Hi."}]]
 
 
 def test_top_p_and_top_k_without_a_temperature_are_said_to_do_nothing(folders, monkeypatch, capsys):
@@ -298,16 +314,22 @@ def test_heads_trained_under_another_system_prompt_or_template_are_said(
     config = json.loads((heads / "config.json").read_text())
     own = AutoTokenizer.from_pretrained(folders["base"]).chat_template
     other = own.replace("<|im_start|>", "<|im_start|> ")  # another template
-    config.update(training_system_prompt="Be brief.", training_chat_template=other)
+    config.update(training_system_prompt="Réponds brièvement.", training_chat_template=other)
     (heads / "config.json").write_text(json.dumps(config))
-    (tmp_path / "chat.jinja").write_text(other)
+    (tmp_path / "chat.jinja").write_text(other + "\n")  # a file's last newline, as saved
     argv = ["--base", str(folders["base"]), "--heads", str(heads), "--max-new-tokens", "2"]
 
     assert _chat(monkeypatch, ["/quit"], *argv) == 0
     err = capsys.readouterr().err
-    assert f'note: {heads} learned under the system prompt "Be brief.": --system-prompt' in err
-    assert f"note: {heads} learned under another chat template" in err
+    said = f'note: {heads} learned under the system prompt "Réponds brièvement.": --system-prompt'
+    assert said in err
+    assert f"note: {heads} learned under another chat template: save training_chat_template" in err
 
-    same = ["--system-prompt", "Be brief.", "--chat-template", str(tmp_path / "chat.jinja")]
+    same = [
+        "--system-prompt",
+        "Réponds brièvement.",
+        "--chat-template",
+        str(tmp_path / "chat.jinja"),
+    ]
     assert _chat(monkeypatch, ["/quit"], *argv, *same) == 0
     assert "note:" not in capsys.readouterr().err

@@ -187,34 +187,3 @@ def test_a_resumed_optimizer_takes_the_recipes_rates_at_the_step_resumed(tmp_pat
     assert optimizer.param_groups[0]["lr"] == pytest.approx(
         1e-2 * 0.5 * (1 + math.cos(math.pi * 4 / 7))
     )
-
-
-def test_the_heads_record_the_system_prompt_and_template_their_recipe_set(tiny_llama, tmp_path):
-    """A Hub folder has no recipe beside it: the config and card say what the heads learned
-    under, and say nothing where the recipe kept the data's own."""
-    from accelerate import Accelerator
-
-    from heads import MedusaConfig, MedusaHeads, load_heads
-    from train.run import save_final
-
-    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
-    folder = save_final(
-        load_recipe(None, [f"output.dir={tmp_path / 'a'}"]), heads, Accelerator(cpu=True), {}
-    )
-    config = json.loads((folder / "config.json").read_text())
-    assert not {"training_system_prompt", "training_chat_template"} & set(config)
-    assert "learned from answers" not in (folder / "README.md").read_text()
-
-    template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
-    overrides = [
-        f"output.dir={tmp_path / 'b'}",
-        "data.system_prompt=Be brief.",
-        f"data.chat_template={template}",
-    ]
-    folder = save_final(load_recipe(None, overrides), heads, Accelerator(cpu=True), {})
-    loaded = load_heads(folder).config
-    assert loaded.training_system_prompt == "Be brief."
-    assert loaded.training_chat_template == template.read_text()  # the text, not the path
-    card = (folder / "README.md").read_text()
-    assert 'under the system prompt "Be brief." and the chat template in config.json' in card

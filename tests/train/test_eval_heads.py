@@ -212,12 +212,17 @@ def test_data_limit_is_said_to_choose_what_distill_answers_not_what_is_scored(
     tiny_task, tmp_path, capsys
 ):
     data = f"data.output_dir={tiny_task.data_dir}"
-    with pytest.raises(SystemExit):  # stopped at the missing heads, after the note
-        eval_heads.main([str(TINY_MEDUSA), str(tmp_path / "missing"), data, "data.limit=4"])
-    assert (
-        f"note: eval_heads scores every answer in {tiny_task.data_dir}; data.limit=4 choose"
-        in capsys.readouterr().err
-    )
+    heads = str(tmp_path / "missing")  # stopped there, after the note
+    for limit in ("data.limit=4", "limit = 4"):  # the override in any form the recipe reads
+        with pytest.raises(SystemExit):
+            eval_heads.main([str(TINY_MEDUSA), heads, data, limit])
+        assert (
+            f"note: eval_heads scores every answer in {tiny_task.data_dir}: data.limit=4 only "
+            "shapes what scripts/distill.py answers" in capsys.readouterr().err
+        )
+    with pytest.raises(SystemExit):  # the recipe's own value: nothing to say
+        eval_heads.main([str(TINY_MEDUSA), heads, data, "data.num_samples=1"])
+    assert "note:" not in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import socket
+import time
 from collections import namedtuple
 from types import SimpleNamespace
 
@@ -92,10 +93,14 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     dead = tmp_path / f".features-r000-0a1b2c-00003.safetensors.{here}.999999999.tmp"  # killed
     older = tmp_path / ".features-r000-0a1b2c-00004.safetensors.999999999.tmp"  # named w/o host
     live = tmp_path / f".features-r000-3d4e5f-00000.safetensors.{here}.{os.getpid()}.tmp"
-    # another machine's on shared storage: its process ids are not this machine's to judge
+    # another machine's on shared storage: its process ids are not this machine's to judge,
+    # only its age (a fill killed there, an hour ago)
     elsewhere = tmp_path / ".features-r008-4f5e6d-00000.safetensors.node-b.lan.999999999.tmp"
-    for tmp in (dead, older, live, elsewhere):
+    gone = tmp_path / ".features-r009-4f5e6d-00000.safetensors.node-c.999999999.tmp"
+    for tmp in (dead, older, live, elsewhere, gone):
         tmp.write_bytes(b"half a shard")
+    hour_ago = time.time() - fc.STALE_ELSEWHERE_SECONDS - 60
+    os.utime(gone, (hour_ago, hour_ago))
     capsys.readouterr()
 
     calls = []
@@ -108,7 +113,7 @@ def test_a_killed_fill_resumes_with_the_missing_examples_only(base, tmp_path, ca
     assert (
         f"{len(exs) - len(lost)} examples cached, {len(lost)} to compute" in capsys.readouterr().out
     )
-    assert not dead.exists() and not older.exists()
+    assert not dead.exists() and not older.exists() and not gone.exists()
     assert live.exists() and elsewhere.exists()
     after = fc.FeatureCache(tmp_path, exs, torch.float32)
     for i in range(len(exs)):

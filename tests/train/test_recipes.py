@@ -32,6 +32,7 @@ from heads import EagleDraft, MedusaHeads, load_heads
 from tests.train.conftest import (
     EAGLE3_RUN,
     MEDUSA_RUN,
+    SYSTEM_PROMPT,
     TINY_EAGLE,
     TINY_MEDUSA,
     load_tiny_base,
@@ -576,3 +577,34 @@ def test_the_logged_loss_is_the_mean_of_the_steps_micro_batches(tiny_task, tmp_p
     for step, (a, b) in losses.items():
         assert a != b
         assert train_lines[step]["loss"] == pytest.approx((a + b) / 2, rel=1e-6)
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_heads_record_the_system_prompt_and_template_their_recipe_set(
+    kind, request, tiny_task, tmp_path
+):
+    """A Hub folder has no recipe beside it: the config and card say what the heads learned
+    under (the template's text, not its path), and leave out what the recipe left to the data
+    and the tokenizer."""
+    from transformers import AutoTokenizer
+
+    from heads import load_heads
+
+    module, recipe = (train.medusa, TINY_MEDUSA) if kind == "medusa" else (train.eagle, TINY_EAGLE)
+    earlier = request.getfixturevalue(f"{kind}_run")[0] / "heads"  # the tokenizer's template
+    config = json.loads((earlier / "config.json").read_text())
+    assert config["training_system_prompt"] == SYSTEM_PROMPT
+    assert "training_chat_template" not in config
+    card = (earlier / "README.md").read_text()
+    assert f"under the system prompt {json.dumps(SYSTEM_PROMPT)}: they draft" in card
+
+    template = tmp_path / "chat.jinja"
+    template.write_text(AutoTokenizer.from_pretrained(tiny_task.base_dir).chat_template)
+    out = tmp_path / "out"
+    settings = ["data.system_prompt=Recite.", f"data.chat_template={template}"]
+    run(module, recipe, tiny_task, out, *settings, "training.max_steps=1")
+    config = load_heads(out / "heads").config
+    assert config.training_system_prompt == "Recite."
+    assert config.training_chat_template == template.read_text()
+    card = (out / "heads" / "README.md").read_text()
+    assert 'under the system prompt "Recite." and the chat template in config.json' in card

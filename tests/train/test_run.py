@@ -143,9 +143,12 @@ def test_one_process_of_a_launch_asking_for_several_says_how_to_start_them(
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     make_accelerator(load_recipe(None, []))
     assert accelerators.printed == [
-        "training on 1 process: accelerate launch started one; several on a machine without a "
-        "GPU need --multi_gpu --num_processes N (--cpu starts one)"
+        "training on 1 process: if accelerate launch was asked for several, it started one; "
+        "several on a machine without a GPU need --multi_gpu --num_processes N (--cpu starts one)"
     ]
+    accelerators.processes = 4  # joined otherwise (accelerate's MPI launch sets no WORLD_SIZE)
+    make_accelerator(load_recipe(None, []))
+    assert accelerators.printed[-1] == "training on 4 processes"
 
 
 def test_processes_that_accelerate_did_not_join_are_refused(accelerators, monkeypatch):
