@@ -412,17 +412,17 @@ def test_eagle1_walk_of_a_perfect_draft_takes_two_tokens_a_step(tiny_llama):
 def test_eagle1_held_out_loss_is_that_without_noise(tiny_llama):
     batch = _batch()
 
-    def held_out(noise: float) -> float:
+    def loss(noise: float, training: bool = False) -> float:
         torch.manual_seed(0)
         draft = EagleDraft(EagleConfig.from_base(tiny_llama.config, version=1))
         recipe = load_recipe(
             None, ["heads.type=eagle", "heads.version=1", f"heads.feature_noise={noise}"]
         )
         with torch.no_grad():
-            return float(EagleTrainee(tiny_llama, draft, recipe).eval()(batch, 3)[0])
+            return float(EagleTrainee(tiny_llama, draft, recipe).train(training)(batch, 3)[0])
 
-    assert held_out(0.5) == held_out(0.0)
-    assert held_out(0.5) == held_out(0.5)
+    assert loss(0.5) == loss(0.0)
+    assert loss(0.5, training=True) != loss(0.0)  # the noise does change a training step's
 
 
 # two processes at the same step and micro-batch draw different noise
