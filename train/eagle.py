@@ -48,8 +48,8 @@ from train.losses import (
     top_ids,
     walk_accept_length,
 )
+from train.outputs import MetricsLog, record_training_prompts, save_final
 from train.run import (
-    MetricsLog,
     Trainee,
     assert_trainable,
     base_dtype_for_training,
@@ -59,9 +59,7 @@ from train.run import (
     load_frozen_base,
     make_accelerator,
     prepare_data,
-    record_training_prompts,
     run_training,
-    save_final,
     stop_on_bad_input,
 )
 from train.steps import count_steps, epoch_batches, make_optimizer, step_norms

@@ -104,7 +104,7 @@ def test_the_hub_gets_the_heads_folder_as_written(tiny_llama, tmp_path, fake_hub
     from safetensors import safe_open
 
     from heads import MedusaConfig, MedusaHeads
-    from train.run import save_final
+    from train.outputs import save_final
 
     recipe = load_recipe(
         None, [f"output.dir={tmp_path}", "hub.repo_id=me/tiny-medusa", "hub.private=true"]

@@ -21,8 +21,8 @@ from train.checkpoint import TrainingDiverged
 from train.config import load_recipe
 from train.features import ExampleDataset
 from train.lock import lock_output
+from train.outputs import MetricsLog, save_final
 from train.run import (
-    MetricsLog,
     Trainee,
     assert_trainable,
     evaluate,
@@ -30,7 +30,6 @@ from train.run import (
     make_accelerator,
     parse_args,
     run_training,
-    save_final,
 )
 
 QUIET = SimpleNamespace(print=lambda *a, **k: None, is_main_process=True, log=lambda *a, **k: None)
