@@ -136,10 +136,8 @@ class HeadsConfig:
 
     def to_dict(self) -> dict[str, Any]:
         # the format written now, whatever the folder read was written in
-        d = {**dataclasses.asdict(self), "headstart_format": HEADSTART_FORMAT}
-        for key in ("training_system_prompt", "training_chat_template"):
-            del d[key]
-        return {**d, **self.training_prompts()}
+        d = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("training_")}
+        return {**d, **self.training_prompts(), "headstart_format": HEADSTART_FORMAT}
 
     def training_prompts(self) -> dict[str, str]:
         """The training prompts' keys of config.json: only those the recipe set."""

@@ -200,13 +200,12 @@ def push_folder(
             )
         except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
             said = str(e).rstrip(". ")
-            hint = (
-                "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
-                if not hub_offline()
-                else ""
-                if "HF_HUB_OFFLINE" in said  # huggingface_hub's own message says to unset it
-                else "HF_HUB_OFFLINE is set: unset it to push"
-            )
+            if not hub_offline():
+                hint = "Check the network and your token (`hf auth login`, HF_TOKEN or token=)"
+            elif "HF_HUB_OFFLINE" in said:  # huggingface_hub's own message says to unset it
+                hint = ""
+            else:
+                hint = "HF_HUB_OFFLINE is set: unset it to push"
             raise HubPushError(
                 f"could not push to the Hub repo {repo_id}: {type(e).__name__}: {said}. {hint}".strip()
             ) from e
