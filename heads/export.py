@@ -250,7 +250,8 @@ def _write_medusa_lm_head(
         )
     if cfg.truncated_vocab_size is not None:
         raise ExportError(
-            f"{target} has no reduced draft vocabulary (token_map); train with the full vocabulary"
+            f"{target} has no reduced draft vocabulary (token_map); train with the full vocabulary "
+            "(heads.draft_vocab_size=null), or export to vllm"
         )
     if target == "tgi":
         base_name = _tgi_base_name(base_name, cfg.base_model_name_or_path)
