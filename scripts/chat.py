@@ -86,9 +86,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
-def build_generator(args: argparse.Namespace, base, tokenizer) -> SpeculativeGenerator:
-    """The heads of --heads (each loaded against `base`), with the n-gram lookup when asked."""
-    drafters = [load_heads(name, base=base) for name in args.heads]
+def build_generator(
+    args: argparse.Namespace, base, tokenizer, folders=None
+) -> SpeculativeGenerator:
+    """The heads of --heads (each loaded against `base`; from `folders`, where main has found
+    them already), with the n-gram lookup when asked."""
+    drafters = [load_heads(where, base=base) for where in folders or args.heads]
     if args.lookup or args.lookup_corpus or not drafters:
         corpus = None
         if args.lookup_corpus:  # an empty table is refused, as bench.py does
@@ -175,10 +178,10 @@ def main(argv: list[str] | None = None) -> int:
         # a missing folder or an unreachable Hub id: before the base
         folders = {name: resolve_folder(name) for name in args.heads}
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
-        base, _ = base_as_served(base, args.heads, "chat")  # Medusa-2: its adapter merged
+        base, _ = base_as_served(base, folders.values(), "chat")  # Medusa-2: adapter merged
         # the template is needed for every turn: a tokenizer without one is said at once
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
-        gen = build_generator(args, base, tokenizer)
+        gen = build_generator(args, base, tokenizer, list(folders.values()))
         for name, folder in folders.items():
             note_training_prompts(name, folder, args, tokenizer.chat_template)
     except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template

@@ -89,20 +89,19 @@ def categories_of(spec: str) -> dict[str, str]:
     return found
 
 
-def with_adapter(base, heads: str) -> tuple[object, bool]:
-    """Medusa-2 heads' base as their run scored them: the LoRA adapter of their folder on it,
+def with_adapter(base, folder: Path) -> tuple[object, bool]:
+    """Medusa-2 heads' base as their run scored them: the LoRA adapter of their `folder` on it,
     unmerged (a peft model), so that their trainee reads the adapted base's states and greedy
     tokens and the original base's distribution for its KL term. Other heads, or a base that
     has the adapter merged already: `base` as it is. And whether the loss and KL can be scored
     (not on a merged base: no original distribution is left to compare with)."""
-    folder = resolve_folder(heads)
     config = read_config(folder)
     lora = config.get("base_lora")
     if not lora:
         return base, True
     if lora_merged(base, config.get("base_lora_probe")) is not False:
         print(
-            f"eval_heads: the base has the LoRA adapter of the Medusa-2 heads {heads} merged "
+            f"eval_heads: the base has the LoRA adapter of the Medusa-2 heads {folder} merged "
             "already (or their probe cannot tell): their acceptance is scored, not eval/loss "
             "and eval/kl (no original base is left to compare with)",
             file=sys.stderr,
@@ -111,7 +110,7 @@ def with_adapter(base, heads: str) -> tuple[object, bool]:
     from peft import PeftModel
 
     print(
-        f"eval_heads: the base with the LoRA adapter of the Medusa-2 heads {heads}, as their "
+        f"eval_heads: the base with the LoRA adapter of the Medusa-2 heads {folder}, as their "
         "run scored them (their KL term against the base without it)",
         file=sys.stderr,
     )
@@ -182,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             )
         if args.out and Path(args.out).is_dir():
             raise ValueError(f"--out {args.out} is a folder: give the JSON file to write")
-        resolve_folder(args.heads)  # a missing folder or an unreachable Hub id: said at once
+        folder = resolve_folder(args.heads)  # a missing folder or an unreachable Hub id: at once
     except (RecipeError, FileNotFoundError, ValueError, PromptSourceError, BenchError) as e:
         raise fail(str(e)) from None
     heads_class, trainee_class = TRAINEES[recipe.heads.type]
@@ -191,8 +190,8 @@ def main(argv: list[str] | None = None) -> int:
     # run trained its base in: the heads are scored as they will draft.
     base, tokenizer = load_frozen_base(recipe, accelerator)
     try:
-        base, original_known = with_adapter(base, args.heads)
-        heads = load_heads(args.heads, base)
+        base, original_known = with_adapter(base, folder)
+        heads = load_heads(folder, base)
     except (FileNotFoundError, ValueError) as e:
         raise fail(str(e)) from None
     if not isinstance(heads, heads_class):
