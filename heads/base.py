@@ -52,6 +52,15 @@ def _default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+def gguf_file_name(name_or_path: str | os.PathLike) -> str | None:
+    """The GGUF file a base name loads from (the embedded model's, or a `.gguf` path's name), or
+    None for a folder or a Hub id: heads trained on it learned the quantised weights."""
+    name = str(name_or_path)
+    if name.lower() == EMBEDDED_NAME:
+        return EMBEDDED_GGUF
+    return Path(name).name if name.endswith(".gguf") else None
+
+
 def embedded_gguf_path() -> Path:
     """Path of the embedded SmolLM2 GGUF, or a clear error saying how to install it."""
     # find_spec does not import the package (its __init__ needs the `llm` CLI we do not use).

@@ -89,6 +89,9 @@ class HeadsConfig:
     # the heads draft best under the same, and a folder from the Hub has no recipe beside it.
     training_system_prompt: str | None = None
     training_chat_template: str | None = None
+    # The GGUF file the base was read from (dequantised) when training, e.g. the embedded model's
+    # Q4_1: the heads learned its hidden states, which full-precision weights only approach.
+    training_base_gguf: str | None = None
 
     def validate(self) -> None:
         if self.headstart_format > HEADSTART_FORMAT:
@@ -137,15 +140,16 @@ class HeadsConfig:
     def to_dict(self) -> dict[str, Any]:
         # the format written now, whatever the folder read was written in
         d = {k: v for k, v in dataclasses.asdict(self).items() if not k.startswith("training_")}
-        return {**d, **self.training_prompts(), "headstart_format": HEADSTART_FORMAT}
+        return {**d, **self.training_keys(), "headstart_format": HEADSTART_FORMAT}
 
-    def training_prompts(self) -> dict[str, str]:
-        """The training prompts' keys of config.json: only those the recipe set."""
-        prompts = {
+    def training_keys(self) -> dict[str, str]:
+        """config.json's keys on what the heads learned under: only those a run set."""
+        keys = {
             "training_system_prompt": self.training_system_prompt,
             "training_chat_template": self.training_chat_template,
+            "training_base_gguf": self.training_base_gguf,
         }
-        return {k: v for k, v in prompts.items() if v is not None}
+        return {k: v for k, v in keys.items() if v is not None}
 
     @classmethod
     def from_dict(cls, data: dict[str, Any]):

@@ -278,7 +278,7 @@ class EagleConfig(HeadsConfig):
             "base_hidden_layers",
         ):
             d[key] = getattr(self, key)
-        d.update(self.training_prompts())
+        d.update(self.training_keys())
         d["headstart_format"] = HEADSTART_FORMAT  # what is written now, whatever was read
         return d
 

@@ -8,7 +8,7 @@ import shutil
 import tempfile
 from pathlib import Path
 
-from heads.base import hub_offline, is_repo_id
+from heads.base import EMBEDDED_GGUF, EMBEDDED_NAME, hub_offline, is_repo_id
 
 
 def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:
@@ -90,7 +90,7 @@ def model_card(config, repo_id: str = "REPO", sglang_layout: bool = False) -> st
             "merged (below;\nfor vLLM, `save_pretrained` the merged base and give its folder as "
             "`BASE_WITH_LORA_MERGED`).\n"
         )
-    prompts = _training_prompts(config)
+    prompts = _training_prompts(config) + _training_gguf(config)
     # The Hub refuses a card whose base_model is no repo id (a local folder, a GGUF's name)
     local = not is_repo_id(base) or Path(base).expanduser().exists()
     header = "" if local else f"base_model: {base}\n"
@@ -157,6 +157,24 @@ def _training_prompts(config) -> str:
         f"\nThe heads learned from answers the base wrote under {' and '.join(said)}: they draft "
         "best\nunder the same (headstart's `scripts/chat.py` and `scripts/bench.py` take "
         "`--system-prompt`\nand `--chat-template`).\n"
+    )
+
+
+def _training_gguf(config) -> str:
+    """The card's line on the quantised weights the heads learned on (config.json's
+    training_base_gguf), where the base was read from a GGUF file."""
+    gguf = getattr(config, "training_base_gguf", None)
+    if gguf is None:
+        return ""
+    embedded = (
+        f' (headstart\'s `load_base("{EMBEDDED_NAME}")` loads\nthat file)'
+        if gguf == EMBEDDED_GGUF
+        else ""
+    )
+    return (
+        f"\nThe heads learned on the base's weights as the GGUF file `{gguf}` holds them,\n"
+        f"dequantised{embedded}: on other weights of this model (full precision, another\n"
+        "quantisation) they draft a little differently, and the output is still the base's own.\n"
     )
 
 

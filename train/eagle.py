@@ -48,7 +48,7 @@ from train.losses import (
     top_ids,
     walk_accept_length,
 )
-from train.outputs import MetricsLog, record_training_prompts, save_final
+from train.outputs import MetricsLog, record_training_setup, save_final
 from train.run import (
     Trainee,
     assert_trainable,
@@ -249,7 +249,7 @@ def build_draft(
             draft_vocab_size=spec.draft_vocab_size,
             aux_layer_ids=spec.aux_layer_ids,
         )
-        record_training_prompts(cfg, recipe)
+        record_training_setup(cfg, recipe)
     draft = EagleDraft(cfg, attn_implementation=recipe.model.attn_implementation)
     if recipe.training.init_heads:  # their weights and draft vocabulary (d2t / t2d)
         tensors, where = read_init_heads(recipe, cfg, base)  # found (or downloaded) by parse_args

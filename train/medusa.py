@@ -41,7 +41,7 @@ from train.losses import (
     top_ids,
     walk_accept_length,
 )
-from train.outputs import MetricsLog, record_training_prompts, save_final
+from train.outputs import MetricsLog, record_training_setup, save_final
 from train.run import (
     Trainee,
     assert_trainable,
@@ -190,7 +190,7 @@ def build_heads(
         truncated_vocab_size=vocab,
     )
     with stop_on_bad_input():
-        record_training_prompts(cfg, recipe)
+        record_training_setup(cfg, recipe)
     token_map, init, built = None, None, None
     if recipe.training.init_heads:  # their weights and reduced vocabulary (token_map)
         init = read_init_heads(recipe, cfg, base)

@@ -1,6 +1,7 @@
 """What a training run writes besides its checkpoints: metrics.jsonl (`MetricsLog`) and, at its
-end, the heads folder (`save_final`), with the system prompt and chat template the heads learned
-under in their config (`record_training_prompts`) and, when the recipe asks, its push to the Hub."""
+end, the heads folder (`save_final`), with what the heads learned under in their config (the system
+prompt, chat template and GGUF base: `record_training_setup`) and, when the recipe asks, its push
+to the Hub."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from pathlib import Path
 import torch
 from accelerate import Accelerator
 
+from heads.base import gguf_file_name
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
 from train.config import Recipe, save_recipe
@@ -54,12 +56,14 @@ class MetricsLog:
         self.accelerator.log(metrics, step=step)
 
 
-def record_training_prompts(config, recipe: Recipe) -> None:
+def record_training_setup(config, recipe: Recipe) -> None:
     """The system prompt and chat template (its text, read as the data is) that the recipe sets,
-    in the heads' config: said to their users, as a Hub folder has no recipe beside it."""
+    and the GGUF file its base is read from, in the heads' config: said to their users, as a Hub
+    folder has no recipe beside it."""
     template = recipe.data.chat_template
     config.training_system_prompt = recipe.data.system_prompt
     config.training_chat_template = resolve_chat_template(None, template) if template else None
+    config.training_base_gguf = gguf_file_name(recipe.model.name_or_path)
 
 
 def save_final(

@@ -102,3 +102,20 @@ def test_a_medusa2_card_loads_its_heads_on_the_base_with_their_adapter_merged():
         'base, tokenizer = load_base("org/base")\nheads = load_heads("me/m", base=base)\n' in card
     )
     assert "PeftModel" not in card
+
+
+def test_the_card_says_which_gguf_the_heads_learned_on_and_how_to_load_the_embedded_one():
+    config = MedusaConfig.from_base(BASE, num_heads=2)
+    config.base_model_name_or_path = "HuggingFaceTB/SmolLM2-135M-Instruct"
+    assert "GGUF" not in model_card(config, "me/m")
+    config.training_base_gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    card = " ".join(model_card(config, "me/m").split())  # the card wraps its lines
+    assert (
+        "The heads learned on the base's weights as the GGUF file "
+        "`SmolLM2-135M-Instruct.Q4_1.gguf` holds them, dequantised "
+        '(headstart\'s `load_base("smollm2-135m-instruct")` loads that file): on other weights'
+    ) in card
+    config.training_base_gguf = "llama-3-8b.Q8_0.gguf"
+    card = " ".join(model_card(config, "me/m").split())
+    assert "GGUF file `llama-3-8b.Q8_0.gguf` holds them, dequantised: on other weights" in card
+    assert 'load_base("smollm2' not in card

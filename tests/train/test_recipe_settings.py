@@ -21,6 +21,7 @@ from heads import load_heads
 from tests.train.conftest import SYSTEM_PROMPT, TINY_EAGLE, TINY_MEDUSA, load_tiny_base, run
 from tests.train.test_recipes import read_metrics
 from train.config import load_recipe
+from train.outputs import record_training_setup
 from train.steps import make_optimizer
 
 THREE_A_EPOCH = ["training.micro_batch_size=12"]  # 36 training examples: 3 steps an epoch
@@ -167,7 +168,7 @@ def test_heads_record_the_system_prompt_and_template_their_recipe_set(
     earlier = request.getfixturevalue(f"{kind}_run")[0] / "heads"  # the tokenizer's template
     config = json.loads((earlier / "config.json").read_text())
     assert config["training_system_prompt"] == SYSTEM_PROMPT
-    assert "training_chat_template" not in config
+    assert "training_chat_template" not in config and "training_base_gguf" not in config
     card = (earlier / "README.md").read_text()
     assert f"under the system prompt {json.dumps(SYSTEM_PROMPT)}: they draft" in card
 
@@ -181,3 +182,21 @@ def test_heads_record_the_system_prompt_and_template_their_recipe_set(
     assert config.training_chat_template == template.read_text()
     card = (out / "heads" / "README.md").read_text()
     assert 'under the system prompt "Recite." and the chat template in config.json' in card
+
+
+@pytest.mark.parametrize(
+    ("base", "recorded"),
+    [
+        ("smollm2-135m-instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),
+        ("SmolLM2-135M-Instruct", "SmolLM2-135M-Instruct.Q4_1.gguf"),  # the alias, any case
+        ("HuggingFaceTB/SmolLM2-135M-Instruct", None),  # a Hub id or folder: weights as they are
+        ("~/models/llama-3-8b.Q8_0.gguf", "llama-3-8b.Q8_0.gguf"),
+    ],
+)
+def test_heads_trained_on_a_gguf_base_record_its_file(base, recorded):
+    """Heads learn the dequantised weights' hidden states: their config names the GGUF file, so
+    that the card can say it to users who serve the full-precision model."""
+    recipe = load_recipe(TINY_MEDUSA, [f"model.name_or_path={base}"])
+    config = SimpleNamespace()
+    record_training_setup(config, recipe)
+    assert config.training_base_gguf == recorded
