@@ -74,6 +74,9 @@ class GenerationOutput:
     # draft spent on the prompt (the prefill forward, the drafter's first pass over the prompt)
     timings: dict[str, float] = field(default_factory=dict)
     finished: bool = False  # an EOS token or a stop string ended the generation
+    # nodes each verify step verified, the root included: 1 for a plain step (an adaptive
+    # generator's fallback, or a tree that no longer fits the context)
+    tree_sizes: list[int] = field(default_factory=list)
 
     @property
     def mean_accepted_length(self) -> float:
@@ -291,7 +294,8 @@ class SpeculativeGenerator:
     ) -> Iterator[list[int]]:
         """Yield the new tokens of every step (the first yield is the prefill's token).
 
-        `stats`, when given, receives `accepted_lengths`, `timings` and `finished` as it goes.
+        `stats`, when given, receives `accepted_lengths`, `tree_sizes`, `timings` and `finished` as
+        it goes.
         See `generate` for the arguments. Streams of one generator share its drafter: several
         interleaved stay exact, but each drafts from the state the others left (the drafter
         keeps one sequence's), so they speculate worse than one at a time; give each
@@ -318,7 +322,7 @@ class SpeculativeGenerator:
             generator = torch.Generator(device=device).manual_seed(operator.index(seed))
         sampling = Sampling(temperature, top_k, top_p, generator)
         stats = {} if stats is None else stats
-        stats.update(accepted_lengths=[], finished=False)
+        stats.update(accepted_lengths=[], tree_sizes=[], finished=False)
         timings = stats["timings"] = dict.fromkeys(
             ("base", "draft", "other", "total", "prefill_base", "prefill_draft"), 0.0
         )
@@ -435,6 +439,7 @@ class SpeculativeGenerator:
             new, done = stopping.cut(new)
             stats["finished"] = stopping.finished
             stats["accepted_lengths"].append(len(new))
+            stats["tree_sizes"].append(draft.tree.num_nodes)
             sequence = torch.cat([sequence, sequence.new_tensor(new)])
             yield new
         timings["total"] = time.perf_counter() - t_start
@@ -493,5 +498,9 @@ class SpeculativeGenerator:
             dim=1,
         )
         return GenerationOutput(
-            sequences, stats["accepted_lengths"], stats["timings"], stats["finished"]
+            sequences,
+            stats["accepted_lengths"],
+            stats["timings"],
+            stats["finished"],
+            stats["tree_sizes"],
         )

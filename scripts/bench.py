@@ -234,8 +234,8 @@ def run_bench(
 def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
     """One (prompt, turn, method) record: tokens, seconds and tokens/s of the timed run of
     median tokens/s (the lower middle one of an even count); tau and the accepted-length
-    histogram over every run's steps (an adaptive generator's trees may differ from run to
-    run); identical only when every run's tokens equal the baseline's. Greedy runs repeat the
+    histogram and the plain steps among them over every run's steps (an adaptive generator's
+    trees may differ from run to run); identical only when every run's tokens equal the baseline's. Greedy runs repeat the
     same tokens; sampled ones need not (the adaptive policy carries over from run to run), so
     one run's tokens are never divided by another's time."""
     seconds = [s for s, _ in timed]
@@ -262,6 +262,7 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
         "identical": True if method.greedy else None,
         "other_share": None,
         "accepted_lengths": None,
+        "plain_steps": None,
         "_ids": out.new_ids,
     }
     if out.accepted_lengths is not None:
@@ -271,6 +272,9 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
         record["steps"] = steps / len(timed)  # per run
         hist = Counter(accepted)
         record["accepted_lengths"] = {str(k): hist[k] for k in sorted(hist)}
+        # steps that verified the root alone (an adaptive generator's plain decoding), over
+        # every run as the histogram: they drafted nothing to accept
+        record["plain_steps"] = sum(n == 1 for _, r in timed for n in r.tree_sizes or ())
         shares = [r.timings["other"] / r.timings["total"] for _, r in timed if r.timings["total"]]
         record["other_share"] = statistics.median(shares) if shares else None
     if baseline is not None:

@@ -56,6 +56,7 @@ class Run:
     new_ids: list[int]
     accepted_lengths: list[int] | None = None  # None for HF methods (not observable)
     timings: dict[str, float] | None = None  # seconds: base, draft, other, total
+    tree_sizes: list[int] | None = None  # nodes verified per step, the root included
 
 
 @dataclass
@@ -439,9 +440,8 @@ def _spec_runner(gen: SpeculativeGenerator, settings: dict) -> Callable[..., Run
             seed=seed,
             eos_token_id=settings["eos"],
         )
-        return Run(
-            out.sequences[0, input_ids.shape[1] :].tolist(), out.accepted_lengths, out.timings
-        )
+        new = out.sequences[0, input_ids.shape[1] :].tolist()
+        return Run(new, out.accepted_lengths, out.timings, out.tree_sizes)
 
     run.generator = gen  # bench's warm-up forgets what its policy measured there
     return run

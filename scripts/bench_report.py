@@ -81,11 +81,15 @@ def aggregate(rows: list[dict], baseline: dict, method: dict) -> dict:
         tau = 1.0
     else:
         tau = sum(k * v for k, v in hist.items()) / steps if steps else None
+    # results.json files before plain_steps lack it: every step counted as drafted
+    plain = sum(r.get("plain_steps") or 0 for r in rows)
+    drafted = steps - plain
     at_least = None
-    if steps and method["draft_depth"]:
-        # Share of verify steps that accepted >= k drafted tokens (length counts the bonus).
+    if drafted and method["draft_depth"]:
+        # Share of the steps that drafted which accepted >= k drafted tokens (a length counts
+        # the bonus; a plain step's is 1, so it adds to no k)
         at_least = [
-            sum(v for length, v in hist.items() if length - 1 >= k) / steps
+            sum(v for length, v in hist.items() if length - 1 >= k) / drafted
             for k in range(1, method["draft_depth"] + 1)
         ]
     return {
@@ -101,6 +105,7 @@ def aggregate(rows: list[dict], baseline: dict, method: dict) -> dict:
         "identical_rate": _mean(r["identical"] for r in rows),
         "other_share_mean": _mean(r["other_share"] for r in rows),
         "accepted_lengths": {str(k): hist[k] for k in sorted(hist)} if steps else None,
+        "drafted_share": drafted / steps if steps and method["kind"] != "baseline" else None,
         "accept_at_least": at_least,
     }
 
@@ -234,7 +239,7 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     # tau per category, grouped bars per method.
     with_tau = [m["name"] for m in methods if overall[m["name"]]["tau"] is not None]
     groups = {**results["summary"]["by_category"], "overall": overall}
-    fig, ax = plt.subplots(figsize=(max(6, 1.2 * len(groups)), 4))
+    fig, ax = plt.subplots(figsize=(_grouped_width(len(groups), len(with_tau)), 4))
     _grouped_bars(ax, list(groups), with_tau, lambda g, n: groups[g][n]["tau"])
     ax.set_ylabel("tau (tokens per verify step)")
     ax.set_title("Mean accepted tokens per category")
@@ -247,38 +252,50 @@ def write_plots(results: dict, out: Path) -> list[Path]:
     ax.plot(names, [overall[n]["speedup_overall"] or 0 for n in names], "kD", label="overall")
     ax.axhline(1.0, color="gray", linestyle="--", linewidth=1)
     ax.set_ylabel("speedup vs HF generate")
+    ax.tick_params(axis="x", labelrotation=30)
+    for label in ax.get_xticklabels():  # long names ("demo-eagle+ngram+corpus") side by side
+        label.set_horizontalalignment("right")
     ax.legend()
     save(fig, "speedup")
 
     # Accepted-length histogram (share of verify steps) per speculative method.
     spec = [n for n in names if overall[n]["accepted_lengths"]]
     if spec:
-        lengths = sorted({int(k) for n in spec for k in overall[n]["accepted_lengths"]})
+        seen = {int(k) for n in spec for k in overall[n]["accepted_lengths"]}
+        lengths = list(range(min(seen), max(seen) + 1))  # a length no step gained: a gap
 
         def share(length, n):
             hist = overall[n]["accepted_lengths"]
             return hist.get(str(length), 0) / sum(hist.values())
 
-        fig, ax = plt.subplots(figsize=(max(6, 0.8 * len(lengths)), 4))
+        fig, ax = plt.subplots(figsize=(_grouped_width(len(lengths), len(spec)), 4))
         _grouped_bars(ax, lengths, spec, share)
         ax.set_xlabel("tokens gained per verify step (bonus included)")
         ax.set_ylabel("share of verify steps")
         save(fig, "accepted")
 
-    # Medusa: share of steps accepting >= k drafted tokens, i.e. head k-1 was right.
+    # Medusa: share of the steps that drafted accepting >= k drafted tokens: head k-1 was right
     medusa = [m["name"] for m in methods if m["kind"] == "medusa"]
     medusa = [n for n in medusa if overall[n]["accept_at_least"]]
     if medusa:
         fig, ax = plt.subplots(figsize=(6, 4))
+        depth = max(len(overall[n]["accept_at_least"]) for n in medusa)
         for n in medusa:
             acc = overall[n]["accept_at_least"]
             ax.plot(range(1, len(acc) + 1), acc, "o-", label=n)
-        ax.set_xlabel("k (head k-1 accepted, with all heads before it)")
-        ax.set_ylabel("share of verify steps accepting >= k drafted tokens")
+        ax.set_xticks(range(1, depth + 1))
+        ax.set_xlabel("k: head k-1 accepted, with every head before it")
+        ax.set_ylabel("share of drafting steps")
+        ax.set_title("Medusa heads accepted in the decode loop (plain steps left out)")
         ax.set_ylim(0, 1)
         ax.legend()
         save(fig, "heads")
     return written
+
+
+def _grouped_width(groups: int, series: int) -> float:
+    """Inches for a plot of grouped bars, its legend beside them."""
+    return max(6.0, groups * max(0.8, 0.2 * series)) + 2.5
 
 
 def _grouped_bars(ax, groups: list, series: list[str], value) -> None:
@@ -287,5 +304,5 @@ def _grouped_bars(ax, groups: list, series: list[str], value) -> None:
         xs = [g + (i - (len(series) - 1) / 2) * width for g in range(len(groups))]
         ax.bar(xs, [value(g, name) or 0 for g in groups], width, label=name)
     ax.set_xticks(range(len(groups)), [str(g) for g in groups], rotation=30, ha="right")
-    if series:
-        ax.legend(fontsize="small")
+    if series:  # beside the bars, not over them
+        ax.legend(fontsize="small", loc="upper left", bbox_to_anchor=(1.01, 1), borderaxespad=0)

@@ -303,3 +303,20 @@ def test_a_drafter_of_no_settings_made_adaptive_weighs_itself_against_plain_deco
 
     gen = SpeculativeGenerator(make_tiny_llama(), RootOnly(), adaptive=True)
     assert gen.arms == [None, {}]
+
+
+def test_the_output_gives_each_steps_tree_size_plain_steps_one_node():
+    """`tree_sizes` tells a plain step (the root alone) from a drafted one: what bench needs to
+    score heads only on the steps where they drafted."""
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    choices = [[0], [1], [0, 0]]
+    gen = SpeculativeGenerator(base, heads, adaptive=[None, {"choices": choices}])
+    prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    out = gen.generate(prompt, max_new_tokens=40)
+    assert len(out.tree_sizes) == len(out.accepted_lengths) == out.num_steps
+    assert set(out.tree_sizes) == {1, len(choices) + 1}  # both arms ran (each tried first)
+    plain, drafted = gen.policy.summary()
+    assert out.tree_sizes.count(1) == plain["steps"] and plain["options"] is None
+    assert out.tree_sizes.count(len(choices) + 1) == drafted["steps"]
+    assert all(n == 1 for n, size in zip(out.accepted_lengths, out.tree_sizes) if size == 1)

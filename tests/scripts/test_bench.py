@@ -71,12 +71,14 @@ def test_all_methods_greedy_identical(folders, tmp_path):
             assert r["tau"] >= 1.0 and 0 <= r["other_share"] < 1 and r["speedup"] > 0
             gained = sum(int(k) * v for k, v in r["accepted_lengths"].items())
             assert gained + 1 >= r["new_tokens"]  # the prefill gives the first token
+            assert 0 <= r["plain_steps"] <= r["accepted_lengths"].get("1", 0)
     summary = results["summary"]["overall"]
     assert summary["baseline"]["tau"] == 1.0 and summary["baseline"]["speedup_overall"] == 1.0
     # The base drafting for itself accepts all 4 drafted tokens: after the prefill's token, a
     # step of 4 + bonus, then the last step is cut to the 2 tokens left of max_new_tokens=8.
     assert summary["draft"]["tau"] == 3.5
     assert summary["draft"]["accept_at_least"][-1] == 0.5  # the full step of each prompt
+    assert summary["draft"]["drafted_share"] == 1.0 and summary["baseline"]["drafted_share"] is None
     assert all(summary[n]["identical_rate"] == 1.0 for n in names)
     assert len(summary["medusa"]["accept_at_least"]) == 2
     # EAGLE as it runs: adaptive over its arms (on a CPU the deepest has two levels)

@@ -26,10 +26,10 @@ def test_a_record_takes_the_run_of_median_speed_and_divides_by_the_baselines():
     base = bench._record(PROMPT, 0, greedy, 5, [(0.2, Run(list(range(10))))], None)
     assert (base["tokens_per_s"], base["speedup"], base["steps"]) == (50.0, 1.0, 9.0)
     sampled = Method("m", "ngram", None, torch.device("cpu"), False)
-    timed = [  # 100 tokens/s, 133/s, 25/s: the first run is the median one
-        (0.10, Run(list(range(10)), [2] * 5, timings(other=0.1))),
-        (0.15, Run(list(range(20)), [4] * 5, timings(other=0.2, draft=0.3))),
-        (0.20, Run(list(range(5)), [1] * 5, timings(other=0.6))),
+    timed = [  # 100 tokens/s, 133/s, 25/s: the first run is the median one; the last plain
+        (0.10, Run(list(range(10)), [2] * 5, timings(other=0.1), [4] * 5)),
+        (0.15, Run(list(range(20)), [4] * 5, timings(other=0.2, draft=0.3), [4] * 5)),
+        (0.20, Run(list(range(5)), [1] * 5, timings(other=0.6), [1] * 5)),
     ]
     record = bench._record(PROMPT, 0, sampled, 5, timed, base)
     assert (record["new_tokens"], record["seconds"]) == (10, 0.10)
@@ -37,6 +37,7 @@ def test_a_record_takes_the_run_of_median_speed_and_divides_by_the_baselines():
     assert record["speedup"] == pytest.approx(2.0)  # 100 tokens/s against the baseline's 50
     assert record["tau"] == pytest.approx(35 / 15) and record["steps"] == 5.0
     assert record["accepted_lengths"] == {"1": 5, "2": 5, "4": 5}
+    assert record["plain_steps"] == 5  # over every run, as the histogram
     assert record["other_share"] == pytest.approx(0.2)  # the median over runs of other/total
     assert record["identical"] is None  # sampled: never compared
 
@@ -62,7 +63,9 @@ def test_an_embedded_prompt_is_in_its_categorys_name():
     assert len({p.category for p in prompts}) == len(prompts)
 
 
-def row(method, prompt, turn, category, tokens, seconds, speedup, tau, hist, identical=True):
+def row(
+    method, prompt, turn, category, tokens, seconds, speedup, tau, hist, identical=True, plain=0
+):
     return {
         "method": method,
         "prompt": prompt,
@@ -75,6 +78,7 @@ def row(method, prompt, turn, category, tokens, seconds, speedup, tau, hist, ide
         "speedup": speedup,
         "tau": tau,
         "accepted_lengths": hist,
+        "plain_steps": plain if hist else None,
         "identical": identical,
         "other_share": 0.1 if hist else None,
     }
@@ -91,7 +95,7 @@ METHODS = [
 def records() -> list[dict]:
     """Three prompts in two categories, the first with two turns (the second turn's baseline
     twice as slow); the Medusa method 2x, 4x, 1x and 10x as fast, one output not identical
-    (and 12 tokens there), its own tau per record 2, 2, 1 and 2.75."""
+    (and 12 tokens there, 10 of its 12 steps plain), its own tau per record 2, 2, 1 and 2.75."""
     return [
         row("baseline", 0, 0, "a", 10, 1.0, 1.0, 1.0, None),
         row("baseline", 0, 1, "a", 10, 2.0, 1.0, 1.0, None),
@@ -99,7 +103,7 @@ def records() -> list[dict]:
         row("baseline", 2, 0, "b", 10, 1.0, 1.0, 1.0, None),
         row("heads", 0, 0, "a", 10, 0.5, 2.0, 2.0, {"1": 2, "3": 2}),
         row("heads", 0, 1, "a", 10, 0.5, 4.0, 2.0, {"2": 5}),
-        row("heads", 1, 0, "a", 12, 1.2, 1.0, 1.0, {"1": 12}, identical=False),
+        row("heads", 1, 0, "a", 12, 1.2, 1.0, 1.0, {"1": 12}, identical=False, plain=10),
         row("heads", 2, 0, "b", 10, 0.1, 10.0, 2.75, {"3": 3, "2": 1}),
         row("sampled", 0, 0, "a", 10, 0.5, 2.0, 1.5, {"1": 1, "2": 1}, identical=None),
     ]
@@ -118,7 +122,9 @@ def test_the_aggregates_pool_steps_and_time_and_take_each_turns_own_baseline(rec
     assert heads["tau"] == pytest.approx(41 / 25)
     assert heads["tau_mean_per_prompt"] == pytest.approx(7.75 / 4)
     assert heads["accepted_lengths"] == {"1": 14, "2": 6, "3": 5}
-    assert heads["accept_at_least"] == pytest.approx([11 / 25, 5 / 25])  # >= 1, >= 2 drafted
+    # of the 15 steps that drafted (10 plain ones drafted nothing): >= 1, >= 2 drafted accepted
+    assert heads["accept_at_least"] == pytest.approx([11 / 15, 5 / 15])
+    assert heads["drafted_share"] == pytest.approx(15 / 25)
     assert heads["identical_rate"] == 0.75
     assert summary["overall"]["sampled"]["identical_rate"] is None  # never compared
     assert summary["overall"]["baseline"]["tau"] == 1.0
@@ -183,7 +189,26 @@ def test_the_plots_draw_the_aggregates(records, tmp_path, monkeypatch):
     )
     # shares of steps gaining 1, 2, 3 tokens: the Medusa method's, then the sampled one's
     assert heights(accepted) == pytest.approx([14 / 25, 6 / 25, 5 / 25, 0.5, 0.5, 0.0])
-    assert list(heads.axes[0].lines[0].get_ydata()) == pytest.approx([11 / 25, 5 / 25])
+    assert list(heads.axes[0].lines[0].get_ydata()) == pytest.approx([11 / 15, 5 / 15])
+    assert list(heads.axes[0].get_xticks()) == [1, 2]  # heads are counted, not measured
+    monkeypatch.undo()
+    for figure in figures:
+        plt.close(figure)
+
+
+def test_the_accepted_lengths_plot_leaves_a_gap_for_a_length_no_step_gained(tmp_path, monkeypatch):
+    import matplotlib.pyplot as plt
+
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    records = [
+        row("baseline", 0, 0, "a", 10, 1.0, 1.0, 1.0, None),
+        row("heads", 0, 0, "a", 10, 0.5, 2.0, 2.5, {"1": 2, "4": 2}),
+    ]
+    bench_report.write_plots(results_of(records), tmp_path)
+    accepted = figures[2].axes[0]
+    assert [bar.get_height() for bar in accepted.patches] == [0.5, 0.0, 0.0, 0.5]
+    assert [t.get_text() for t in accepted.get_xticklabels()] == ["1", "2", "3", "4"]
     monkeypatch.undo()
     for figure in figures:
         plt.close(figure)
