@@ -67,7 +67,8 @@ def export_heads(
     # Written into a hidden folder inside `out` (its filesystem, its mode; a mount point or a
     # link stays what it is) and moved in by renames: a refused, failed or interrupted export
     # leaves `out` as it was.
-    created = not out.is_dir()
+    missing = [p for p in (out, *out.parents) if not p.exists()]
+    created = missing[-1] if missing else None  # the topmost folder this export makes
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(f"*{WORK_PREFIX}*"):  # of an export killed before
         shutil.rmtree(leftover, ignore_errors=True)
@@ -80,7 +81,7 @@ def export_heads(
         (staging / EXPORT_MARK).write_text(json.dumps({"target": target}) + "\n")
         _move_in(staging, out)
     except BaseException:
-        shutil.rmtree(out if created else staging, ignore_errors=True)
+        shutil.rmtree(created or staging, ignore_errors=True)
         raise
     if lora and target in ("tgi", "trtllm"):  # the engine serves the base with it merged
         warnings.warn(

@@ -380,7 +380,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--max-new-tokens, --runs, --limit and --per-category must be >= 1")
     if args.threads is not None and args.threads < 1:
         parser.error("--threads must be >= 1 (leave it out for torch's default)")
-    if args.temperature < 0 or not 0 < args.top_p <= 1:
+    if not 0 <= args.temperature < math.inf or not 0 < args.top_p <= 1:  # nan fails both
         parser.error("need --temperature >= 0 (0: greedy) and 0 < --top-p <= 1")
     sizes = (args.lookup_tokens, args.eagle_top_k, args.eagle_total_tokens)
     if any(s is not None and s < 1 for s in sizes) or (args.eagle_depth or 0) < 0:
@@ -397,6 +397,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
+    made = None
     try:
         draft_shape = args.draft_tree is not None or args.draft_tokens is not None
         names = bench_methods.parse_methods(
@@ -407,8 +408,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.system_prompt is not None:
             system = [{"role": "system", "content": args.system_prompt}]
             prompts = [dataclasses.replace(p, system=system) for p in prompts]
-        out = Path(args.out)  # made now: a folder that cannot be written loses no timings
-        out.mkdir(parents=True, exist_ok=True)
+        out, made = bench_report.make_out(args.out)
         try:
             base, tokenizer, methods = bench_methods.build_methods(names, args)  # --chat-template
         except ValueError as e:  # a base the generator refuses (sliding-window attention)
@@ -430,10 +430,12 @@ def main(argv: list[str] | None = None) -> int:
             )
         _warm_up(fitting[0], methods, tokenizer, args.seed)
     except (BenchError, PromptSourceError, ChatTemplateError, OSError) as e:
+        bench_report.drop_out(made)
         print(f"bench failed: {e}", file=sys.stderr)
         return 2
     records = run_bench(prompts, methods, tokenizer, args.runs, args.seed, room)
     if not records:
+        bench_report.drop_out(made)
         print(
             "bench failed: every prompt passed the base's context; lower --max-new-tokens",
             file=sys.stderr,

@@ -142,6 +142,7 @@ def time_arms(
         row["vs_plain_median"] = statistics.median(ratios) if ratios else None
         row["vs_plain"] = row["tokens_per_s"] / plain_rate if plain_rate else None
         row["identical"] = n_same / len(ids)
+        row["prompts"] = len(ids)
     return rows
 
 
@@ -174,7 +175,7 @@ def render_markdown(rows: list[dict]) -> str:
             f"| `{format_arm(r['arm'])}` | {r['tau']:.2f} | {r['base_ms_per_step']:.1f} | "
             f"{r['draft_ms_per_step']:.1f} | {r['tokens_per_s']:.1f} | "
             f"{ratio(r['vs_plain_median'])} / {ratio(r['vs_plain'])} | "
-            f"{100 * r['identical']:.0f}% |"
+            f"{bench_report.identical_share(r['identical'], r['prompts'])} |"
         )
     return "\n".join(lines) + "\n"
 
@@ -228,8 +229,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
+    made = None
     try:
         prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
+        out, made = bench_report.make_out(args.out)
         base, tokenizer = load_base(args.base, device=args.device)
         # Medusa-2: its adapter merged
         base, adapter_of = base_as_served(base, [args.heads], "bench_arms")
@@ -262,6 +265,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.max_new_tokens}; lower it"
             )
     except (PromptSourceError, ChatTemplateError, OSError, ValueError) as e:
+        bench_report.drop_out(made)
         print(f"bench_arms failed: {e}", file=sys.stderr)
         return 2
     print(f"{len(ids)} prompts, {len(arms)} settings (plain decoding first)", file=sys.stderr)
@@ -277,8 +281,6 @@ def main(argv: list[str] | None = None) -> int:
         "max_new_tokens": args.max_new_tokens,
         "arms": rows,
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "arms.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     if record is not None:
         (out / "steps.json").write_text(json.dumps(record) + "\n", encoding="utf-8")

@@ -111,6 +111,14 @@ def parse_methods(
         raise BenchError(
             "--heads given but no heads method ('heads', 'heads+ngram', ...) in --methods"
         )
+    seen: dict[Path, str] = {}
+    for folder in heads or ():
+        key = Path(folder).resolve()
+        if key in seen:
+            raise BenchError(
+                f"--heads names one folder twice ({seen[key]}, {folder}): give it once"
+            )
+        seen[key] = folder
     for name in CORPUS_METHODS:
         if name in names and not corpus:
             raise BenchError(
@@ -172,10 +180,10 @@ def build_methods(names: list[str], args: argparse.Namespace):
             methods.append(Method(name, "ngram", run, device, greedy, options, args.lookup_tokens))
         elif name in ("heads", "heads+ngram", "heads+ngram+corpus"):
             taken = set(METHODS) | {m.name for m in methods}
-            for folder in args.heads:
+            for folder, stem in heads_names(args.heads).items():
                 lookup_corpus = corpus if name == "heads+ngram+corpus" else None
                 method = _heads_method(
-                    folder, base, args, settings, greedy, name != "heads", lookup_corpus
+                    folder, stem, base, args, settings, greedy, name != "heads", lookup_corpus
                 )
                 stem, n = method.name, 1
                 while method.name in taken:
@@ -224,8 +232,30 @@ def _say_unused_tree_options(args: argparse.Namespace, kinds: set[str]) -> None:
         )
 
 
+def heads_names(folders: list[str]) -> dict[str, str]:
+    """Method names of heads folders: the training run's folder (OUTPUT of OUTPUT/heads, where
+    training writes them; not "heads"), with as many folders above it as tell runs of one name
+    apart (`a/heads` and `c/a/heads`: `a` and `c/a`; `exp1/a` and `exp2/a`: `exp1/a`, `exp2/a`)."""
+    parts = {}
+    for folder in folders:
+        path = Path(folder).resolve()
+        if path.name == "heads" and path.parent.name:
+            path = path.parent
+        parts[folder] = path.parts
+    depth = dict.fromkeys(parts, 1)
+    while True:
+        names = {f: "/".join(p[-depth[f] :]) for f, p in parts.items()}
+        clash = [f for f in parts if list(names.values()).count(names[f]) > 1]
+        longer = [f for f in clash if depth[f] < len(parts[f])]
+        if not longer:
+            return names
+        for f in longer:
+            depth[f] += 1
+
+
 def _heads_method(
     folder: str,
+    name: str,
     base,
     args,
     settings: dict,
@@ -239,9 +269,6 @@ def _heads_method(
         heads = load_heads(folder, base=base)
     except (ValueError, OSError) as e:
         raise BenchError(f"--heads {folder}: {e}") from e
-    path = Path(folder).resolve()
-    # Training writes OUTPUT/heads: name the method after the run, not "heads".
-    name = path.parent.name if path.name == "heads" and path.parent.name else path.name
     if with_ngram:
         name += "+ngram" if corpus is None else "+ngram+corpus"
         return _union_method(name, folder, heads, base, args, settings, greedy, corpus)

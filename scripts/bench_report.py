@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 import os
 import platform
+import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -19,6 +20,24 @@ PLOTS = {
     "accepted": "accepted_lengths.png",
     "heads": "medusa_head_accuracy.png",
 }
+
+
+def make_out(out: str | Path) -> tuple[Path, Path | None]:
+    """`--out`, made before anything is timed (a folder that cannot be written loses no
+    timings), and the topmost folder this made (None: it was there already), which `drop_out`
+    removes again should the run stop before writing to it."""
+    path = Path(out)
+    if path.exists() and not path.is_dir():
+        raise OSError(f"--out {out} is a file: give a folder to write the results into")
+    missing = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    return path, (missing[-1] if missing else None)
+
+
+def drop_out(made: Path | None) -> None:
+    """Remove the folders `make_out` made, when the run wrote no file into them."""
+    if made is not None and not any(p.is_file() for p in made.rglob("*")):
+        shutil.rmtree(made, ignore_errors=True)
 
 
 def machine_info() -> dict:

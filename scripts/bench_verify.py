@@ -45,6 +45,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_report  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
+from heads.base import usable_device  # noqa: E402
 from inference import (  # noqa: E402
     Draft,
     Drafter,
@@ -119,7 +120,7 @@ def build_base(name: str, dtype: torch.dtype, device: torch.device, attn: str):
         return model
     shape = name.removeprefix("random:")
     if shape not in SHAPES:
-        raise SystemExit(f"unknown random shape {shape!r}; choose from {', '.join(SHAPES)}")
+        raise ValueError(f"unknown random shape {shape!r}; choose from {', '.join(SHAPES)}")
     config = LlamaConfig(**SHAPES[shape], max_position_embeddings=8192)
     config._attn_implementation = attn
     torch.manual_seed(0)
@@ -353,29 +354,33 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
-        args.dtype or ("bf16" if device.type == "cuda" else "fp32")
-    ]
     command = shlex.join(
         ["python", "scripts/bench_verify.py", *(sys.argv[1:] if argv is None else argv)]
     )
-    model = build_base(args.base, dtype, device, args.attn)
-    positions = model.config.max_position_embeddings
-    for need, what in (
-        (args.prefix_tokens + max(args.sizes), "--prefix-tokens plus the largest of --sizes"),
-        (  # the largest oracle tree (and its root) still fits at the last step
-            args.prompt_tokens + args.max_new_tokens + max(d * w for d, w in args.shapes) + 1,
-            "--prompt-tokens plus --max-new-tokens plus the largest tree of --shapes",
-        ),
-    ):
-        if need > positions:
-            print(
-                f"bench_verify failed: {what} ({need}) pass the base's context of {positions} "
-                "positions; lower them",
-                file=sys.stderr,
-            )
-            return 2
+    made = None
+    try:
+        device = usable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[
+            args.dtype or ("bf16" if device.type == "cuda" else "fp32")
+        ]
+        out, made = bench_report.make_out(args.out)
+        model = build_base(args.base, dtype, device, args.attn)
+        positions = model.config.max_position_embeddings
+        for need, what in (
+            (args.prefix_tokens + max(args.sizes), "--prefix-tokens plus the largest of --sizes"),
+            (  # the largest oracle tree (and its root) still fits at the last step
+                args.prompt_tokens + args.max_new_tokens + max(d * w for d, w in args.shapes) + 1,
+                "--prompt-tokens plus --max-new-tokens plus the largest tree of --shapes",
+            ),
+        ):
+            if need > positions:
+                raise ValueError(
+                    f"{what} ({need}) pass the base's context of {positions} positions; lower them"
+                )
+    except (OSError, ValueError) as e:
+        bench_report.drop_out(made)
+        print(f"bench_verify failed: {e}", file=sys.stderr)
+        return 2
     results = {
         "format": FORMAT,
         "date": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
@@ -400,8 +405,6 @@ def main(argv: list[str] | None = None) -> int:
             model, args.shapes, args.prompts, args.prompt_tokens, args.max_new_tokens, args.seed
         ),
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     (out / "verify.json").write_text(json.dumps(results, indent=1) + "\n", encoding="utf-8")
     text = render_markdown(results)
     (out / "verify.md").write_text(text, encoding="utf-8")

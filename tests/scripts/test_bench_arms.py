@@ -95,9 +95,12 @@ def test_time_arms_reports_each_settings_figures_against_plain_decoding(monkeypa
     assert plain["vs_plain_median"] == approx(1.0) and plain["vs_plain"] == approx(1.0)
     assert (plain["identical"], x["identical"], y["identical"]) == (1.0, 0.5, 0.0)
     table = bench_arms.render_markdown([plain, x, y])
-    assert '| `{"choices": "x"}` | 2.00 | 200.0 | 75.0 | 8.9 | 3.50x / 3.33x | 50% |' in table
+    row = '| `{"choices": "x"}` | 2.00 | 200.0 | 75.0 | 8.9 | 3.50x / 3.33x | 50.0% (1/2) |'
+    assert row in table
     assert "| `plain` | 1.00 | 275.0 | 0.0 | 2.7 | 1.00x / 1.00x | 100% |" in table
-    assert "| 0% |" in table
+    assert "| 0.0% (0/2) |" in table
+    nearly = bench_arms.render_markdown([{**x, "identical": 199 / 200, "prompts": 200}])
+    assert nearly.endswith("| 99.5% (199/200) |\n")  # never rounded up to 100%
 
 
 def test_time_arms_needs_plain_decoding_first(monkeypatch):
@@ -201,7 +204,7 @@ def test_threads_flag_sets_torchs_threads_and_refuses_zero(tmp_path, monkeypatch
 def test_arms_json_names_the_run(folders, tmp_path, monkeypatch, capsys):
     row = dict(arm=None, tokens=4, steps=4, base_s=0.4, draft_s=0.0, total_s=1.0, tau=1.0)
     row.update(base_ms_per_step=100.0, draft_ms_per_step=0.0, tokens_per_s=4.0)
-    row.update(vs_plain_median=1.0, vs_plain=1.0, identical=1.0)
+    row.update(vs_plain_median=1.0, vs_plain=1.0, identical=1.0, prompts=1)
     monkeypatch.setattr(bench_arms, "time_arms", lambda *a: [row])
     argv = ["--base", str(folders["base"]), "--heads", str(folders["medusa"]), "--arms", "[]"]
     argv += ["--prompts", str(_jsonl(tmp_path / "q.jsonl", MT_BENCH[:1])), "--threads", "1"]
@@ -212,3 +215,17 @@ def test_arms_json_names_the_run(folders, tmp_path, monkeypatch, capsys):
     assert results["max_new_tokens"] == 4 and results["prompts"]["count"] == 1
     assert results["arms"] == [row]
     assert "| `plain` | 1.00 | 100.0 |" in capsys.readouterr().out
+
+
+def test_a_bad_out_or_heads_is_refused_before_any_timing(folders, tmp_path, monkeypatch, capsys):
+    monkeypatch.setattr(bench_arms, "time_arms", lambda *a: pytest.fail("timed"))
+    prompts = _jsonl(tmp_path / "q.jsonl", MT_BENCH[:1])
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--threads", "1"]
+    (tmp_path / "file").write_text("notes")
+    heads = ["--heads", str(folders["medusa"])]
+    assert bench_arms.main([*argv, *heads, "--out", str(tmp_path / "file")]) == 2
+    assert f"bench_arms failed: --out {tmp_path / 'file'} is a file" in capsys.readouterr().err
+    heads = ["--heads", str(folders["other-medusa"])]  # refused once the base has loaded
+    assert bench_arms.main([*argv, *heads, "--out", str(tmp_path / "new" / "arms")]) == 2
+    assert "num_hidden_layers=3" in capsys.readouterr().err
+    assert not (tmp_path / "new").exists()  # the folders it made for the run, removed again

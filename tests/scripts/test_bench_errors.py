@@ -56,7 +56,7 @@ def test_bad_input_is_a_clear_error(folders, tmp_path, capsys, caplog, case, mes
     assert bench.main([*argv, "--out", str(tmp_path / "out"), *extra]) == 2
     err = capsys.readouterr().err
     assert message in err
-    assert not (tmp_path / "out" / "results.json").exists()
+    assert not (tmp_path / "out").exists()  # made for the run, removed again: nothing left
     if case in ("malformed", "empty"):  # what a record looks like, and no "skipping" first
         assert 'JSON object such as {"prompt": "..."}, {"turns": ["..."]}' in err
         assert not [r for r in caplog.records if "skipping" in r.getMessage()]
@@ -86,3 +86,22 @@ def test_a_base_the_generator_refuses_is_a_clear_error(tmp_path, smollm2_tokeniz
     assert bench.main([*argv, "--max-new-tokens", "4", "--out", str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert "bench failed: " in err and "sliding" in err and "Traceback" not in err
+
+
+def test_an_out_that_is_a_file_is_refused_before_the_base_loads(folders, tmp_path, capsys):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT)
+    (tmp_path / "out").write_text("notes")
+    argv = ["--base", str(tmp_path / "no-base"), "--prompts", str(prompts)]
+    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert f"--out {tmp_path / 'out'} is a file: give a folder" in err and "no-base" not in err
+    assert (tmp_path / "out").read_text() == "notes"
+
+
+def test_a_refused_run_keeps_an_out_folder_that_was_there(folders, tmp_path):
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT)
+    (tmp_path / "out").mkdir()
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts)]
+    argv += ["--heads", str(folders["other-medusa"])]  # refused once the base has loaded
+    assert bench.main([*argv, "--out", str(tmp_path / "out" / "new" / "run")]) == 2
+    assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir())

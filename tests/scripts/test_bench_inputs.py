@@ -132,6 +132,8 @@ def test_flag_defaults():
         (["--eagle-top-k", "0"], "--lookup-tokens, --eagle-top-k and --eagle-total-tokens"),
         (["--eagle-total-tokens", "0"], "--lookup-tokens, --eagle-top-k and --eagle-total-tokens"),
         (["--eagle-depth", "-1"], "--eagle-depth >= 0"),
+        (["--temperature", "nan"], "need --temperature >= 0 (0: greedy)"),
+        (["--temperature", "inf"], "need --temperature >= 0 (0: greedy)"),
     ],
 )
 def test_usage_errors(flags, message, capsys):
@@ -204,3 +206,32 @@ def test_plots_an_earlier_run_drew_and_this_one_does_not_are_removed(folders, tm
         (out / name).write_bytes(b"an earlier run's plot")
     assert _main(folders, tmp_path, MT_BENCH[:1], "--max-new-tokens", "2") == 0
     assert sorted(p.name for p in out.glob("*.png")) == ["speedup.png", "tau_by_category.png"]
+
+
+def test_heads_methods_are_named_after_their_runs_and_told_apart_by_the_folders_above():
+    from bench_methods import heads_names
+
+    names = heads_names(["runs/a/heads", "exp/c/a/heads", "runs/eagle", "exp2/a"])
+    assert names == {
+        "runs/a/heads": "runs/a",
+        "exp/c/a/heads": "c/a",
+        "runs/eagle": "eagle",
+        "exp2/a": "exp2/a",
+    }
+    assert heads_names(["me/medusa-demo"]) == {"me/medusa-demo": "medusa-demo"}  # a Hub id
+
+
+def test_one_heads_folder_named_twice_is_refused(tmp_path, monkeypatch):
+    from bench_methods import BenchError, parse_methods
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "run").mkdir()
+    for heads in (["run", "run"], ["run", "./run/"], ["run", str(tmp_path / "run")]):
+        with pytest.raises(BenchError, match=r"--heads names one folder twice \(run, "):
+            parse_methods(None, heads, None, None)
+    assert parse_methods(None, ["run", "run2"], None, None) == [
+        "baseline",
+        "hf-lookup",
+        "ngram",
+        "heads",
+    ]

@@ -244,3 +244,25 @@ def test_usage_errors(flags, message, tmp_path, capsys):
         bench_verify.main(["--base", "random:tiny", "--out", str(tmp_path / "v"), *flags])
     assert stop.value.code == 2 and message in capsys.readouterr().err
     assert not (tmp_path / "v").exists()
+
+
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--base", "/no/such/base"], "bench_verify failed: base model folder not found"),
+        (["--base", "random:nope"], "bench_verify failed: unknown random shape 'nope'"),
+        (["--device", "foo"], "bench_verify failed: device='foo' is no torch device"),
+        (["--out", "FILE"], "bench_verify failed: --out FILE is a file: give a folder"),
+    ],
+)
+def test_bad_input_is_refused_in_one_line_before_any_timing(
+    flags, message, tmp_path, monkeypatch, capsys
+):
+    monkeypatch.chdir(tmp_path)
+    Path("FILE").write_text("notes")
+    monkeypatch.setattr(bench_verify, "time_tree_forwards", lambda *a: pytest.fail("timed"))
+    argv = ["--base", "random:tiny", "--device", "cpu", "--out", "new/verify", *flags]
+    assert bench_verify.main(argv) == 2
+    err = capsys.readouterr().err
+    assert message in err and "Traceback" not in err
+    assert not Path("new").exists() and Path("FILE").read_text() == "notes"
