@@ -126,7 +126,8 @@ def read_prompts(
         prompts, skipped = read_source(spec, on_error="collect")
     except PromptSourceError as e:
         if "not found: expected" in str(e):  # the benchmark reads one more
-            raise PromptSourceError(f"{e}, or 'humaneval'") from None
+            named = "'hf:ORG/NAME:SPLIT'"
+            raise PromptSourceError(str(e).replace(named, f"{named}, or 'humaneval'", 1)) from None
         raise
     if skipped:
         raise BenchError(

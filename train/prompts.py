@@ -53,6 +53,11 @@ _OPENAI_ROLES = {
 }
 
 
+# FastChat's public MT-bench question file, which the README's benchmark commands read
+MT_BENCH_URL = (
+    "https://raw.githubusercontent.com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/"
+    "question.jsonl"
+)
 LABEL_KEYS = ("question_id", "id", "category")  # kept with a prompt (Prompt.labels)
 
 
@@ -199,9 +204,12 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
                 """'data.sources=["embedded:roleplay,reasoning"]')"""
             )
         else:
+            # the README's commands read MT-bench's questions from a file the user downloads
+            fetch = f"; save MT-bench's questions first: curl -Lo {spec} {MT_BENCH_URL}"
             raise PromptSourceError(
                 f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
                 "'embedded', 'embedded:CATEGORY', 'embedded:all' or 'hf:ORG/NAME:SPLIT'"
+                + (fetch if "mt_bench" in path.name.lower() else "")
             )
     prompts, skipped = [], []
     for where, record in records:

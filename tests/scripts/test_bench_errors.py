@@ -105,3 +105,10 @@ def test_a_refused_run_keeps_an_out_folder_that_was_there(folders, tmp_path):
     argv += ["--heads", str(folders["other-medusa"])]  # refused once the base has loaded
     assert bench.main([*argv, "--out", str(tmp_path / "out" / "new" / "run")]) == 2
     assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir())
+
+
+def test_the_readmes_mt_bench_file_missing_says_where_to_get_it(tmp_path, monkeypatch, capsys):
+    monkeypatch.chdir(tmp_path)
+    assert bench.main(["--prompts", "mt_bench.jsonl", "--base", "never-loaded"]) == 2
+    err = capsys.readouterr().err
+    assert "'hf:ORG/NAME:SPLIT', or 'humaneval'; save MT-bench's questions first: curl -Lo" in err

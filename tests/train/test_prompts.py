@@ -159,8 +159,15 @@ def test_empty_and_missing_sources(tmp_path):
     bad_only = write_jsonl(tmp_path / "bad.jsonl", [{"x": 1}])
     with pytest.raises(PromptSourceError, match=r"is empty \(1 malformed records skipped\)"):
         read_source(str(bad_only))
-    with pytest.raises(PromptSourceError, match="not found"):
+    with pytest.raises(PromptSourceError, match="not found") as missing:
         read_source(str(tmp_path / "absent.jsonl"))
+    assert "curl" not in str(missing.value)
+    with pytest.raises(PromptSourceError) as missing:  # the README's benchmark file
+        read_source("mt_bench.jsonl")
+    assert str(missing.value).endswith(
+        "; save MT-bench's questions first: curl -Lo mt_bench.jsonl https://raw.githubusercontent"
+        ".com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
+    )
     # a category split off an embedded source by a YAML list's commas
     with pytest.raises(
         PromptSourceError, match="'reasoning' not found; it is an embedded category"
