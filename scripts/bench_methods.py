@@ -278,6 +278,7 @@ def _heads_method(
         if args.tree is None:  # the generator's default: adaptive over its arms
             gen = SpeculativeGenerator(base, heads)
             options = {"tree": "adaptive", "arms": gen.arms}
+            depth = max(_arm_depth(arm, K) for arm in gen.arms)
         else:
             choices = _tree_choices(args.tree)  # its own message for JSON that does not parse
             try:
@@ -286,8 +287,10 @@ def _heads_method(
                 raise BenchError(f"--tree for {folder}: {e}") from e
             tree = gen.drafter.tree
             options = {"tree": args.tree, "nodes": tree.num_nodes, "depth": tree.depth}
+            depth = tree.depth
+        # the most drafted tokens a step can accept: accept_at_least's columns, one a head
         run = _spec_runner(gen, settings)
-        return Method(name, "medusa", run, device, greedy, options, K, folder)
+        return Method(name, "medusa", run, device, greedy, options, depth, folder)
     assert isinstance(heads, EagleDraft)
     try:
         gen = SpeculativeGenerator(base, heads, **_eagle_options(args))

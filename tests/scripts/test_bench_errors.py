@@ -1,9 +1,15 @@
 """scripts/bench.py's refusals: bad input and bases it cannot decode end with a message and exit
 2, before anything is timed or written."""
 
+import sys
+from pathlib import Path
+
 import pytest
 
 from tests.scripts.test_bench import SHAREGPT, _jsonl, bench
+
+sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+from bench_methods import BenchError, _tree_choices, parse_methods  # noqa: E402  (not a package)
 
 
 @pytest.mark.parametrize(
@@ -112,3 +118,42 @@ def test_the_readmes_mt_bench_file_missing_says_where_to_get_it(tmp_path, monkey
     assert bench.main(["--prompts", "mt_bench.jsonl", "--base", "never-loaded"]) == 2
     err = capsys.readouterr().err
     assert "'hf:ORG/NAME:SPLIT', or 'humaneval'; save MT-bench's questions first: curl -Lo" in err
+
+
+def test_the_methods_run_are_the_baseline_first_then_each_one_asked_once():
+    assert parse_methods("ngram,baseline,ngram,hf-lookup", [], None) == [
+        "baseline",
+        "ngram",
+        "hf-lookup",
+    ]
+    # by default: every method the options allow, each heads folder alone
+    everything = parse_methods(None, ["runs/h"], "draft/model", "answers.jsonl")
+    assert everything == ["baseline", "hf-lookup", "ngram", "ngram+corpus", "heads", "draft"]
+
+
+@pytest.mark.parametrize(
+    "methods, heads, draft_model, message",
+    [
+        ("baseline,ngram", ["runs/h"], None, "--heads given but no heads method"),
+        (
+            "baseline,ngram",
+            [],
+            "draft/model",
+            "--draft-model given but 'draft' is not in --methods",
+        ),
+        ("heads", [], None, "method 'heads' needs --heads DIR"),
+    ],
+)
+def test_an_option_without_its_method_and_a_method_without_its_option_are_refused(
+    methods, heads, draft_model, message
+):
+    with pytest.raises(BenchError, match=message):
+        parse_methods(methods, heads, draft_model)
+
+
+def test_a_tree_that_is_json_but_no_list_of_paths_is_a_bench_error():
+    assert _tree_choices("[[0], [1], [0, 0]]") == [(0,), (1,), (0, 0)]
+    assert _tree_choices("cpu-8") == "cpu-8"  # a preset's name
+    for bad in ("[1, 2]", "[[0],", "[null]"):
+        with pytest.raises(BenchError, match=r"^--draft-tree: not a JSON list of choices"):
+            _tree_choices(bad, "--draft-tree")

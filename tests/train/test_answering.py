@@ -2,14 +2,23 @@
 random Llama that uses the embedded tokenizer (tests/conftest.py's tiny_base)."""
 
 import copy
+import importlib.util
 import sys
 import types
 
+import pytest
 import torch
 
 from heads.base import load_base
-from train.answering import eos_token_ids, split_answer, transformers_generator, vllm_generator
+from train.answering import (
+    eos_token_ids,
+    split_answer,
+    transformers_generator,
+    use_vllm,
+    vllm_generator,
+)
 from train.config import load_recipe
+from train.distilled import DistillError
 
 
 def test_split_answer_marks_finished():
@@ -204,3 +213,33 @@ def test_the_templates_end_of_turn_is_added_beside_generation_config_eos_ids(smo
 
     ids = eos_token_ids(tok, Config(), tok.chat_template)
     assert ids == sorted({tok.eos_token_id, 7, im_end})
+
+
+def _machine(monkeypatch, vllm: bool, gpu: bool) -> None:
+    find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: (object() if vllm else None) if name == "vllm" else find_spec(name, *a),
+    )
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: gpu)
+
+
+def _backend(name: str):
+    return load_recipe(None, [f"data.backend={name}"])
+
+
+@pytest.mark.parametrize("vllm, gpu", [(False, False), (True, False), (False, True)])
+def test_auto_answers_with_transformers_unless_vllm_can_run(monkeypatch, vllm, gpu):
+    _machine(monkeypatch, vllm, gpu)
+    assert use_vllm(_backend("auto")) is False
+    assert use_vllm(_backend("transformers")) is False
+    with pytest.raises(DistillError, match="data.backend=vllm but vLLM is not installed or no GPU"):
+        use_vllm(_backend("vllm"))
+
+
+def test_auto_answers_with_vllm_where_it_is_installed_and_a_gpu_is_visible(monkeypatch):
+    _machine(monkeypatch, vllm=True, gpu=True)
+    assert use_vllm(_backend("auto")) is True
+    assert use_vllm(_backend("vllm")) is True
+    assert use_vllm(_backend("transformers")) is False

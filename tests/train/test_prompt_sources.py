@@ -193,3 +193,95 @@ def test_the_stdlib_function_prompts_are_capped_at_the_limit(monkeypatch):
     assert len(capped_code) == 7 and set(capped_code) <= set(full_code)
     # the other categories are untouched by the cap
     assert [x for x in capped if x[0] != "coding"] == [x for x in full if x[0] != "coding"]
+
+
+def _function(name: str, lines: int, decorator: str = "") -> str:
+    """A function of exactly `lines` lines (its `def` line included), without a docstring."""
+    body = "".join(f"    x{i} = {i}\n" for i in range(lines - 2))
+    return f"{decorator}def {name}(a):\n{body}    return a\n"
+
+
+def _stdlib(tmp_path, monkeypatch, files: dict[str, str]) -> list[tuple[str, str]]:
+    for name, source in files.items():
+        (tmp_path / name).write_text(source)
+    monkeypatch.setattr(prompt_set.sysconfig, "get_paths", lambda: {"stdlib": str(tmp_path)})
+    return prompt_set._stdlib_prompts()
+
+
+def test_functions_of_6_to_30_lines_without_decorators_are_asked_about(tmp_path, monkeypatch):
+    source = "".join(
+        [
+            _function("five", 5),
+            _function("six", 6),
+            _function("thirty", 30),
+            _function("thirty_one", 31),
+            _function("cached", 6, decorator="@functools.cache\n"),
+            _function("_private", 6),
+            _function("test_it", 6),
+            _function("main_loop", 6),
+        ]
+    )
+    prompts = _stdlib(tmp_path, monkeypatch, {"mod.py": "import functools\n" + source})
+    assert {category for category, _ in prompts} == {"coding"}
+    names = ("five", "six", "thirty", "thirty_one", "cached", "_private", "test_it", "main_loop")
+    asked = [name for name in names for _, text in prompts if f"def {name}(a):" in text]
+    assert asked == ["six", "thirty"] and len(prompts) == 2
+
+
+def test_test_and_private_modules_give_no_prompts(tmp_path, monkeypatch):
+    function = _function("six", 6)
+    prompts = _stdlib(
+        tmp_path,
+        monkeypatch,
+        {"test_mod.py": function, "testing.py": function, "_mod.py": function, "mod.py": function},
+    )
+    assert len(prompts) == 1  # mod.py's function only
+    assert prompts[0][0] == "coding" and "def six(a):" in prompts[0][1]
+
+
+def test_a_module_docstring_is_summarised_from_200_characters(tmp_path, monkeypatch):
+    short, long = "s" * 199, "l" * 200
+    prompts = _stdlib(
+        tmp_path,
+        monkeypatch,
+        {"short.py": f'"""{short}"""\n', "long.py": f'"""{long}"""\n'},
+    )
+    assert len(prompts) == 1
+    category, text = prompts[0]
+    assert category == "summarization" and long in text and short not in text
+
+
+def test_a_function_that_is_only_its_docstring_is_never_asked_for_one(tmp_path, monkeypatch):
+    # dropping its docstring would leave a `def` line and no body: it is explained instead
+    docstring_only = "".join(
+        f'def only_doc_{i}(a):\n    """Line one.\n\n    Line two.\n    Line three.\n    """\n'
+        for i in range(40)
+    )
+    with_body = "".join(
+        f'def doc_and_body_{i}(a):\n    """Line one.\n\n    Line two.\n    """\n    return a\n'
+        for i in range(40)
+    )
+    prompts = _stdlib(tmp_path, monkeypatch, {"mod.py": docstring_only + with_body})
+    head = prompt_set._DOCSTRING_TEMPLATE.split("{code}")[0]
+    asked_for_docstring = [text for _, text in prompts if text.startswith(head)]
+    assert len(prompts) == 80
+    assert asked_for_docstring  # some functions with a body lose their docstring
+    assert all("def doc_and_body_" in text for text in asked_for_docstring)
+
+
+def test_a_group_expands_every_template_and_slot_combination_in_order():
+    group = {
+        "templates": ["A {x} {y}", "B {x} {y}"],
+        "slots": {"x": ["1", "2", "3"], "y": ["p", "q", "r", "s"]},
+    }
+    texts = prompt_set._expand_group(group, "chat")
+    assert texts == [f"{t} {x} {y}" for t in "AB" for x in "123" for y in "pqrs"]
+    literal = {"templates": ["print({})", "{x}"]}  # no slots: braces are literal text
+    assert prompt_set._expand_group(literal, "coding") == ["print({})", "{x}"]
+    picked = prompt_set._expand_group({**group, "count": 24}, "chat")
+    assert picked == texts  # a count of all of them keeps the order
+
+
+def test_the_stdlib_function_prompts_are_capped_at_320():
+    coding = [text for category, text in prompt_set._stdlib_prompts() if category == "coding"]
+    assert len(coding) == 320
