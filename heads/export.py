@@ -67,8 +67,7 @@ def export_heads(
     # Written into a hidden folder inside `out` (its filesystem, its mode; a mount point or a
     # link stays what it is) and moved in by renames: a refused, failed or interrupted export
     # leaves `out` as it was.
-    missing = [p for p in (out, *out.parents) if not p.exists()]
-    created = missing[-1] if missing else None  # the topmost folder this export makes
+    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
     out.mkdir(parents=True, exist_ok=True)
     for leftover in out.glob(f"*{WORK_PREFIX}*"):  # of an export killed before
         shutil.rmtree(leftover, ignore_errors=True)
@@ -81,7 +80,13 @@ def export_heads(
         (staging / EXPORT_MARK).write_text(json.dumps({"target": target}) + "\n")
         _move_in(staging, out)
     except BaseException:
-        shutil.rmtree(created or staging, ignore_errors=True)
+        shutil.rmtree(out if made else staging, ignore_errors=True)  # made: out is this one's
+        # the folders above it this made, while empty (another export may write beside it)
+        for folder in made[1:]:
+            try:
+                folder.rmdir()
+            except OSError:
+                break
         raise
     if lora and target in ("tgi", "trtllm"):  # the engine serves the base with it merged
         warnings.warn(

@@ -75,7 +75,8 @@ class GenerationOutput:
     timings: dict[str, float] = field(default_factory=dict)
     finished: bool = False  # an EOS token or a stop string ended the generation
     # nodes each verify step verified, the root included: 1 for a plain step (an adaptive
-    # generator's fallback, or a tree that no longer fits the context)
+    # generator's fallback, a drafter with nothing to propose such as an n-gram lookup without
+    # a match, or a tree that no longer fits the context)
     tree_sizes: list[int] = field(default_factory=list)
 
     @property

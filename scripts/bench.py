@@ -236,9 +236,9 @@ def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
     """One (prompt, turn, method) record: tokens, seconds and tokens/s of the timed run of
     median tokens/s (the lower middle one of an even count); tau and the accepted-length
     histogram and the plain steps among them over every run's steps (an adaptive generator's
-    trees may differ from run to run); identical only when every run's tokens equal the baseline's. Greedy runs repeat the
-    same tokens; sampled ones need not (the adaptive policy carries over from run to run), so
-    one run's tokens are never divided by another's time."""
+    trees may differ from run to run); identical only when every run's tokens equal the
+    baseline's. Greedy runs repeat the same tokens; sampled ones need not (the adaptive policy
+    carries over from run to run), so one run's tokens are never divided by another's time."""
     seconds = [s for s, _ in timed]
     rates = [len(r.new_ids) / s if s > 0 else math.inf for s, r in timed]
     middle = sorted(range(len(timed)), key=rates.__getitem__)[(len(timed) - 1) // 2]
@@ -398,7 +398,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads:
         torch.set_num_threads(args.threads)
     command = shlex.join(["python", "scripts/bench.py", *(sys.argv[1:] if argv is None else argv)])
-    made = None
+    made: list[Path] = []
     try:
         draft_shape = args.draft_tree is not None or args.draft_tokens is not None
         names = bench_methods.parse_methods(

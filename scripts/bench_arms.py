@@ -229,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
-    made = None
+    made: list[Path] = []
     try:
         prompts = read_prompts(args.prompts, "first", args.limit, None, args.per_category)
         out, made = bench_report.make_out(args.out)

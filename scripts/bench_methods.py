@@ -233,15 +233,15 @@ def _say_unused_tree_options(args: argparse.Namespace, kinds: set[str]) -> None:
 
 
 def heads_names(folders: list[str]) -> dict[str, str]:
-    """Method names of heads folders: the training run's folder (OUTPUT of OUTPUT/heads, where
-    training writes them; not "heads"), with as many folders above it as tell runs of one name
-    apart (`a/heads` and `c/a/heads`: `a` and `c/a`; `exp1/a` and `exp2/a`: `exp1/a`, `exp2/a`)."""
+    """Method names of heads folders (or Hub ids): the training run's folder (OUTPUT of a local
+    OUTPUT/heads, where training writes them; not "heads"), with as many folders above it as
+    tell runs of one name apart (`x/a/heads` and `y/a/heads`: `x/a` and `y/a`)."""
     parts = {}
     for folder in folders:
         path = Path(folder).resolve()
-        if path.name == "heads" and path.parent.name:
+        if path.name == "heads" and path.parent.name and Path(folder).is_dir():
             path = path.parent
-        parts[folder] = path.parts
+        parts[folder] = path.parts[1:]  # the root's "/" is no folder's name
     depth = dict.fromkeys(parts, 1)
     while True:
         names = {f: "/".join(p[-depth[f] :]) for f, p in parts.items()}

@@ -5,7 +5,6 @@ from __future__ import annotations
 import math
 import os
 import platform
-import shutil
 import statistics
 from collections import Counter
 from pathlib import Path
@@ -22,22 +21,28 @@ PLOTS = {
 }
 
 
-def make_out(out: str | Path) -> tuple[Path, Path | None]:
+def make_out(out: str | Path) -> tuple[Path, list[Path]]:
     """`--out`, made before anything is timed (a folder that cannot be written loses no
-    timings), and the topmost folder this made (None: it was there already), which `drop_out`
-    removes again should the run stop before writing to it."""
+    timings), and the folders this made, deepest first, which `drop_out` removes again should
+    the run stop before writing to them."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise OSError(f"--out {out} is a file: give a folder to write the results into")
-    missing = [p for p in (path, *path.parents) if not p.exists()]
+    made = [p for p in (path, *path.parents) if not p.exists()]
     path.mkdir(parents=True, exist_ok=True)
-    return path, (missing[-1] if missing else None)
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise OSError(f"--out {out} is not writable by this user: give a folder you can write")
+    return path, made
 
 
-def drop_out(made: Path | None) -> None:
-    """Remove the folders `make_out` made, when the run wrote no file into them."""
-    if made is not None and not any(p.is_file() for p in made.rglob("*")):
-        shutil.rmtree(made, ignore_errors=True)
+def drop_out(made: list[Path]) -> None:
+    """Remove the folders `make_out` made, deepest first, while they are empty (another run
+    may have written beside this one's meanwhile)."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
 
 
 def machine_info() -> dict:

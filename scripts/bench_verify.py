@@ -357,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     command = shlex.join(
         ["python", "scripts/bench_verify.py", *(sys.argv[1:] if argv is None else argv)]
     )
-    made = None
+    made: list[Path] = []
     try:
         device = usable_device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[

@@ -23,6 +23,7 @@ import itertools
 import json
 import logging
 import random
+import shlex
 import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -205,11 +206,12 @@ def read_source(spec: str, *, on_error: OnError = "skip") -> tuple[list[Prompt],
             )
         else:
             # the README's commands read MT-bench's questions from a file the user downloads
-            fetch = f"; save MT-bench's questions first: curl -Lo {spec} {MT_BENCH_URL}"
+            dirs = "" if path.parent.is_dir() else "--create-dirs "
+            fetch = f"; save MT-bench's questions first: curl {dirs}-Lo {shlex.quote(spec)} "
             raise PromptSourceError(
                 f"prompt source '{spec}' not found: expected a .jsonl/.jsonl.gz/.json file, a folder, "
                 "'embedded', 'embedded:CATEGORY', 'embedded:all' or 'hf:ORG/NAME:SPLIT'"
-                + (fetch if "mt_bench" in path.name.lower() else "")
+                + (fetch + MT_BENCH_URL if path.name == "mt_bench.jsonl" else "")
             )
     prompts, skipped = [], []
     for where, record in records:

@@ -338,6 +338,21 @@ def _medusa2(base, folder: Path) -> Path:
     return folder
 
 
+def test_a_failed_export_leaves_what_another_wrote_beside_it(medusa_dir, tmp_path, monkeypatch):
+    import heads.export
+
+    def fail(heads_, src, target, staging, base_name):  # another export finishes meanwhile
+        (tmp_path / "new" / "vllm").mkdir(parents=True)
+        (tmp_path / "new" / "vllm" / "config.json").write_text("{}")
+        raise ExportError("refused")
+
+    monkeypatch.setattr(heads.export, "_export_to", fail)
+    with pytest.raises(ExportError, match="refused"):
+        export_heads(medusa_dir[0], "tgi", tmp_path / "new" / "tgi")
+    assert sorted(p.name for p in (tmp_path / "new").iterdir()) == ["vllm"]
+    assert (tmp_path / "new" / "vllm" / "config.json").read_text() == "{}"
+
+
 def test_an_unknown_target_is_refused_before_anything_is_written(medusa_dir, tmp_path):
     src, _ = medusa_dir
     with pytest.raises(ExportError, match="unknown target 'onnx'; choose one of vllm, sglang, tgi"):

@@ -208,9 +208,14 @@ def test_plots_an_earlier_run_drew_and_this_one_does_not_are_removed(folders, tm
     assert sorted(p.name for p in out.glob("*.png")) == ["speedup.png", "tau_by_category.png"]
 
 
-def test_heads_methods_are_named_after_their_runs_and_told_apart_by_the_folders_above():
+def test_heads_methods_are_named_after_their_runs_and_told_apart_by_the_folders_above(
+    tmp_path, monkeypatch
+):
     from bench_methods import heads_names
 
+    monkeypatch.chdir(tmp_path)
+    for folder in ("runs/a/heads", "exp/c/a/heads", "runs/eagle", "exp2/a"):
+        (tmp_path / folder).mkdir(parents=True)
     names = heads_names(["runs/a/heads", "exp/c/a/heads", "runs/eagle", "exp2/a"])
     assert names == {
         "runs/a/heads": "runs/a",
@@ -219,6 +224,8 @@ def test_heads_methods_are_named_after_their_runs_and_told_apart_by_the_folders_
         "exp2/a": "exp2/a",
     }
     assert heads_names(["me/medusa-demo"]) == {"me/medusa-demo": "medusa-demo"}  # a Hub id
+    assert heads_names(["me/heads"]) == {"me/heads": "heads"}  # no local OUTPUT/heads
+    assert heads_names(["/a", "/x/a"]) == {"/a": "a", "/x/a": "x/a"}  # no "//a"
 
 
 def test_one_heads_folder_named_twice_is_refused(tmp_path, monkeypatch):

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from heads import MedusaConfig, MedusaHeads
 from tests.conftest import make_tiny_llama
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
@@ -103,13 +104,15 @@ def test_a_draft_model_with_more_rows_than_the_base_does_not_share_its_tokenizer
         bench_methods._load_draft_model(str(tmp_path / "wider"), base, tokenizer, args)
 
 
-def test_a_medusa_methods_depth_is_what_its_trees_can_accept_not_its_head_count(folders):
+def test_a_medusa_methods_depth_is_what_its_trees_can_accept_not_its_head_count(folders, tmp_path):
     # accept_at_least has one column per drafted token a step can accept: a --tree of one
-    # level on 2 heads has one, the adaptive arms their deepest tree's
+    # level on 2 heads has one; 4 heads adaptive, their deepest arm's (on a CPU, two levels)
     flags = ["--heads", str(folders["medusa"])]
     _, _, methods = _build(folders, ["baseline", "heads"], *flags, "--tree", "[[0], [1]]")
     assert (methods[-1].options["depth"], methods[-1].draft_depth) == (1, 1)
-    _, _, methods = _build(folders, ["baseline", "heads"], *flags)
-    arms = [a for a in methods[-1].options["arms"] if a]
-    deepest = max(bench_methods._arm_depth(a, 2) for a in arms)
-    assert methods[-1].draft_depth == deepest >= 1
+    base, _, _ = _build(folders, ["baseline"])
+    four = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=4)).init_from_base(base)
+    four.save_pretrained(tmp_path / "four")
+    _, _, methods = _build(folders, ["baseline", "heads"], "--heads", str(tmp_path / "four"))
+    deepest = [max(map(len, a["choices"])) for a in methods[-1].options["arms"] if a]
+    assert methods[-1].draft_depth == max(deepest) == 2

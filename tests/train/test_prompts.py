@@ -168,6 +168,13 @@ def test_empty_and_missing_sources(tmp_path):
         "; save MT-bench's questions first: curl -Lo mt_bench.jsonl https://raw.githubusercontent"
         ".com/lm-sys/FastChat/main/fastchat/llm_judge/data/mt_bench/question.jsonl"
     )
+    with pytest.raises(PromptSourceError) as missing:  # in a folder not made yet
+        read_source(str(tmp_path / "my data" / "mt_bench.jsonl"))
+    where = f"'{tmp_path}/my data/mt_bench.jsonl'"
+    assert f"curl --create-dirs -Lo {where} https://raw.githubusercontent" in str(missing.value)
+    with pytest.raises(PromptSourceError) as missing:  # answers distilled from it, say
+        read_source(str(tmp_path / "mt_bench_answers.jsonl"))
+    assert "curl" not in str(missing.value)
     # a category split off an embedded source by a YAML list's commas
     with pytest.raises(
         PromptSourceError, match="'reasoning' not found; it is an embedded category"
