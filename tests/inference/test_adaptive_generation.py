@@ -320,3 +320,17 @@ def test_the_output_gives_each_steps_tree_size_plain_steps_one_node():
     assert out.tree_sizes.count(1) == plain["steps"] and plain["options"] is None
     assert out.tree_sizes.count(len(choices) + 1) == drafted["steps"]
     assert all(n == 1 for n, size in zip(out.accepted_lengths, out.tree_sizes) if size == 1)
+
+
+def test_a_stats_dict_given_again_describes_only_the_new_streams_steps():
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    gen = SpeculativeGenerator(base, heads, adaptive=[None, {"choices": [[0], [1], [0, 0]]}])
+    prompt = torch.randint(3, 256, (1, 10), generator=torch.Generator().manual_seed(1))
+    stats: dict = {}
+    for max_new_tokens in (12, 6):
+        steps = list(gen.stream(prompt, max_new_tokens=max_new_tokens, stats=stats))
+        # the first yield is the prefill's token; each later one a verify step's
+        assert len(stats["tree_sizes"]) == len(stats["accepted_lengths"]) == len(steps) - 1
+        assert sum(stats["accepted_lengths"]) + 1 == max_new_tokens
+        assert set(stats["tree_sizes"]) <= {1, 4}  # the root alone, or the 3-node tree and root

@@ -9,7 +9,13 @@ import pytest
 from tests.scripts.test_bench import SHAREGPT, _jsonl, bench
 
 sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+import os
+
 from bench_methods import BenchError, _tree_choices, parse_methods  # noqa: E402  (not a package)
+
+ROOT = Path(__file__).parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+from bench_report import make_out  # noqa: E402  (scripts/ is not a package)
 
 
 @pytest.mark.parametrize(
@@ -159,7 +165,7 @@ def test_a_tree_that_is_json_but_no_list_of_paths_is_a_bench_error():
             _tree_choices(bad, "--draft-tree")
 
 
-def test_a_refused_run_removes_only_the_empty_folders_it_made(tmp_path, monkeypatch):
+def test_a_refused_run_removes_only_the_empty_folders_it_made(tmp_path):
     """Another run may write beside this one meanwhile: what it wrote, and the folder above
     both, stay."""
     from bench_report import drop_out, make_out
@@ -171,6 +177,16 @@ def test_a_refused_run_removes_only_the_empty_folders_it_made(tmp_path, monkeypa
     drop_out(made)
     assert not out.exists() and (tmp_path / "runs" / "b" / "results.json").read_text() == "{}"
     assert make_out(tmp_path / "runs")[1] == []  # there already: nothing to remove
-    monkeypatch.setattr("os.access", lambda path, mode: False)  # as a read-only folder
-    with pytest.raises(OSError, match=r"--out .* is not writable by this user: give a folder"):
+
+
+@pytest.mark.parametrize("missing", [os.W_OK, os.X_OK], ids=["no-write", "no-search"])
+def test_an_out_folder_missing_write_or_search_permission_is_refused(
+    tmp_path, monkeypatch, missing
+):
+    (tmp_path / "runs").mkdir()
+    # as for a folder of mode 0o500 (no write) or 0o600 (no search), which root would pass
+    monkeypatch.setattr("os.access", lambda path, mode: not mode & missing)
+    with pytest.raises(OSError, match=r"--out .*runs is not writable by this user: give a folder"):
         make_out(tmp_path / "runs")
+    monkeypatch.undo()
+    assert make_out(tmp_path / "runs") == (tmp_path / "runs", [])

@@ -196,11 +196,7 @@ def test_the_plots_draw_the_aggregates(records, tmp_path, monkeypatch):
         plt.close(figure)
 
 
-def test_the_accepted_lengths_plot_leaves_a_gap_for_a_length_no_step_gained(tmp_path, monkeypatch):
-    import matplotlib.pyplot as plt
-
-    figures = []
-    monkeypatch.setattr(plt, "close", figures.append)
+def test_the_accepted_lengths_plot_leaves_a_gap_for_a_length_no_step_gained(figures, tmp_path):
     records = [
         row("baseline", 0, 0, "a", 10, 1.0, 1.0, 1.0, None),
         row("heads", 0, 0, "a", 10, 0.5, 2.0, 2.5, {"1": 2, "4": 2}),
@@ -209,9 +205,6 @@ def test_the_accepted_lengths_plot_leaves_a_gap_for_a_length_no_step_gained(tmp_
     accepted = figures[2].axes[0]
     assert [bar.get_height() for bar in accepted.patches] == [0.5, 0.0, 0.0, 0.5]
     assert [t.get_text() for t in accepted.get_xticklabels()] == ["1", "2", "3", "4"]
-    monkeypatch.undo()
-    for figure in figures:
-        plt.close(figure)
 
 
 def test_an_arms_depth_is_the_most_tokens_one_of_its_steps_can_accept():
@@ -311,3 +304,61 @@ def test_a_medusa_method_without_verify_steps_draws_no_head_accuracy_plot(figure
     assert run["summary"]["overall"]["heads"]["accept_at_least"] is None
     written = bench_report.write_plots(run, tmp_path)
     assert [p.name for p in written] == ["tau_by_category.png", "speedup.png"]
+
+
+def record(method: str, prompt: int, category: str, hist: dict | None) -> dict:
+    baseline = hist is None
+    return {
+        "method": method,
+        "prompt": prompt,
+        "turn": 0,
+        "category": category,
+        "new_tokens": 10,
+        "seconds": 1.0 if baseline else 0.5,
+        "tokens_per_s": 10.0 if baseline else 20.0,
+        "speedup": 1.0 if baseline else 2.0,
+        "tau": None if baseline else 2.0,
+        "accepted_lengths": hist,
+        "plain_steps": None if baseline else 0,
+        "identical": True,
+        "other_share": None if baseline else 0.1,
+    }
+
+
+def results(methods: list[dict], categories: int) -> dict:
+    rows = [
+        record(m["name"], p, f"c{p}", None if m["kind"] == "baseline" else {"1": 1, "3": 2})
+        for m in methods
+        for p in range(categories)
+    ]
+    return {"methods": methods, "summary": bench_report.summarize(rows, methods)}
+
+
+BASELINE = {"name": "baseline", "kind": "baseline", "draft_depth": None}
+
+
+def test_the_head_plot_has_a_tick_for_each_head_of_the_deepest_medusa_method(figures, tmp_path):
+    methods = [
+        BASELINE,
+        {"name": "two", "kind": "medusa", "draft_depth": 2},
+        {"name": "three", "kind": "medusa", "draft_depth": 3},
+    ]
+    bench_report.write_plots(results(methods, categories=1), tmp_path)
+    heads = figures[-1].axes[0]
+    assert list(heads.get_xticks()) == [1, 2, 3]
+    # of the steps that drafted, 2 of 3 accepted >= 1 and >= 2 drafted tokens, none 3
+    assert [list(line.get_ydata()) for line in heads.lines] == [
+        pytest.approx([2 / 3, 2 / 3]),
+        pytest.approx([2 / 3, 2 / 3, 0.0]),
+    ]
+
+
+def test_a_step_that_verified_one_drafted_token_is_no_plain_step():
+    greedy = Method("lookup", "ngram", None, torch.device("cpu"), True)
+    timings = {"base": 0.8, "draft": 0.1, "other": 0.1, "total": 1.0}
+    timed = [  # root alone, root and one token, root and three; then the same again
+        (0.1, Run(list(range(5)), [1, 2, 2], timings, [1, 2, 4])),
+        (0.1, Run(list(range(5)), [1, 2, 2], timings, [1, 2, 4])),
+    ]
+    record = bench._record(bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"]), 0, greedy, 5, timed, None)
+    assert record["plain_steps"] == 2 and record["accepted_lengths"] == {"1": 2, "2": 4}

@@ -116,3 +116,15 @@ def test_a_medusa_methods_depth_is_what_its_trees_can_accept_not_its_head_count(
     _, _, methods = _build(folders, ["baseline", "heads"], "--heads", str(tmp_path / "four"))
     deepest = [max(map(len, a["choices"])) for a in methods[-1].options["arms"] if a]
     assert methods[-1].draft_depth == max(deepest) == 2
+
+
+def test_a_speculative_run_gives_each_steps_tree_size_plain_steps_one_node(folders):
+    args = bench.parse_args(["--base", str(folders["base"]), "--prompts", "embedded"])
+    _, _, methods = bench_methods.build_methods(["baseline", "ngram"], args)
+    ngram = methods[-1]
+    prompt = torch.tensor([[5, 6, 7, 8, 9]])  # no n-gram repeats: the first step drafts nothing
+    run = ngram.generate(prompt, 0, max_new_tokens=12)
+    own = ngram.generate.generator.generate(prompt, max_new_tokens=12, seed=0)
+    assert run.new_ids == own.sequences[0, 5:].tolist()
+    assert run.tree_sizes == own.tree_sizes and len(run.tree_sizes) == len(run.accepted_lengths)
+    assert run.tree_sizes[0] == 1 and run.accepted_lengths[0] == 1
