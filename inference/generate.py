@@ -74,9 +74,8 @@ class GenerationOutput:
     # draft spent on the prompt (the prefill forward, the drafter's first pass over the prompt)
     timings: dict[str, float] = field(default_factory=dict)
     finished: bool = False  # an EOS token or a stop string ended the generation
-    # nodes each verify step verified, the root included: 1 for a plain step (an adaptive
-    # generator's fallback, a drafter with nothing to propose such as an n-gram lookup without
-    # a match, or a tree that no longer fits the context)
+    # nodes each verify step verified, root included: 1 for a plain step (the adaptive policy's,
+    # a drafter's with nothing to propose, a tree past the context)
     tree_sizes: list[int] = field(default_factory=list)
 
     @property
@@ -490,18 +489,7 @@ class SpeculativeGenerator:
             attention_mask,
         ):
             new.extend(step)
-        device = self._device
-        sequences = torch.cat(
-            [
-                prompt.reshape(1, -1).to(device),
-                torch.tensor([new], dtype=torch.long, device=device),
-            ],
-            dim=1,
-        )
-        return GenerationOutput(
-            sequences,
-            stats["accepted_lengths"],
-            stats["timings"],
-            stats["finished"],
-            stats["tree_sizes"],
-        )
+        tail = torch.tensor([new], dtype=torch.long, device=self._device)
+        sequences = torch.cat([prompt.reshape(1, -1).to(self._device), tail], dim=1)
+        keys = ("accepted_lengths", "timings", "finished", "tree_sizes")
+        return GenerationOutput(sequences, *(stats[k] for k in keys))

@@ -28,10 +28,8 @@ import logging
 import math
 import platform
 import shlex
-import statistics
 import sys
 import time
-from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -224,66 +222,14 @@ def run_bench(
                     done[m.name].append((time.perf_counter() - start, out))
             baseline = None
             for m in methods:  # baseline first
-                record = _record(p, turn, m, inputs[m.name].shape[1], done[m.name], baseline)
+                record = bench_report.make_record(
+                    p, turn, m, inputs[m.name].shape[1], done[m.name], baseline
+                )
                 baseline = baseline or record
                 records.append(record)
                 answer = tokenizer.decode(record["_ids"], skip_special_tokens=True)
                 history[m.name].append({"role": "assistant", "content": answer.strip()})
     return records
-
-
-def _record(p, turn, method: Method, prompt_tokens, timed, baseline) -> dict:
-    """One (prompt, turn, method) record: tokens, seconds and tokens/s of the timed run of
-    median tokens/s (the lower middle one of an even count); tau and the accepted-length
-    histogram and the plain steps among them over every run's steps (an adaptive generator's
-    trees may differ from run to run); identical only when every run's tokens equal the
-    baseline's. Greedy runs repeat the same tokens; sampled ones need not (the adaptive policy
-    carries over from run to run), so one run's tokens are never divided by another's time."""
-    seconds = [s for s, _ in timed]
-    rates = [len(r.new_ids) / s if s > 0 else math.inf for s, r in timed]
-    middle = sorted(range(len(timed)), key=rates.__getitem__)[(len(timed) - 1) // 2]
-    median, out = timed[middle]
-    new = len(out.new_ids)
-    record = {
-        "prompt": p.index,
-        "id": p.id,
-        "source": p.source,
-        "category": p.category,
-        "turn": turn,
-        "method": method.name,
-        "prompt_tokens": prompt_tokens,
-        "new_tokens": new,
-        "seconds": median,
-        "seconds_runs": seconds,
-        "tokens_per_s": new / median if median > 0 else None,
-        "tau": 1.0 if method.kind == "baseline" else None,
-        # the prefill's token is no verify step, as in the accepted lengths of ours
-        "steps": float(max(new - 1, 0)) if method.kind == "baseline" else None,
-        "speedup": 1.0,
-        "identical": True if method.greedy else None,
-        "other_share": None,
-        "accepted_lengths": None,
-        "plain_steps": None,
-        "_ids": out.new_ids,
-    }
-    if out.accepted_lengths is not None:
-        accepted = [n for _, r in timed for n in r.accepted_lengths]
-        steps = len(accepted)
-        record["tau"] = sum(accepted) / steps if steps else None
-        record["steps"] = steps / len(timed)  # per run
-        hist = Counter(accepted)
-        record["accepted_lengths"] = {str(k): hist[k] for k in sorted(hist)}
-        # steps that verified the root alone (an adaptive generator's plain decoding), over
-        # every run as the histogram: they drafted nothing to accept
-        record["plain_steps"] = sum(n == 1 for _, r in timed for n in r.tree_sizes or ())
-        shares = [r.timings["other"] / r.timings["total"] for _, r in timed if r.timings["total"]]
-        record["other_share"] = statistics.median(shares) if shares else None
-    if baseline is not None:
-        base_tps, tps = baseline["tokens_per_s"], record["tokens_per_s"]
-        record["speedup"] = tps / base_tps if base_tps and tps is not None else None
-        if method.greedy:
-            record["identical"] = all(r.new_ids == baseline["_ids"] for _, r in timed)
-    return record
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:

@@ -246,26 +246,6 @@ def test_loaded_without_a_base_heads_keep_their_stored_dtype(tiny_llama, tmp_pat
         assert {b.dtype for b in cast.rotary_emb.buffers()} == {torch.float32}
 
 
-@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
-def test_what_the_heads_learned_under_is_kept_in_config_json_only_when_set(
-    tiny_llama, tmp_path, kind
-):
-    heads = _all_heads(tiny_llama)[kind]
-    heads.save_pretrained(tmp_path / "plain")
-    config = json.loads((tmp_path / "plain" / "config.json").read_text())
-    assert not [key for key in config if key.startswith("training_")]
-    heads.config.training_system_prompt = "Be brief."
-    heads.config.training_base_gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
-    heads.save_pretrained(tmp_path / "set")
-    again = load_heads(tmp_path / "set").config
-    assert again.training_system_prompt == "Be brief." and again.training_chat_template is None
-    assert again.training_base_gguf == "SmolLM2-135M-Instruct.Q4_1.gguf"
-    config = json.loads((tmp_path / "set" / "config.json").read_text())
-    (tmp_path / "set" / "config.json").write_text(json.dumps({**config, "training_base_gguf": 4}))
-    with pytest.raises(ValueError, match="config.json: training_base_gguf is 4, expected str"):
-        load_heads(tmp_path / "set")
-
-
 def test_config_of_wrong_types_is_a_clear_error(tiny_llama, tmp_path):
     _medusa(tiny_llama).save_pretrained(tmp_path)
     config = json.loads((tmp_path / "config.json").read_text())

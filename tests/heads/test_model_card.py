@@ -1,11 +1,14 @@
 """The model card's serving lines: each kind of heads gets the vLLM method, draft path and
-token count, and the SGLang algorithm and draft path, that serve it as headstart drafts."""
+token count, and the SGLang algorithm and draft path, that serve it as headstart drafts; what
+the heads learned under (system prompt, GGUF base), in config.json and said by the card."""
+
+import json
 
 import pytest
 import torch
 from transformers import LlamaConfig
 
-from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads, load_heads
 from heads.hub import model_card
 from tests.conftest import TINY
 
@@ -119,3 +122,25 @@ def test_the_card_says_which_gguf_the_heads_learned_on_and_how_to_load_the_embed
     card = " ".join(model_card(config, "me/m").split())
     assert "GGUF file `llama-3-8b.Q8_0.gguf` holds them, dequantised: on other weights" in card
     assert 'load_base("smollm2' not in card
+
+
+@pytest.mark.parametrize("kind", ["medusa", "eagle3"])
+def test_what_the_heads_learned_under_is_kept_in_config_json_only_when_set(tmp_path, kind):
+    if kind == "medusa":
+        heads = MedusaHeads(MedusaConfig.from_base(BASE, num_heads=2))
+    else:
+        heads = EagleDraft(EagleConfig.from_base(BASE, version=3, draft_vocab_size=32))
+        heads.set_vocab_map(torch.arange(0, 256, 8))
+    heads.save_pretrained(tmp_path / "plain")
+    config = json.loads((tmp_path / "plain" / "config.json").read_text())
+    assert not [key for key in config if key.startswith("training_")]
+    heads.config.training_system_prompt = "Be brief."
+    heads.config.training_base_gguf = "SmolLM2-135M-Instruct.Q4_1.gguf"
+    heads.save_pretrained(tmp_path / "set")
+    again = load_heads(tmp_path / "set").config
+    assert again.training_system_prompt == "Be brief." and again.training_chat_template is None
+    assert again.training_base_gguf == "SmolLM2-135M-Instruct.Q4_1.gguf"
+    config = json.loads((tmp_path / "set" / "config.json").read_text())
+    (tmp_path / "set" / "config.json").write_text(json.dumps({**config, "training_base_gguf": 4}))
+    with pytest.raises(ValueError, match="config.json: training_base_gguf is 4, expected str"):
+        load_heads(tmp_path / "set")

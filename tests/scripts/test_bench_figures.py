@@ -23,7 +23,7 @@ def timings(other: float, draft: float = 0.05) -> dict:
 
 def test_a_record_takes_the_run_of_median_speed_and_divides_by_the_baselines():
     greedy = Method("baseline", "baseline", None, torch.device("cpu"), True)
-    base = bench._record(PROMPT, 0, greedy, 5, [(0.2, Run(list(range(10))))], None)
+    base = bench_report.make_record(PROMPT, 0, greedy, 5, [(0.2, Run(list(range(10))))], None)
     assert (base["tokens_per_s"], base["speedup"], base["steps"]) == (50.0, 1.0, 9.0)
     sampled = Method("m", "ngram", None, torch.device("cpu"), False)
     timed = [  # 100 tokens/s, 133/s, 25/s: the first run is the median one; the last plain
@@ -31,7 +31,7 @@ def test_a_record_takes_the_run_of_median_speed_and_divides_by_the_baselines():
         (0.15, Run(list(range(20)), [4] * 5, timings(other=0.2, draft=0.3), [4] * 5)),
         (0.20, Run(list(range(5)), [1] * 5, timings(other=0.6), [1] * 5)),
     ]
-    record = bench._record(PROMPT, 0, sampled, 5, timed, base)
+    record = bench_report.make_record(PROMPT, 0, sampled, 5, timed, base)
     assert (record["new_tokens"], record["seconds"]) == (10, 0.10)
     assert record["tokens_per_s"] == pytest.approx(100.0)  # not 10 / the median time (0.15)
     assert record["speedup"] == pytest.approx(2.0)  # 100 tokens/s against the baseline's 50
@@ -306,44 +306,16 @@ def test_a_medusa_method_without_verify_steps_draws_no_head_accuracy_plot(figure
     assert [p.name for p in written] == ["tau_by_category.png", "speedup.png"]
 
 
-def record(method: str, prompt: int, category: str, hist: dict | None) -> dict:
-    baseline = hist is None
-    return {
-        "method": method,
-        "prompt": prompt,
-        "turn": 0,
-        "category": category,
-        "new_tokens": 10,
-        "seconds": 1.0 if baseline else 0.5,
-        "tokens_per_s": 10.0 if baseline else 20.0,
-        "speedup": 1.0 if baseline else 2.0,
-        "tau": None if baseline else 2.0,
-        "accepted_lengths": hist,
-        "plain_steps": None if baseline else 0,
-        "identical": True,
-        "other_share": None if baseline else 0.1,
-    }
-
-
-def results(methods: list[dict], categories: int) -> dict:
-    rows = [
-        record(m["name"], p, f"c{p}", None if m["kind"] == "baseline" else {"1": 1, "3": 2})
-        for m in methods
-        for p in range(categories)
-    ]
-    return {"methods": methods, "summary": bench_report.summarize(rows, methods)}
-
-
-BASELINE = {"name": "baseline", "kind": "baseline", "draft_depth": None}
-
-
 def test_the_head_plot_has_a_tick_for_each_head_of_the_deepest_medusa_method(figures, tmp_path):
     methods = [
-        BASELINE,
+        HEADS_METHODS[0],
         {"name": "two", "kind": "medusa", "draft_depth": 2},
         {"name": "three", "kind": "medusa", "draft_depth": 3},
     ]
-    bench_report.write_plots(results(methods, categories=1), tmp_path)
+    hist = {"1": 1, "3": 2}
+    rows = [heads_row(m["name"], 0, "a", hist if m["draft_depth"] else None) for m in methods]
+    summary = bench_report.summarize(rows, methods)
+    bench_report.write_plots({"methods": methods, "summary": summary}, tmp_path)
     heads = figures[-1].axes[0]
     assert list(heads.get_xticks()) == [1, 2, 3]
     # of the steps that drafted, 2 of 3 accepted >= 1 and >= 2 drafted tokens, none 3
@@ -360,5 +332,7 @@ def test_a_step_that_verified_one_drafted_token_is_no_plain_step():
         (0.1, Run(list(range(5)), [1, 2, 2], timings, [1, 2, 4])),
         (0.1, Run(list(range(5)), [1, 2, 2], timings, [1, 2, 4])),
     ]
-    record = bench._record(bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"]), 0, greedy, 5, timed, None)
+    record = bench_report.make_record(
+        bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"]), 0, greedy, 5, timed, None
+    )
     assert record["plain_steps"] == 2 and record["accepted_lengths"] == {"1": 2, "2": 4}

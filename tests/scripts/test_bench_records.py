@@ -9,6 +9,7 @@ import torch
 ROOT = Path(__file__).parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 import bench  # noqa: E402  (scripts/ is not a package)
+import bench_report  # noqa: E402
 
 
 def test_every_timed_run_is_checked_and_pooled(smollm2_tokenizer):
@@ -68,12 +69,12 @@ def test_sampled_runs_of_other_lengths_keep_tokens_and_time_together():
         (0.050, Run(list(range(14)), [2] * 7, timings)),
     ]
     prompt = bench.BenchPrompt(0, 0, "c", "x", [], ["Hi"])
-    record = bench._record(prompt, 0, method, 5, timed, None)
+    record = bench_report.make_record(prompt, 0, method, 5, timed, None)
     assert (record["new_tokens"], record["seconds"]) == (14, 0.050)
     assert record["tokens_per_s"] == 14 / 0.050
     assert record["seconds_runs"] == [0.079, 0.042, 0.050]
     # an even count: the lower middle run (here the slower of two)
-    record = bench._record(prompt, 0, method, 5, timed[:2], None)
+    record = bench_report.make_record(prompt, 0, method, 5, timed[:2], None)
     assert (record["new_tokens"], record["seconds"]) == (22, 0.079)
 
 
