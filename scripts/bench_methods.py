@@ -180,10 +180,10 @@ def build_methods(names: list[str], args: argparse.Namespace):
             methods.append(Method(name, "ngram", run, device, greedy, options, args.lookup_tokens))
         elif name in ("heads", "heads+ngram", "heads+ngram+corpus"):
             taken = set(METHODS) | {m.name for m in methods}
-            for folder, stem in heads_names(args.heads).items():
+            for folder, run_name in heads_names(args.heads).items():
                 lookup_corpus = corpus if name == "heads+ngram+corpus" else None
                 method = _heads_method(
-                    folder, stem, base, args, settings, greedy, name != "heads", lookup_corpus
+                    folder, run_name, base, args, settings, greedy, name != "heads", lookup_corpus
                 )
                 stem, n = method.name, 1
                 while method.name in taken:
@@ -288,7 +288,7 @@ def _heads_method(
             tree = gen.drafter.tree
             options = {"tree": args.tree, "nodes": tree.num_nodes, "depth": tree.depth}
             depth = tree.depth
-        # the most drafted tokens a step can accept: accept_at_least's columns, one a head
+        # depth: the most drafted tokens a step can accept (accept_at_least's columns)
         run = _spec_runner(gen, settings)
         return Method(name, "medusa", run, device, greedy, options, depth, folder)
     assert isinstance(heads, EagleDraft)

@@ -113,8 +113,8 @@ def make_record(p, turn, method, prompt_tokens, timed, baseline) -> dict:
         record["steps"] = steps / len(timed)  # per run
         hist = Counter(accepted)
         record["accepted_lengths"] = {str(k): hist[k] for k in sorted(hist)}
-        # steps that verified the root alone (an adaptive generator's plain decoding), over
-        # every run as the histogram: they drafted nothing to accept
+        # steps that verified the root alone (drafting nothing to accept), over every run as the
+        # histogram
         record["plain_steps"] = sum(n == 1 for _, r in timed for n in r.tree_sizes or ())
         shares = [r.timings["other"] / r.timings["total"] for _, r in timed if r.timings["total"]]
         record["other_share"] = statistics.median(shares) if shares else None
