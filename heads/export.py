@@ -36,6 +36,23 @@ class ExportError(ValueError):
     """The heads cannot be represented in the requested engine's format."""
 
 
+def make_folders(path: Path) -> list[Path]:
+    """Make `path` and its missing parents; returns the folders made, deepest first."""
+    made = [p for p in (path, *path.parents) if not p.exists()]
+    path.mkdir(parents=True, exist_ok=True)
+    return made
+
+
+def remove_made(made: list[Path]) -> None:
+    """Remove folders `make_folders` made, deepest first, while they are empty (another run
+    may have written beside this one's meanwhile)."""
+    for folder in made:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+
+
 def export_heads(
     src: str | Path, target: str, out: str | Path, base_name: str | None = None
 ) -> Path:
@@ -67,8 +84,7 @@ def export_heads(
     # Written into a hidden folder inside `out` (its filesystem, its mode; a mount point or a
     # link stays what it is) and moved in by renames: a refused, failed or interrupted export
     # leaves `out` as it was.
-    made = [p for p in (out, *out.parents) if not p.exists()]  # deepest first
-    out.mkdir(parents=True, exist_ok=True)
+    made = make_folders(out)
     for leftover in out.glob(f"*{WORK_PREFIX}*"):  # of an export killed before
         shutil.rmtree(leftover, ignore_errors=True)
     staging = out / f"{WORK_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}"
@@ -81,12 +97,7 @@ def export_heads(
         _move_in(staging, out)
     except BaseException:
         shutil.rmtree(out if made else staging, ignore_errors=True)  # made: out is this one's
-        # the folders above it this made, while empty (another export may write beside it)
-        for folder in made[1:]:
-            try:
-                folder.rmdir()
-            except OSError:
-                break
+        remove_made(made[1:])  # the folders above it, while empty: another may write there
         raise
     if lora and target in ("tgi", "trtllm"):  # the engine serves the base with it merged
         warnings.warn(

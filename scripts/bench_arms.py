@@ -39,6 +39,7 @@ import bench_report  # noqa: E402  (scripts/ is not a package)
 from bench import prompt_ids, read_prompts  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
+from heads.export import remove_made  # noqa: E402
 from heads.lora import base_as_served  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
 from inference.adaptive import AdaptivePolicy  # noqa: E402
@@ -265,7 +266,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{args.max_new_tokens}; lower it"
             )
     except (PromptSourceError, ChatTemplateError, OSError, ValueError) as e:
-        bench_report.drop_out(made)
+        remove_made(made)
         print(f"bench_arms failed: {e}", file=sys.stderr)
         return 2
     print(f"{len(ids)} prompts, {len(arms)} settings (plain decoding first)", file=sys.stderr)

@@ -1,5 +1,5 @@
 """The records, aggregates, markdown report and PNG plots of `scripts/bench.py` results, and
-the benchmark scripts' --out folder (`make_out`, `drop_out`)."""
+the benchmark scripts' --out folder (`make_out`)."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+from heads.export import make_folders
 from train.precision import cpu_has_bf16
 
 PLOTS = {
@@ -24,26 +25,15 @@ PLOTS = {
 
 def make_out(out: str | Path) -> tuple[Path, list[Path]]:
     """`--out`, made before anything is timed (a folder that cannot be written loses no
-    timings), and the folders this made, deepest first, which `drop_out` removes again should
-    the run stop before writing to them."""
+    timings), and the folders this made, deepest first, which `heads.export.remove_made`
+    removes again should the run stop before writing to them."""
     path = Path(out)
     if path.exists() and not path.is_dir():
         raise OSError(f"--out {out} is a file: give a folder to write the results into")
-    made = [p for p in (path, *path.parents) if not p.exists()]
-    path.mkdir(parents=True, exist_ok=True)
+    made = make_folders(path)
     if not os.access(path, os.W_OK | os.X_OK):
         raise OSError(f"--out {out} is not writable by this user: give a folder you can write")
     return path, made
-
-
-def drop_out(made: list[Path]) -> None:
-    """Remove the folders `make_out` made, deepest first, while they are empty (another run
-    may have written beside this one's meanwhile)."""
-    for folder in made:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
 
 
 def machine_info() -> dict:

@@ -46,6 +46,7 @@ import bench_report  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
 from heads.base import usable_device  # noqa: E402
+from heads.export import remove_made  # noqa: E402
 from inference import (  # noqa: E402
     Draft,
     Drafter,
@@ -378,7 +379,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"{what} ({need}) pass the base's context of {positions} positions; lower them"
                 )
     except (OSError, ValueError) as e:
-        bench_report.drop_out(made)
+        remove_made(made)
         print(f"bench_verify failed: {e}", file=sys.stderr)
         return 2
     results = {

@@ -168,13 +168,15 @@ def test_a_tree_that_is_json_but_no_list_of_paths_is_a_bench_error():
 def test_a_refused_run_removes_only_the_empty_folders_it_made(tmp_path):
     """Another run may write beside this one meanwhile: what it wrote, and the folder above
     both, stay."""
-    from bench_report import drop_out, make_out
+    from bench_report import make_out
+
+    from heads.export import remove_made
 
     out, made = make_out(tmp_path / "runs" / "a")
     assert made == [tmp_path / "runs" / "a", tmp_path / "runs"] and out.is_dir()
     (tmp_path / "runs" / "b").mkdir()
     (tmp_path / "runs" / "b" / "results.json").write_text("{}")
-    drop_out(made)
+    remove_made(made)
     assert not out.exists() and (tmp_path / "runs" / "b" / "results.json").read_text() == "{}"
     assert make_out(tmp_path / "runs")[1] == []  # there already: nothing to remove
 
