@@ -132,6 +132,23 @@ def read_config(folder: Path) -> dict:
     return data
 
 
+def trained_prompt(folders, key: str) -> str | None:
+    """What heads folders' configs record under `key` (`training_system_prompt`,
+    `training_chat_template`: their training recipe's), None where none records it. Heads that
+    record different values are an error: a conversation has one of each."""
+    seen: tuple[str, Path] | None = None
+    for folder in folders:
+        value = read_config(Path(folder)).get(key)
+        if value is None:
+            continue
+        if key == "training_chat_template":  # a file's final newline is no part of it
+            value = value.rstrip("\n")
+        if seen is not None and seen[0] != value:
+            raise ValueError(f"{seen[1]} and {folder} record different {key} values")
+        seen = seen or (value, Path(folder))
+    return None if seen is None else seen[0]
+
+
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a heads folder's safetensors file(s); refuses pickled checkpoints."""
     files = sorted(folder.glob("*.safetensors"))

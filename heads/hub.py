@@ -155,8 +155,8 @@ def _training_prompts(config) -> str:
         return ""
     return (
         f"\nThe heads learned from answers the base wrote under {' and '.join(said)}: they draft "
-        "best\nunder the same (headstart's `scripts/chat.py` and `scripts/bench.py` take "
-        "`--system-prompt`\nand `--chat-template`).\n"
+        "best\nunder the same (headstart's `scripts/chat.py` and `scripts/bench.py` take them "
+        "with\n`--as-trained`).\n"
     )
 
 

@@ -42,6 +42,7 @@ import bench_methods  # noqa: E402  (scripts/ is not a package)
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
+from heads.checkpoint import resolve_folder  # noqa: E402
 from heads.export import remove_made  # noqa: E402
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
@@ -304,6 +305,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every prompt's system turn, as the recipe's data.system_prompt (default: the "
         "prompt's own, else the template's default)",
     )
+    add("--as-trained", action="store_true", help=bench_methods.AS_TRAINED)
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
     add(
@@ -322,6 +324,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)
+    if args.as_trained and not args.heads:
+        parser.error("--as-trained takes the prompts the --heads were trained under: give --heads")
     if args.exclude and args.prompts == "humaneval":
         parser.error("--exclude takes distilled prompts out of a prompt source, not humaneval")
     if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
@@ -353,6 +357,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude, args.per_category)
+        if args.as_trained:  # a missing folder or an unreachable Hub id: before the base
+            folders = [resolve_folder(name) for name in args.heads]
+            if taken := bench_methods.take_as_trained(args, folders):
+                print(taken, file=sys.stderr)
         if args.system_prompt is not None:
             system = [{"role": "system", "content": args.system_prompt}]
             prompts = [dataclasses.replace(p, system=system) for p in prompts]

@@ -11,7 +11,8 @@ starts a new conversation, `/quit` (or end of input, Ctrl-D) leaves; Ctrl-C stop
 its HF comparison), and at the prompt leaves.
 The chat template and system prompt should be the ones the heads were trained with (the
 recipe's data.chat_template and data.system_prompt; the tokenizer's own by default): heads whose
-recipe set them record them in their config.json, and chat says when it is given others.
+recipe set them record them in their config.json, --as-trained takes them from there, and chat
+says when it is given others.
 """
 
 from __future__ import annotations
@@ -27,7 +28,13 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench import prompt_ids  # noqa: E402  (scripts/ is not a package)
-from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa: E402
+from bench_methods import (  # noqa: E402
+    AS_TRAINED,
+    build_lookup_table,
+    hf_runner,
+    stop_token_ids,
+    take_as_trained,
+)
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
@@ -64,6 +71,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="of the first answer; each answer takes the next")
     add("--system-prompt", default=None, metavar="TEXT", help="the conversation's system turn")
     add("--chat-template", default=None, metavar="TEMPLATE", help="Jinja string or .jinja file")
+    add("--as-trained", action="store_true", help=AS_TRAINED)
     add("--compare", action="store_true", help="time HF greedy generate on every turn too")
     add(
         "--dtype",
@@ -83,6 +91,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--threads must be >= 1")
     if args.compare and args.temperature > 0:
         parser.error("--compare times greedy decoding: leave --temperature at 0")
+    if args.as_trained and not args.heads:
+        parser.error("--as-trained takes the prompts the --heads were trained under: give --heads")
     return args
 
 
@@ -108,15 +118,15 @@ def note_training_prompts(name: str, folder: Path, args, template: str) -> None:
     if system is not None and system != args.system_prompt:
         print(
             f"note: {name} learned under the system prompt {json.dumps(system, ensure_ascii=False)}: "
-            "--system-prompt gives it",
+            "--as-trained (or --system-prompt) gives it",
             file=sys.stderr,
         )
     trained = config.get("training_chat_template")
     # a file's final newline is no part of the template (Jinja drops it)
     if trained is not None and trained.rstrip("\n") != template.rstrip("\n"):
         print(
-            f"note: {name} learned under another chat template: save training_chat_template of "
-            f"{folder / 'config.json'} to a file and give it as --chat-template",
+            f"note: {name} learned under another chat template (training_chat_template of "
+            f"{folder / 'config.json'}): --as-trained gives it",
             file=sys.stderr,
         )
 
@@ -177,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # a missing folder or an unreachable Hub id: before the base
         folders = {name: resolve_folder(name) for name in args.heads}
+        if args.as_trained and (taken := take_as_trained(args, list(folders.values()))):
+            print(taken, file=sys.stderr)
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
         base, _ = base_as_served(base, folders.values(), "chat")  # Medusa-2: adapter merged
         # the template is needed for every turn: a tokenizer without one is said at once

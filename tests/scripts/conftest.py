@@ -51,3 +51,13 @@ def copy_without_chat_template(base: Path, out: Path) -> Path:
     config.pop("chat_template", None)
     (out / "tokenizer_config.json").write_text(json.dumps(config))
     return out
+
+
+def heads_trained_under(heads: Path, out: Path, **recorded) -> Path:
+    """A copy of the heads folder `heads` whose config.json records `recorded`
+    (training_system_prompt=..., training_chat_template=...), as a recipe that set them writes."""
+    shutil.copytree(heads, out)
+    config = json.loads((out / "config.json").read_text())
+    config.update(recorded)
+    (out / "config.json").write_text(json.dumps(config))
+    return out

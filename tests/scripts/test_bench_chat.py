@@ -2,7 +2,9 @@
 
 import json
 
-from tests.scripts.conftest import copy_without_chat_template
+import pytest
+
+from tests.scripts.conftest import copy_without_chat_template, heads_trained_under
 from tests.scripts.test_bench import MT_BENCH, _jsonl, bench
 
 
@@ -51,3 +53,63 @@ def test_every_method_stops_where_the_template_closes_a_turn(smollm2_tokenizer):
     assert stop_token_ids(base, smollm2_tokenizer) == [0, im_end]
     base.generation_config.eos_token_id = [im_end, 0]
     assert stop_token_ids(base, smollm2_tokenizer) == [im_end, 0]
+
+
+PLAIN_TEMPLATE = (
+    "{% for m in messages %}### {{ m.role }}: {{ m.content }}\n{% endfor %}"
+    "{% if add_generation_prompt %}### assistant:{% endif %}"
+)
+
+
+@pytest.mark.filterwarnings("ignore:these heads were trained on")  # the base's copy
+def test_as_trained_takes_the_prompts_the_heads_record(folders, tmp_path, capsys):
+    """--as-trained benchmarks heads under the system prompt and chat template their config
+    records, as if both were given as flags (the same prompt tokens); a flag given wins over
+    what is recorded; heads of two recipes, or no heads, are refused before any work."""
+    base = copy_without_chat_template(folders["base"], tmp_path / "no-template")
+    heads = heads_trained_under(
+        folders["medusa"],
+        tmp_path / "heads",
+        training_system_prompt="Réponds brièvement.",
+        training_chat_template=PLAIN_TEMPLATE + "\n",  # a file's last newline, as read
+    )
+    prompts = _jsonl(tmp_path / "mt_bench.jsonl", MT_BENCH[:2])
+    argv = ["--base", str(base), "--prompts", str(prompts), "--max-new-tokens", "4"]
+    argv += ["--methods", "baseline,heads", "--heads", str(heads), "--threads", "1"]
+
+    def run(name, *extra):
+        assert bench.main([*argv, *extra, "--out", str(tmp_path / name)]) == 0
+        return json.loads((tmp_path / name / "results.json").read_text())
+
+    taken = run("as-trained", "--as-trained")
+    assert 'as trained: the system prompt "Réponds brièvement."; the chat template' in (
+        capsys.readouterr().err
+    )
+    assert taken["settings"]["system_prompt"] == "Réponds brièvement."
+    assert taken["settings"]["chat_template"] == PLAIN_TEMPLATE
+    template = tmp_path / "plain.jinja"
+    template.write_text(PLAIN_TEMPLATE)
+    flags = ["--system-prompt", "Réponds brièvement.", "--chat-template", str(template)]
+    given = run("given", *flags)
+    assert [r["prompt_tokens"] for r in taken["records"]] == [
+        r["prompt_tokens"] for r in given["records"]
+    ]
+    assert all(r["identical"] for r in taken["records"])
+    # a --system-prompt given wins; the template still comes from the heads
+    own = run("own-system", "--as-trained", "--system-prompt", "Be brief.")
+    assert own["settings"]["system_prompt"] == "Be brief."
+    assert own["settings"]["chat_template"] == PLAIN_TEMPLATE
+    assert "as trained: the chat template they record" in capsys.readouterr().err
+
+    other = heads_trained_under(
+        folders["medusa"], tmp_path / "other", training_system_prompt="Be long."
+    )
+    both = [*argv, "--heads", str(heads), str(other), "--as-trained", "--out", str(tmp_path / "x")]
+    assert bench.main(both) == 2
+    err = capsys.readouterr().err
+    assert "record different training_system_prompt values: give --system-prompt" in err
+    assert not (tmp_path / "x").exists()  # refused before --out was made
+    no_heads = [a for a in argv if a not in ("--heads", str(heads))]
+    with pytest.raises(SystemExit) as stop:
+        bench.main([*no_heads, "--methods", "baseline", "--as-trained"])
+    assert stop.value.code == 2 and "give --heads" in capsys.readouterr().err

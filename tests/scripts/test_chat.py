@@ -17,6 +17,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import chat  # noqa: E402  (scripts/ is not a package)
 from bench_methods import stop_token_ids  # noqa: E402
 
+from tests.scripts.conftest import heads_trained_under  # noqa: E402
+
 
 def _chat(monkeypatch, lines: list[str], *argv) -> int:
     monkeypatch.setattr(sys, "stdin", io.StringIO("".join(line + "\n" for line in lines)))
@@ -321,9 +323,9 @@ def test_heads_trained_under_another_system_prompt_or_template_are_said(
 
     assert _chat(monkeypatch, ["/quit"], *argv) == 0
     err = capsys.readouterr().err
-    said = f'note: {heads} learned under the system prompt "Réponds brièvement.": --system-prompt'
+    said = f'note: {heads} learned under the system prompt "Réponds brièvement.": --as-trained'
     assert said in err
-    assert f"note: {heads} learned under another chat template: save training_chat_template" in err
+    assert f"note: {heads} learned under another chat template (training_chat_template of" in err
 
     same = [
         "--system-prompt",
@@ -333,3 +335,44 @@ def test_heads_trained_under_another_system_prompt_or_template_are_said(
     ]
     assert _chat(monkeypatch, ["/quit"], *argv, *same) == 0
     assert "note:" not in capsys.readouterr().err
+
+
+def test_as_trained_chats_under_the_prompts_the_heads_record(
+    folders, tmp_path, monkeypatch, capsys
+):
+    """--as-trained: each turn's prompt is the one --system-prompt and --chat-template would give
+    with what the heads record, and no note says otherwise; it needs --heads."""
+    own = AutoTokenizer.from_pretrained(folders["base"]).chat_template
+    other = own.replace("<|im_start|>", "<|im_start|> ")
+    heads = heads_trained_under(
+        folders["medusa"],
+        tmp_path / "heads",
+        training_system_prompt="Réponds brièvement.",
+        training_chat_template=other,
+    )
+    prompts = []
+
+    def answer(gen, ids, args, tokenizer, eos, seed):
+        prompts.append(ids[0].tolist())
+        print("ok")
+        return [330], 1.0, 1.0
+
+    monkeypatch.setattr(chat, "answer", answer)
+    argv = ["--base", str(folders["base"]), "--heads", str(heads), "--max-new-tokens", "2"]
+    assert _chat(monkeypatch, ["Hi."], *argv, "--as-trained") == 0
+    err = capsys.readouterr().err
+    assert 'as trained: the system prompt "Réponds brièvement."; the chat template' in err
+    assert "note:" not in err
+    (tmp_path / "chat.jinja").write_text(other)
+    flags = [
+        "--system-prompt",
+        "Réponds brièvement.",
+        "--chat-template",
+        str(tmp_path / "chat.jinja"),
+    ]
+    assert _chat(monkeypatch, ["Hi."], *argv, *flags) == 0
+    assert _chat(monkeypatch, ["Hi."], *argv) == 0  # the tokenizer's template, no system turn
+    assert prompts[0] == prompts[1] != prompts[2]
+    with pytest.raises(SystemExit) as stop:
+        _chat(monkeypatch, ["Hi."], "--base", str(folders["base"]), "--as-trained")
+    assert stop.value.code == 2 and "give --heads" in capsys.readouterr().err
