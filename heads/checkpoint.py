@@ -132,21 +132,18 @@ def read_config(folder: Path) -> dict:
     return data
 
 
-def trained_prompt(folders, key: str) -> str | None:
-    """What heads folders' configs record under `key` (`training_system_prompt`,
-    `training_chat_template`: their training recipe's), None where none records it. Heads that
-    record different values are an error: a conversation has one of each."""
-    seen: tuple[str, Path] | None = None
-    for folder in folders:
-        value = read_config(Path(folder)).get(key)
-        if value is None:
-            continue
-        if key == "training_chat_template":  # a file's final newline is no part of it
-            value = value.rstrip("\n")
-        if seen is not None and seen[0] != value:
-            raise ValueError(f"{seen[1]} and {folder} record different {key} values")
-        seen = seen or (value, Path(folder))
-    return None if seen is None else seen[0]
+def recorded(folders, key: str) -> dict[Path, str]:
+    """What each of the heads `folders` records under `key` in its config.json, for those that
+    record it (`training_system_prompt`, `training_chat_template`: their training recipe's; a
+    template without the final newline of the file it was read from, which Jinja drops)."""
+    found = {}
+    for folder in map(Path, folders):
+        value = read_config(folder).get(key)
+        if value is not None and not isinstance(value, str):
+            raise ValueError(f"{folder / CONFIG_NAME}: {key} is a {type(value).__name__}, not text")
+        if value is not None:
+            found[folder] = value.rstrip("\n") if key == "training_chat_template" else value
+    return found
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:

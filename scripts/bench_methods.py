@@ -19,7 +19,7 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from heads.checkpoint import trained_prompt
+from heads.checkpoint import recorded
 from heads.lora import base_as_served
 from inference import (
     NgramDrafter,
@@ -159,9 +159,15 @@ def take_as_trained(args: argparse.Namespace, folders) -> str:
         if getattr(args, flag) is not None:
             continue
         try:
-            value = trained_prompt(folders, key)
-        except ValueError as e:  # heads of two recipes
-            raise BenchError(f"--as-trained: {e}: give --{flag.replace('_', '-')}") from e
+            found = recorded(folders, key)
+        except ValueError as e:  # a config.json that is not JSON, a key that is not text
+            raise BenchError(f"--heads: {e}") from e
+        value = next(iter(found.values()), None)
+        if other := [folder for folder, v in found.items() if v != value]:  # two recipes' heads
+            raise BenchError(
+                f"--as-trained: {next(iter(found))} and {other[0]} record different {key} "
+                f"values: give --{flag.replace('_', '-')}"
+            )
         setattr(args, flag, value)
         if value is None:
             taken.append(none)

@@ -101,14 +101,22 @@ def test_as_trained_takes_the_prompts_the_heads_record(folders, tmp_path, capsys
     assert own["settings"]["chat_template"] == PLAIN_TEMPLATE
     assert "as trained: the chat template they record" in capsys.readouterr().err
 
+    same = heads_trained_under(heads, tmp_path / "same")
     other = heads_trained_under(
         folders["medusa"], tmp_path / "other", training_system_prompt="Be long."
     )
-    both = [*argv, "--heads", str(heads), str(other), "--as-trained", "--out", str(tmp_path / "x")]
-    assert bench.main(both) == 2
-    err = capsys.readouterr().err
-    assert "record different training_system_prompt values: give --system-prompt" in err
+    three = [*argv, "--heads", str(heads), str(same), str(other), "--as-trained"]
+    assert bench.main([*three, "--out", str(tmp_path / "x")]) == 2
+    said = f"{heads} and {other} record different training_system_prompt values: give --system-"
+    assert said in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # refused before --out was made
+    broken = heads_trained_under(heads, tmp_path / "broken", training_system_prompt=["Be brief."])
+    assert (
+        bench.main([*argv, "--heads", str(broken), "--as-trained", "--out", str(tmp_path / "x")])
+        == 2
+    )
+    said = "bench failed: --heads: " + str(broken / "config.json")
+    assert said + ": training_system_prompt is a list, not text" in capsys.readouterr().err
     no_heads = [a for a in argv if a not in ("--heads", str(heads))]
     with pytest.raises(SystemExit) as stop:
         bench.main([*no_heads, "--methods", "baseline", "--as-trained"])
