@@ -44,7 +44,14 @@ from train.answering import (
     use_vllm,
     vllm_generator,
 )
-from train.config import Recipe, RecipeError, check_writable, load_recipe, recipe_to_dict
+from train.config import (
+    Recipe,
+    RecipeError,
+    check_writable,
+    load_recipe,
+    recipe_to_dict,
+    refuse_other_run,
+)
 from train.data import (
     ChatTemplateError,
     render_conversation,
@@ -230,6 +237,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     data = recipe.data
     out_dir = Path(data.output_dir)
     check_writable("data.output_dir", out_dir)
+    refuse_other_run("data.output_dir", out_dir, "distill")
     if state.is_main_process:  # the other processes write their shards beside it
         lock_output("data.output_dir", out_dir)
     settings = generation_settings(recipe)

@@ -310,6 +310,25 @@ def refuse_file(key: str, folder: str) -> None:
         raise RecipeError(f"'{key}' is {folder}, a file: give a folder (new or of an earlier run)")
 
 
+def refuse_other_run(key: str, folder: str | Path, writer: str) -> None:
+    """`writer` ("distill" or "training") may not write into the other's folder: training reads
+    every *.jsonl of a distill folder (its metrics.jsonl among them, were it there), and each
+    keeps its own files beside what it reads there."""
+    from train.distilled import MANIFEST
+
+    other, marks = (
+        ("training run", ("metrics.jsonl", "checkpoints"))
+        if writer == "distill"
+        else ("distill run", (MANIFEST,))
+    )
+    path = Path(folder)
+    if found := [m for m in marks if (path / m).exists()]:
+        raise RecipeError(
+            f"'{key}' is {folder}, a {other}'s folder (it holds {found[0]}): {writer} would "
+            "write its files beside that run's; give another folder"
+        )
+
+
 def check_writable(key: str, folder: str | Path) -> None:
     """A folder the run writes must be one this user can make or write: said before the base
     and the data load, not in a traceback after."""

@@ -14,6 +14,7 @@ import os
 import socket
 from pathlib import Path
 
+from heads.export import remove_made
 from train.typed_config import RecipeError
 
 LOCK_NAME = ".headstart.lock"
@@ -56,3 +57,25 @@ def release_output_locks() -> None:
     while _held:
         _, fd = _held.popitem()
         os.close(fd)  # closing the descriptor releases its flock
+
+
+def remove_unused(made: list[Path]) -> None:
+    """After a run refused for bad input: remove the folders it made (`made`, deepest first),
+    with the lock file it left in the deepest, while nothing else is in them (another run may
+    have begun there since: a lock held by a live run is left as it is)."""
+    lock = made[0] / LOCK_NAME if made else None  # refused before it was made: none
+    if lock is not None and lock.is_file() and [p.name for p in made[0].iterdir()] == [LOCK_NAME]:
+        try:
+            import fcntl
+        except ImportError:  # Windows: no lock was taken
+            fcntl = None
+        if fcntl is not None:
+            fd = os.open(lock, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no live run holds it
+                lock.unlink()
+            except OSError:
+                pass
+            finally:
+                os.close(fd)
+    remove_made(made)

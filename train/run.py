@@ -37,7 +37,7 @@ from train.checkpoint import (
     examples_fingerprint,
     resolve_resume,
 )
-from train.config import Recipe, check_writable, load_recipe
+from train.config import Recipe, check_writable, load_recipe, refuse_other_run
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
@@ -46,7 +46,7 @@ from train.features import (
     precompute_features,
     split_held_out,
 )
-from train.lock import lock_output, release_output_locks
+from train.lock import lock_output, release_output_locks, remove_unused
 from train.losses import ratio_means
 from train.precision import resolve_mixed_precision, training_base_dtype
 
@@ -63,13 +63,21 @@ def stop_on_bad_input(errors: tuple[type[Exception], ...] = (FileNotFoundError, 
 
 
 def run_training(training_function, argv: list[str] | None, kind: str) -> None:
-    """A training script's command line: a diverged loss ends with its message (exit 1)."""
+    """A training script's command line: a diverged loss ends with its message (exit 1); a run
+    refused for bad input (exit 2) leaves no output folder it made behind."""
     recipe = parse_args(argv, kind)
     if int(os.environ.get("RANK", "0")) > 0:  # every process checks alike: the first one says
         warnings.filterwarnings("ignore", category=UserWarning)
         transformers.utils.logging.disable_progress_bar()
+    out = Path(recipe.output.dir).absolute()
+    made = [p for p in (out, *out.parents) if not p.exists()]  # what a refusal leaves removed
     try:
         training_function(recipe)
+    except SystemExit as e:
+        if e.code == 2 and PartialState().is_main_process:  # refused for bad input
+            release_output_locks()
+            remove_unused(made)
+        raise
     except TrainingDiverged as e:  # raised on every process (the loss is reduced first)
         if PartialState().is_main_process:
             print(f"error: {e}", file=sys.stderr)
@@ -117,6 +125,7 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
     run's files are removed only in `begin_run`, once every input has loaded."""
     with stop_on_bad_input():
         check_writable("output.dir", recipe.output.dir)
+        refuse_other_run("output.dir", recipe.output.dir, "training")
         if accelerator.is_main_process:  # its workers write beside it
             Path(recipe.output.dir).mkdir(parents=True, exist_ok=True)  # locked from the start
             lock_output("output.dir", recipe.output.dir)

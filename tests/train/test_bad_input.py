@@ -31,13 +31,18 @@ def test_unknown_recipe_key_exits_2_listing_the_valid_keys(tmp_path, capsys):
 
 
 def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_path, capsys):
+    # refused once the base has loaded, after the output folder (and its lock) was made: the
+    # folders the run made go, those it found stay
+    (tmp_path / "runs").mkdir()
     for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
+        out = tmp_path / "runs" / "new" / "out"
         with pytest.raises(SystemExit) as exit_:
-            run(module, recipe, tiny_task, tmp_path / "out", f"data.output_dir={tmp_path}/none")
+            run(module, recipe, tiny_task, out, f"data.output_dir={tmp_path}/none")
         assert exit_.value.code == 2
         assert f"error: {tmp_path}/none: no .jsonl shards (run scripts/distill.py first)" in (
             capsys.readouterr().err
         )
+        assert list((tmp_path / "runs").iterdir()) == []
     (tmp_path / "empty").mkdir()  # shards without a record (a distill killed at its start)
     (tmp_path / "empty" / "shard-r000-00000.jsonl").write_text("\n")
     with pytest.raises(SystemExit) as exit_:
@@ -267,3 +272,35 @@ def test_a_base_that_changes_its_logits_an_unknown_way_is_refused_before_trainin
     monkeypatch.setattr(train.run, "load_base", real)
     base, _ = train.run.load_frozen_base(recipe, Accelerator(cpu=True))  # as it is: trains
     assert base.config.model_type == "llama"
+
+
+def test_training_and_distill_refuse_each_others_folders(tiny_task, tmp_path, capsys, monkeypatch):
+    """Training reads every *.jsonl of a distill folder: a run writing its metrics.jsonl and
+    checkpoints into one (or distill answering into a training run's) is refused before any
+    work, and the folder is left as it was."""
+    import shutil
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[2] / "scripts"))
+    import distill
+
+    answers = tmp_path / "answers"
+    shutil.copytree(tiny_task.data_dir, answers)
+    (answers / "manifest.json").touch()
+    before = sorted(p.name for p in answers.iterdir())
+    monkeypatch.setattr(train.medusa, "load_frozen_base", None)  # never reached
+    with pytest.raises(SystemExit) as exit_:
+        run(train.medusa, TINY_MEDUSA, tiny_task, answers)
+    assert exit_.value.code == 2
+    said = f"'output.dir' is {answers}, a distill run's folder (it holds manifest.json)"
+    assert said in capsys.readouterr().err
+    assert sorted(p.name for p in answers.iterdir()) == before
+    for mark in ("metrics.jsonl", "checkpoints"):
+        trained = tmp_path / mark.replace(".", "-")
+        trained.mkdir()
+        (trained / mark).touch()
+        assert distill.main([str(TINY_MEDUSA), f"data.output_dir={trained}"]) == 2
+        said = f"'data.output_dir' is {trained}, a training run's folder (it holds {mark})"
+        assert said in capsys.readouterr().err
+        assert [p.name for p in trained.iterdir()] == [mark]
