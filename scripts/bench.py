@@ -5,7 +5,9 @@ python scripts/bench.py --prompts FILE.jsonl|humaneval [--base M] [--heads DIR [
     [--draft-model M] [--max-new-tokens N]
     [--limit K] [--per-category K] [--exclude DISTILL_DIR] [--turns first|all] [--temperature T] [--top-p P] [--runs R] [--seed S]
     [--tree PRESET|JSON] [--eagle-top-k K --eagle-depth D --eagle-total-tokens N]
-    [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N | --draft-tree T] [--threads N] [--device D] [--out DIR]
+    [--lookup-tokens N] [--lookup-corpus PATH] [--draft-tokens N | --draft-tree T]
+    [--chat-template TEMPLATE] [--system-prompt TEXT] [--as-trained] [--threads N] [--device D]
+    [--dtype auto|float32|bfloat16|float16] [--attn sdpa|eager] [--out DIR]
 
 Methods: `baseline` (HF `generate`, the reference every speedup is measured against; always
 run), `hf-lookup` (HF prompt lookup), `ngram` (our n-gram drafter), `heads` (one method per

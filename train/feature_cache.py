@@ -170,9 +170,15 @@ def ensure_identity(cache_dir: Path, identity: dict) -> None:
         if old.get(k) != v and not (k in ADDED_KEYS and k not in old)
     ]
     if diffs:
+        # a Medusa run's cache has no aux layers; an EAGLE-3 run's serves Medusa too
+        first = (
+            " (train EAGLE-3 first: its cache serves Medusa too)"
+            if (not old.get("aux_layer_ids") and identity.get("aux_layer_ids"))
+            else ""
+        )
         raise FeatureCacheError(
             f"{cache_dir} holds features of another setup ({'; '.join(diffs)}): "
-            "point training.feature_cache at a new folder"
+            f"point training.feature_cache at a new folder{first}"
         )
 
 

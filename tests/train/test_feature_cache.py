@@ -165,7 +165,7 @@ def _metadata(path):
 def test_a_cache_of_another_setup_is_refused(base, tmp_path):
     exs = examples(3)
     fill(base, exs, tmp_path)
-    with pytest.raises(fc.FeatureCacheError, match="aux_layer_ids.*new folder"):
+    with pytest.raises(fc.FeatureCacheError, match="aux_layer_ids.*new folder") as refused:
         fill(base, exs, tmp_path, aux=[1, 1, 1])
     fill(base, exs + examples(2, seed=1), tmp_path, aux=[])  # "hidden" only: served, and
     cache = fc.FeatureCache(tmp_path, examples(2, seed=1), torch.float32, names=("hidden",))
@@ -177,6 +177,11 @@ def test_a_cache_of_another_setup_is_refused(base, tmp_path):
     ]
     with pytest.raises(fc.FeatureCacheError, match="no features"):
         fc.FeatureCache(tmp_path, examples(2, seed=2), torch.float32)
+    assert "train EAGLE-3 first" not in str(refused.value)  # a cache with aux layers
+    medusa = tmp_path / "medusa"
+    fill(base, exs, medusa, aux=[])  # Medusa's: no aux layers, which an EAGLE-3 run needs
+    with pytest.raises(fc.FeatureCacheError, match="new folder .train EAGLE-3 first: its cache"):
+        fill(base, exs, medusa)
 
 
 def test_another_base_under_the_same_name_is_refused(base, tmp_path):
