@@ -34,6 +34,9 @@ def test_cli(medusa_dir, tmp_path):
     assert refused.returncode == 2 and "is a file: give a folder" in refused.stderr
     ok = run_script("tgi", tmp_path / "o")
     assert ok.returncode == 0, ok.stderr
+    # a base name without an owner: the warning is one line, without the library's source
+    assert ok.stderr.startswith("warning: these heads record ")
+    assert ok.stderr.count("\n") == 1 and "UserWarning" not in ok.stderr
     bad = run_script("sglang", tmp_path / "p")
     assert bad.returncode == 2 and "SGLang has no Medusa" in bad.stderr
 
