@@ -132,20 +132,6 @@ def read_config(folder: Path) -> dict:
     return data
 
 
-def recorded(folders, key: str) -> dict[Path, str]:
-    """What each of the heads `folders` records under `key` in its config.json, for those that
-    record it (`training_system_prompt`, `training_chat_template`: their training recipe's; a
-    template without the final newline of the file it was read from, which Jinja drops)."""
-    found = {}
-    for folder in map(Path, folders):
-        value = read_config(folder).get(key)
-        if value is not None and not isinstance(value, str):
-            raise ValueError(f"{folder / CONFIG_NAME}: {key} is a {type(value).__name__}, not text")
-        if value is not None:
-            found[folder] = value.rstrip("\n") if key == "training_chat_template" else value
-    return found
-
-
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
     """All tensors of a heads folder's safetensors file(s); refuses pickled checkpoints."""
     files = sorted(folder.glob("*.safetensors"))

@@ -40,7 +40,8 @@ import transformers
 from tqdm import tqdm
 
 sys.path.insert(0, str(Path(__file__).parent))
-import bench_methods  # noqa: E402  (scripts/ is not a package)
+import as_trained  # noqa: E402  (scripts/ is not a package)
+import bench_methods  # noqa: E402
 import bench_report  # noqa: E402
 from bench_methods import BenchError, Method, Run  # noqa: E402
 
@@ -307,7 +308,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="every prompt's system turn, as the recipe's data.system_prompt (default: the "
         "prompt's own, else the template's default)",
     )
-    add("--as-trained", action="store_true", help=bench_methods.AS_TRAINED)
+    add("--as-trained", action="store_true", help=as_trained.HELP)
     add("--threads", type=int, default=None, help="torch threads (default: torch's)")
     add("--device", default=None, help="default: cuda when available, else cpu")
     add(
@@ -326,8 +327,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--out", default="runs/bench")
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)
-    if args.as_trained and not args.heads:
-        parser.error("--as-trained takes the prompts the --heads were trained under: give --heads")
+    as_trained.check_flag(parser, args)
     if args.exclude and args.prompts == "humaneval":
         parser.error("--exclude takes distilled prompts out of a prompt source, not humaneval")
     if args.max_new_tokens < 1 or args.runs < 1 or any(c is not None and c < 1 for c in counts):
@@ -361,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude, args.per_category)
         if args.as_trained:  # a missing folder or an unreachable Hub id: before the base
             folders = [resolve_folder(name) for name in args.heads]
-            if taken := bench_methods.take_as_trained(args, folders):
+            if taken := as_trained.take_as_trained(args, folders):
                 print(taken, file=sys.stderr)
         if args.system_prompt is not None:
             system = [{"role": "system", "content": args.system_prompt}]

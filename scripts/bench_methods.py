@@ -19,7 +19,6 @@ from pathlib import Path
 import torch
 
 from heads import EagleDraft, MedusaHeads, load_base, load_heads
-from heads.checkpoint import recorded
 from heads.lora import base_as_served
 from inference import (
     NgramDrafter,
@@ -139,43 +138,6 @@ def parse_methods(
         )
     # The baseline is the reference for every speedup and identity check: always run, first.
     return ["baseline"] + [n for n in dict.fromkeys(names) if n != "baseline"]
-
-
-AS_TRAINED = (  # the flag's help, chat.py's and bench.py's
-    "the system prompt and chat template the heads were trained under, as their config.json "
-    "records them (the recipe's data.system_prompt and data.chat_template); --system-prompt and "
-    "--chat-template, where given, win"
-)
-
-
-def take_as_trained(args: argparse.Namespace, folders) -> str:
-    """--as-trained: fill --system-prompt and --chat-template, where not given, with what the
-    heads `folders` record; returns a line saying what was taken."""
-    taken = []
-    for flag, key, none in (
-        ("system_prompt", "training_system_prompt", "no system prompt recorded"),
-        ("chat_template", "training_chat_template", "no chat template recorded (the tokenizer's)"),
-    ):
-        if getattr(args, flag) is not None:
-            continue
-        try:
-            found = recorded(folders, key)
-        except ValueError as e:  # a config.json that is not JSON, a key that is not text
-            raise BenchError(f"--heads: {e}") from e
-        value = next(iter(found.values()), None)
-        if other := [folder for folder, v in found.items() if v != value]:  # two recipes' heads
-            raise BenchError(
-                f"--as-trained: {next(iter(found))} and {other[0]} record different {key} "
-                f"values: give --{flag.replace('_', '-')}"
-            )
-        setattr(args, flag, value)
-        if value is None:
-            taken.append(none)
-        elif flag == "system_prompt":
-            taken.append(f"the system prompt {json.dumps(value, ensure_ascii=False)}")
-        else:
-            taken.append("the chat template they record")
-    return f"as trained: {'; '.join(taken)}" if taken else ""
 
 
 def build_methods(names: list[str], args: argparse.Namespace):

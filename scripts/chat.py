@@ -18,7 +18,6 @@ says when it is given others.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
 import time
@@ -27,18 +26,13 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+import as_trained  # noqa: E402
 from bench import prompt_ids  # noqa: E402  (scripts/ is not a package)
-from bench_methods import (  # noqa: E402
-    AS_TRAINED,
-    build_lookup_table,
-    hf_runner,
-    stop_token_ids,
-    take_as_trained,
-)
+from bench_methods import build_lookup_table, hf_runner, stop_token_ids  # noqa: E402
 
 from heads import load_base, load_heads  # noqa: E402
 from heads.base import input_device  # noqa: E402
-from heads.checkpoint import read_config, resolve_folder  # noqa: E402
+from heads.checkpoint import resolve_folder  # noqa: E402
 from heads.lora import base_as_served  # noqa: E402
 from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
 from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
@@ -71,7 +65,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--seed", type=int, default=0, help="of the first answer; each answer takes the next")
     add("--system-prompt", default=None, metavar="TEXT", help="the conversation's system turn")
     add("--chat-template", default=None, metavar="TEMPLATE", help="Jinja string or .jinja file")
-    add("--as-trained", action="store_true", help=AS_TRAINED)
+    add("--as-trained", action="store_true", help=as_trained.HELP)
     add("--compare", action="store_true", help="time HF greedy generate on every turn too")
     add(
         "--dtype",
@@ -91,8 +85,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         parser.error("--threads must be >= 1")
     if args.compare and args.temperature > 0:
         parser.error("--compare times greedy decoding: leave --temperature at 0")
-    if args.as_trained and not args.heads:
-        parser.error("--as-trained takes the prompts the --heads were trained under: give --heads")
+    as_trained.check_flag(parser, args)
     return args
 
 
@@ -108,27 +101,6 @@ def build_generator(
             corpus = build_lookup_table(args, tokenizer, stop_token_ids(base, tokenizer))
         drafters.append(NgramDrafter(corpus=corpus))
     return SpeculativeGenerator(base, drafters[0] if len(drafters) == 1 else drafters)
-
-
-def note_training_prompts(name: str, folder: Path, args, template: str) -> None:
-    """Say where the heads learned under another system prompt or chat template than this chat
-    has (their config records those their recipe set): they draft less well under others."""
-    config = read_config(folder)
-    system = config.get("training_system_prompt")
-    if system is not None and system != args.system_prompt:
-        print(
-            f"note: {name} learned under the system prompt {json.dumps(system, ensure_ascii=False)}: "
-            "--as-trained (or --system-prompt) gives it",
-            file=sys.stderr,
-        )
-    trained = config.get("training_chat_template")
-    # a file's final newline is no part of the template (Jinja drops it)
-    if trained is not None and trained.rstrip("\n") != template.rstrip("\n"):
-        print(
-            f"note: {name} learned under another chat template (training_chat_template of "
-            f"{folder / 'config.json'}): --as-trained gives it",
-            file=sys.stderr,
-        )
 
 
 def answer(gen: SpeculativeGenerator, ids: torch.Tensor, args, tokenizer, eos, seed: int):
@@ -187,7 +159,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         # a missing folder or an unreachable Hub id: before the base
         folders = {name: resolve_folder(name) for name in args.heads}
-        if args.as_trained and (taken := take_as_trained(args, list(folders.values()))):
+        if args.as_trained and (taken := as_trained.take_as_trained(args, list(folders.values()))):
             print(taken, file=sys.stderr)
         base, tokenizer = load_base(args.base, device=args.device, dtype=args.dtype)
         base, _ = base_as_served(base, folders.values(), "chat")  # Medusa-2: adapter merged
@@ -195,7 +167,7 @@ def main(argv: list[str] | None = None) -> int:
         tokenizer.chat_template = resolve_chat_template(tokenizer, args.chat_template)
         gen = build_generator(args, base, tokenizer, list(folders.values()))
         for name, folder in folders.items():
-            note_training_prompts(name, folder, args, tokenizer.chat_template)
+            as_trained.note_training_prompts(name, folder, args, tokenizer.chat_template)
     except (ValueError, OSError) as e:  # a missing folder, heads of another base, no template
         print(f"chat failed: {e}", file=sys.stderr)
         return 2

@@ -170,10 +170,10 @@ def ensure_identity(cache_dir: Path, identity: dict) -> None:
         if old.get(k) != v and not (k in ADDED_KEYS and k not in old)
     ]
     if diffs:
-        # a Medusa run's cache has no aux layers; an EAGLE-3 run's serves Medusa too
+        # a cache without aux layers (Medusa's, EAGLE-1's) for EAGLE-3, all else the same
         first = (
             " (train EAGLE-3 first: its cache serves Medusa too)"
-            if (not old.get("aux_layer_ids") and identity.get("aux_layer_ids"))
+            if len(diffs) == 1 and not old.get("aux_layer_ids") and identity.get("aux_layer_ids")
             else ""
         )
         raise FeatureCacheError(

@@ -34,9 +34,16 @@ def lock_output(key: str, folder: str | Path) -> None:
     real = str(path.resolve())
     if real in _held or not path.is_dir():
         return
-    fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fd = os.open(path / LOCK_NAME, os.O_RDWR | os.O_CREAT, 0o644)
+    except FileNotFoundError:  # removed meanwhile by a refused run that had made it
+        return
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        if os.fstat(fd).st_ino != os.stat(path / LOCK_NAME).st_ino:
+            # a refused run removed the file after this one opened it: lock the one there now
+            os.close(fd)
+            return lock_output(key, folder)
     except BlockingIOError:
         holder = os.read(fd, 200).decode(errors="replace").strip() or "another process"
         os.close(fd)
@@ -44,6 +51,9 @@ def lock_output(key: str, folder: str | Path) -> None:
             f"'{key}' is {folder}, which another run is writing now ({holder}): wait for it "
             "to end or stop it, or give another folder"
         ) from None
+    except FileNotFoundError:  # the file (or its folder) removed since: made again, if needed
+        os.close(fd)
+        return lock_output(key, folder)
     except OSError:  # a filesystem without flock (some network ones): not checked
         os.close(fd)
         return
@@ -62,15 +72,17 @@ def release_output_locks() -> None:
 def remove_unused(made: list[Path]) -> None:
     """After a run refused for bad input: remove the folders it made (`made`, deepest first),
     with the lock file it left in the deepest, while nothing else is in them (another run may
-    have begun there since: a lock held by a live run is left as it is)."""
+    have begun there since: a lock held by a live run is left as it is; one that opened the
+    file just before it went locks the new one, `lock_output`'s inode check)."""
     lock = made[0] / LOCK_NAME if made else None  # refused before it was made: none
     if lock is not None and lock.is_file() and [p.name for p in made[0].iterdir()] == [LOCK_NAME]:
         try:
             import fcntl
-        except ImportError:  # Windows: no lock was taken
-            fcntl = None
-        if fcntl is not None:
+
             fd = os.open(lock, os.O_RDWR)
+        except (ImportError, OSError):  # Windows (no lock was taken), or gone meanwhile
+            fd = None
+        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no live run holds it
                 lock.unlink()

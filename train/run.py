@@ -69,12 +69,13 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
     if int(os.environ.get("RANK", "0")) > 0:  # every process checks alike: the first one says
         warnings.filterwarnings("ignore", category=UserWarning)
         transformers.utils.logging.disable_progress_bar()
+    # what a refusal leaves removed: the folders mkdir will make, "a" of "a/../b" too
     out = Path(recipe.output.dir).absolute()
-    made = [p for p in (out, *out.parents) if not p.exists()]  # what a refusal leaves removed
+    made = [p for p in (out, *out.parents) if p.name != ".." and not p.exists()]
     try:
         training_function(recipe)
     except SystemExit as e:
-        if e.code == 2 and PartialState().is_main_process:  # refused for bad input
+        if e.code == 2 and int(os.environ.get("RANK", "0")) == 0:  # refused for bad input
             release_output_locks()
             remove_unused(made)
         raise

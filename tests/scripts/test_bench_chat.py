@@ -86,7 +86,7 @@ def test_as_trained_takes_the_prompts_the_heads_record(folders, tmp_path, capsys
         capsys.readouterr().err
     )
     assert taken["settings"]["system_prompt"] == "Réponds brièvement."
-    assert taken["settings"]["chat_template"] == PLAIN_TEMPLATE
+    assert taken["settings"]["chat_template"] == PLAIN_TEMPLATE + "\n"  # as recorded
     template = tmp_path / "plain.jinja"
     template.write_text(PLAIN_TEMPLATE)
     flags = ["--system-prompt", "Réponds brièvement.", "--chat-template", str(template)]
@@ -98,17 +98,19 @@ def test_as_trained_takes_the_prompts_the_heads_record(folders, tmp_path, capsys
     # a --system-prompt given wins; the template still comes from the heads
     own = run("own-system", "--as-trained", "--system-prompt", "Be brief.")
     assert own["settings"]["system_prompt"] == "Be brief."
-    assert own["settings"]["chat_template"] == PLAIN_TEMPLATE
+    assert own["settings"]["chat_template"] == PLAIN_TEMPLATE + "\n"
     assert "as trained: the chat template they record" in capsys.readouterr().err
 
     same = heads_trained_under(heads, tmp_path / "same")
     other = heads_trained_under(
         folders["medusa"], tmp_path / "other", training_system_prompt="Be long."
     )
-    three = [*argv, "--heads", str(heads), str(same), str(other), "--as-trained"]
-    assert bench.main([*three, "--out", str(tmp_path / "x")]) == 2
-    said = f"{heads} and {other} record different training_system_prompt values: give --system-"
-    assert said in capsys.readouterr().err
+    bare = heads_trained_under(folders["medusa"], tmp_path / "bare")  # records neither
+    for last, shown in ((other, '"Be long."'), (bare, "none")):
+        three = [*argv, "--heads", str(heads), str(same), str(last), "--as-trained"]
+        assert bench.main([*three, "--out", str(tmp_path / "x")]) == 2
+        said = f'{heads} records "Réponds brièvement." as its training_system_prompt, {last} '
+        assert said + f"{shown}: give --system-prompt" in capsys.readouterr().err
     assert not (tmp_path / "x").exists()  # refused before --out was made
     broken = heads_trained_under(heads, tmp_path / "broken", training_system_prompt=["Be brief."])
     assert (

@@ -373,6 +373,18 @@ def test_as_trained_chats_under_the_prompts_the_heads_record(
     assert _chat(monkeypatch, ["Hi."], *argv, *flags) == 0
     assert _chat(monkeypatch, ["Hi."], *argv) == 0  # the tokenizer's template, no system turn
     assert prompts[0] == prompts[1] != prompts[2]
+    capsys.readouterr()
+    # a template that ends in text and two newlines: Jinja drops one, the other is the template's
+    ending = other + "Answer:\n\n"
+    two = heads_trained_under(folders["medusa"], tmp_path / "two", training_chat_template=ending)
+    argv = ["--base", str(folders["base"]), "--heads", str(two), "--max-new-tokens", "2"]
+    assert _chat(monkeypatch, ["Hi."], *argv, "--as-trained") == 0
+    (tmp_path / "two.jinja").write_text(ending)
+    assert _chat(monkeypatch, ["Hi."], *argv, "--chat-template", str(tmp_path / "two.jinja")) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert prompts[3] == prompts[4]
+    tokenizer = AutoTokenizer.from_pretrained(folders["base"])
+    assert tokenizer.decode(prompts[3]).endswith("assistant\nAnswer:\n")  # the newline it kept
     with pytest.raises(SystemExit) as stop:
         _chat(monkeypatch, ["Hi."], "--base", str(folders["base"]), "--as-trained")
     assert stop.value.code == 2 and "give --heads" in capsys.readouterr().err

@@ -34,8 +34,10 @@ def test_training_before_distill_or_on_a_missing_base_says_so(tiny_task, tmp_pat
     # refused once the base has loaded, after the output folder (and its lock) was made: the
     # folders the run made go, those it found stay
     (tmp_path / "runs").mkdir()
-    for module, recipe in ((train.medusa, TINY_MEDUSA), (train.eagle, TINY_EAGLE)):
-        out = tmp_path / "runs" / "new" / "out"
+    for module, recipe, out in (
+        (train.medusa, TINY_MEDUSA, tmp_path / "runs" / "new" / "out"),
+        (train.eagle, TINY_EAGLE, tmp_path / "runs" / "x" / ".." / "new" / "out"),  # x made too
+    ):
         with pytest.raises(SystemExit) as exit_:
             run(module, recipe, tiny_task, out, f"data.output_dir={tmp_path}/none")
         assert exit_.value.code == 2

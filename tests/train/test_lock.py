@@ -87,3 +87,55 @@ def test_a_folder_this_run_holds_is_its_own_under_another_path(tmp_path, monkeyp
         assert (out / LOCK_NAME).read_text() == f"pid {os.getpid()} on {socket.gethostname()}"
     finally:
         release_output_locks()
+
+
+def test_a_refused_run_removes_only_the_empty_folders_it_made_and_no_live_lock(tmp_path):
+    """`remove_unused` after a refusal: the folders made go with their lock file, but not while
+    another run holds that lock or has written beside it."""
+    from train.lock import remove_unused
+
+    made = [tmp_path / "a" / "b", tmp_path / "a"]
+    made[0].mkdir(parents=True)
+    lock_output("output.dir", made[0])
+    release_output_locks()  # the refused run's own, released first
+    holder = hold_lock(made[0])  # another run began there meanwhile
+    try:
+        remove_unused(made)
+        assert (made[0] / LOCK_NAME).is_file()
+    finally:
+        holder.kill()
+        holder.wait()
+    (made[0] / "metrics.jsonl").touch()  # another run's file
+    remove_unused(made)
+    assert sorted(p.name for p in made[0].iterdir()) == [LOCK_NAME, "metrics.jsonl"]
+    (made[0] / "metrics.jsonl").unlink()
+    remove_unused(made)
+    assert not (tmp_path / "a").exists()
+    remove_unused(made)  # refused before the folder was made: nothing to do
+
+
+def test_a_lock_file_removed_while_it_is_taken_is_taken_anew(tmp_path, monkeypatch):
+    """A refused run may remove the lock file just after another opened it: that one then
+    locks the file there now, not the removed one (which a third run could not see)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    real_open, opened = os.open, []
+
+    def open_then_removed(path, *args):
+        fd = real_open(path, *args)
+        if not opened:
+            Path(path).unlink()  # the refused run's removal, between open and flock
+        opened.append(path)
+        return fd
+
+    monkeypatch.setattr(os, "open", open_then_removed)
+    lock_output("output.dir", out)
+    monkeypatch.setattr(os, "open", real_open)
+    try:
+        assert len(opened) == 2  # opened again after the removal
+        other = subprocess.run(
+            [sys.executable, "-c", HOLD, str(out)], cwd=ROOT, capture_output=True, text=True
+        )
+        assert other.returncode == 1 and "which another run is writing now" in other.stderr
+    finally:
+        release_output_locks()
