@@ -51,7 +51,7 @@ from inference.base_checks import (
 from inference.draft import Draft, Drafter, Sampling
 from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
-from inference.mask import tree_attention_mask, tree_position_ids
+from inference.mask import grouped_kv_attention, tree_attention_mask, tree_position_ids
 from inference.prompt import prompt_ids, prompt_tensor
 from inference.stopping import Stopping
 from inference.tree import rank_paths, tree_from_parents
@@ -190,7 +190,10 @@ class SpeculativeGenerator:
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
         """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None)."""
         aux_ids = self.drafter.aux_layer_ids
-        with layer_inputs(self.base, aux_ids) as entering:  # EAGLE-3's, and only those
+        with (
+            layer_inputs(self.base, aux_ids) as entering,  # EAGLE-3's, and only those
+            grouped_kv_attention(input_device(self.base)),
+        ):
             out = self.base.model(
                 input_ids=input_ids[None],
                 attention_mask=attention_mask,

@@ -54,7 +54,11 @@ from inference import (  # noqa: E402
     plain_generation_config,
     tree_from_parents,
 )
-from inference.mask import tree_attention_mask, tree_position_ids  # noqa: E402
+from inference.mask import (  # noqa: E402
+    grouped_kv_attention,
+    tree_attention_mask,
+    tree_position_ids,
+)
 
 FORMAT = "headstart-bench-verify-1"
 SHAPES = {  # Llama configs for random:NAME (public configs' sizes)
@@ -158,7 +162,7 @@ def time_tree_forwards(model, sizes: list[int], prefix_tokens: int, repeats: int
                 positions = tree_position_ids(tree, prefix_tokens)
             _sync(device)
             t0 = time.perf_counter()
-            with torch.no_grad():
+            with torch.no_grad(), grouped_kv_attention(device):  # as the decode loop's
                 model(tokens, attention_mask=mask, position_ids=positions, cache=cache)
             _sync(device)
             if rep >= 3:  # the first rounds warm up kernels and allocators

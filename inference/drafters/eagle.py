@@ -26,7 +26,7 @@ from torch import nn
 from heads.base import output_logits
 from heads.eagle import EagleDraft
 from inference.draft import Draft, Drafter, Sampling
-from inference.mask import frontier_attention_mask
+from inference.mask import frontier_attention_mask, grouped_kv_attention
 from inference.tree import StaticTree, check_ranks, tree_from_parents
 
 
@@ -239,13 +239,14 @@ class EagleDrafter(Drafter):
                 p = int(all_parents[p]) - 1
         mask = frontier_attention_mask(allowed.to(dev), prefix, self._dtype)
         pos = torch.full((1, F), prefix - 1 + d, device=dev)
-        out = self.draft(
-            self.embed(all_tokens[frontier])[None],
-            frontier_hidden[None],
-            pos,
-            attention_mask=mask,
-            cache=self.cache,
-        )[0]
+        with grouped_kv_attention(dev):
+            out = self.draft(
+                self.embed(all_tokens[frontier])[None],
+                frontier_hidden[None],
+                pos,
+                attention_mask=mask,
+                cache=self.cache,
+            )[0]
         cached.extend(frontier.tolist())
         return out
 

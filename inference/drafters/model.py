@@ -24,7 +24,7 @@ from heads.base import input_device
 from inference.acceptance import warp_probs
 from inference.base_checks import windowed_cache_layers
 from inference.draft import Draft, Drafter, Sampling
-from inference.mask import frontier_attention_mask
+from inference.mask import frontier_attention_mask, grouped_kv_attention
 from inference.tree import (
     DEFAULT_ACCURACIES,
     StaticTree,
@@ -210,13 +210,14 @@ class ModelDrafter(Drafter):
             # columns follow the cache: the sequence, the tree nodes cached, this frontier.
             columns = torch.cat([cached, frontier])
             mask = frontier_attention_mask(tree.ancestors[frontier][:, columns], prefix, dtype)
-            logits = self.model(
-                input_ids=tokens[frontier][None],
-                attention_mask=mask,
-                position_ids=torch.full((1, frontier.numel()), prefix - 1 + depth, device=dev),
-                cache=self.cache,
-                use_cache=True,
-            ).logits[0]  # (F, V)
+            with grouped_kv_attention(dev):
+                logits = self.model(
+                    input_ids=tokens[frontier][None],
+                    attention_mask=mask,
+                    position_ids=torch.full((1, frontier.numel()), prefix - 1 + depth, device=dev),
+                    cache=self.cache,
+                    use_cache=True,
+                ).logits[0]  # (F, V)
             ranked[frontier] = logits.topk(top, dim=-1).indices
             cached = columns
         if cached.numel():

@@ -117,3 +117,57 @@ def test_each_batch_row_of_the_tree_mask_is_its_own_copy():
     first = mask[1].clone()
     mask[0].fill_(0.0)
     assert torch.equal(mask[1], first) and mask[1].min() == torch.finfo(torch.float32).min
+
+
+def test_grouped_kv_attention_is_scoped_to_a_cpu_and_leaves_a_users_setting(monkeypatch):
+    import os
+
+    from inference.mask import FORCE_GQA, grouped_kv_attention
+
+    cpu = torch.device("cpu")
+    monkeypatch.delenv(FORCE_GQA, raising=False)
+    with grouped_kv_attention(cpu):
+        assert os.environ[FORCE_GQA] == "1"
+    assert FORCE_GQA not in os.environ
+    with pytest.raises(RuntimeError), grouped_kv_attention(cpu):
+        raise RuntimeError  # an error inside: the switch is off again after
+    assert FORCE_GQA not in os.environ
+    with grouped_kv_attention(torch.device("meta")):  # not a CPU (CUDA's kernels): untouched
+        assert FORCE_GQA not in os.environ
+    monkeypatch.setenv(FORCE_GQA, "0")  # the user's own choice stands
+    with grouped_kv_attention(cpu):
+        assert os.environ[FORCE_GQA] == "0"
+    assert os.environ[FORCE_GQA] == "0"
+
+
+def test_tree_steps_on_a_cpu_attend_the_shared_kv_heads_without_copying_them(monkeypatch):
+    """The decode loop's tree forwards (4 query heads, 2 K/V heads) give sdpa the cached K/V
+    heads as they are, with enable_gqa, not copied per query head; outside the loop's forwards
+    the switch is off, and the greedy output is still HF's."""
+    import os
+
+    import torch.nn.functional as F
+
+    from heads import MedusaConfig, MedusaHeads
+    from inference import SpeculativeGenerator
+    from inference.mask import FORCE_GQA
+
+    monkeypatch.delenv(FORCE_GQA, raising=False)
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)
+    gen = SpeculativeGenerator(base, heads, choices=[(0,), (1,), (0, 0)])
+    sdpa, calls = F.scaled_dot_product_attention, []
+
+    def spy(query, key, value, *args, **kwargs):
+        calls.append((query.shape[2], key.shape[1], kwargs.get("enable_gqa", False)))
+        return sdpa(query, key, value, *args, **kwargs)
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
+    prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
+    out = gen.generate(prompt, max_new_tokens=12)
+    tree_calls = [c for c in calls if c[0] == 4]  # the 4-node tree's forwards
+    assert tree_calls and all(kv_heads == 2 and gqa for _, kv_heads, gqa in tree_calls)
+    assert FORCE_GQA not in os.environ
+    monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
+    expected = base.generate(prompt, max_new_tokens=12, do_sample=False)
+    assert torch.equal(out.sequences, expected)
