@@ -192,7 +192,7 @@ class SpeculativeGenerator:
         aux_ids = self.drafter.aux_layer_ids
         with (
             layer_inputs(self.base, aux_ids) as entering,  # EAGLE-3's, and only those
-            grouped_kv_attention(input_device(self.base)),
+            grouped_kv_attention(self._device),
         ):
             out = self.base.model(
                 input_ids=input_ids[None],
