@@ -18,6 +18,7 @@ import operator
 import time
 import warnings
 from collections.abc import Iterator, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import torch
@@ -190,9 +191,10 @@ class SpeculativeGenerator:
     def _forward(self, input_ids, cache, attention_mask=None, position_ids=None):
         """(T,) tokens -> (last hidden (T,H), aux (T,3H) or None)."""
         aux_ids = self.drafter.aux_layer_ids
+        masked = attention_mask is not None  # a tree: one token or a prompt is the model's own
         with (
             layer_inputs(self.base, aux_ids) as entering,  # EAGLE-3's, and only those
-            grouped_kv_attention(self._device),
+            grouped_kv_attention(self._device) if masked else nullcontext(),
         ):
             out = self.base.model(
                 input_ids=input_ids[None],

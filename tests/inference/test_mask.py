@@ -159,14 +159,17 @@ def test_tree_steps_on_a_cpu_attend_the_shared_kv_heads_without_copying_them(mon
     sdpa, calls = F.scaled_dot_product_attention, []
 
     def spy(query, key, value, *args, **kwargs):
-        calls.append((query.shape[2], key.shape[1], kwargs.get("enable_gqa", False)))
+        switched = os.environ.get(FORCE_GQA)
+        calls.append((query.shape[2], key.shape[1], kwargs.get("enable_gqa", False), switched))
         return sdpa(query, key, value, *args, **kwargs)
 
     monkeypatch.setattr(F, "scaled_dot_product_attention", spy)
     prompt = torch.tensor([[1, 5, 9, 14, 3, 7]])
     out = gen.generate(prompt, max_new_tokens=12)
     tree_calls = [c for c in calls if c[0] == 4]  # the 4-node tree's forwards
-    assert tree_calls and all(kv_heads == 2 and gqa for _, kv_heads, gqa in tree_calls)
+    assert tree_calls and all(kv_heads == 2 and gqa for _, kv_heads, gqa, _ in tree_calls)
+    # the prompt's forward (no mask: the model's own causal path) is left as transformers runs it
+    assert [c[3] for c in calls if c[0] == prompt.shape[1]] == [None] * 2  # per layer
     assert FORCE_GQA not in os.environ
     monkeypatch.setattr(F, "scaled_dot_product_attention", sdpa)
     expected = base.generate(prompt, max_new_tokens=12, do_sample=False)
