@@ -36,9 +36,16 @@ class ExportError(ValueError):
     """The heads cannot be represented in the requested engine's format."""
 
 
+def missing_folders(path: str | Path) -> list[Path]:
+    """The folders `Path(path).mkdir(parents=True)` would make, deepest first ("a" of "a/../b"
+    too, which it makes on the way; a ".." step is no folder of its own to remove)."""
+    path = Path(path).absolute()
+    return [p for p in (path, *path.parents) if p.name != ".." and not p.exists()]
+
+
 def make_folders(path: Path) -> list[Path]:
     """Make `path` and its missing parents; returns the folders made, deepest first."""
-    made = [p for p in (path, *path.parents) if not p.exists()]
+    made = missing_folders(path)
     path.mkdir(parents=True, exist_ok=True)
     return made
 

@@ -10,6 +10,7 @@ ends, so a kill leaves no stale lock behind. Where the platform or the filesyste
 
 from __future__ import annotations
 
+import contextlib
 import os
 import socket
 from pathlib import Path
@@ -76,18 +77,14 @@ def remove_unused(made: list[Path]) -> None:
     file just before it went locks the new one, `lock_output`'s inode check)."""
     lock = made[0] / LOCK_NAME if made else None  # refused before it was made: none
     if lock is not None and lock.is_file() and [p.name for p in made[0].iterdir()] == [LOCK_NAME]:
-        try:
+        # Windows (no lock was taken), the file gone meanwhile, or a live run's: left
+        with contextlib.suppress(ImportError, OSError):
             import fcntl
 
             fd = os.open(lock, os.O_RDWR)
-        except (ImportError, OSError):  # Windows (no lock was taken), or gone meanwhile
-            fd = None
-        if fd is not None:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # no live run holds it
                 lock.unlink()
-            except OSError:
-                pass
             finally:
                 os.close(fd)
     remove_made(made)

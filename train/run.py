@@ -26,6 +26,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads import load_base
 from heads.checkpoint import resolve_folder
+from heads.export import missing_folders
 from heads.hub import push_refused
 from inference.base_checks import base_logits, not_full_attention, windowed_cache_layers
 from train.checkpoint import (
@@ -69,9 +70,7 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
     if int(os.environ.get("RANK", "0")) > 0:  # every process checks alike: the first one says
         warnings.filterwarnings("ignore", category=UserWarning)
         transformers.utils.logging.disable_progress_bar()
-    # what a refusal leaves removed: the folders mkdir will make, "a" of "a/../b" too
-    out = Path(recipe.output.dir).absolute()
-    made = [p for p in (out, *out.parents) if p.name != ".." and not p.exists()]
+    made = missing_folders(recipe.output.dir)  # what a refusal leaves removed
     try:
         training_function(recipe)
     except SystemExit as e:
