@@ -47,6 +47,7 @@ from bench_methods import BenchError, Method, Run  # noqa: E402
 
 from heads.checkpoint import resolve_folder  # noqa: E402
 from heads.export import remove_made  # noqa: E402
+from train.console import warnings_as_lines  # noqa: E402
 from train.data import ChatTemplateError, render_conversation  # noqa: E402
 from train.distilled import DistillError, answered_prompts, prompt_id  # noqa: E402
 from train.prompts import RECORD_FORMS, Message, PromptSourceError, read_source  # noqa: E402
@@ -451,4 +452,5 @@ def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

@@ -44,6 +44,7 @@ from heads.lora import base_as_served  # noqa: E402
 from inference import SpeculativeGenerator  # noqa: E402
 from inference.adaptive import AdaptivePolicy  # noqa: E402
 from inference.drafters import make_drafter  # noqa: E402
+from train.console import warnings_as_lines  # noqa: E402
 from train.data import ChatTemplateError  # noqa: E402
 from train.prompts import PromptSourceError  # noqa: E402
 
@@ -293,4 +294,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

@@ -59,6 +59,7 @@ from inference.mask import (  # noqa: E402
     tree_attention_mask,
     tree_position_ids,
 )
+from train.console import warnings_as_lines  # noqa: E402
 
 FORMAT = "headstart-bench-verify-1"
 SHAPES = {  # Llama configs for random:NAME (public configs' sizes)
@@ -419,4 +420,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

@@ -35,6 +35,7 @@ from heads.base import input_device  # noqa: E402
 from heads.checkpoint import resolve_folder  # noqa: E402
 from heads.lora import base_as_served  # noqa: E402
 from inference import NgramDrafter, SpeculativeGenerator  # noqa: E402
+from train.console import warnings_as_lines  # noqa: E402
 from train.data import ChatTemplateError, resolve_chat_template  # noqa: E402
 
 
@@ -261,4 +262,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

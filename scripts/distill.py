@@ -52,6 +52,7 @@ from train.config import (
     recipe_to_dict,
     refuse_other_run,
 )
+from train.console import warnings_as_lines
 from train.data import (
     ChatTemplateError,
     render_conversation,
@@ -438,4 +439,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

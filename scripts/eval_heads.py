@@ -47,6 +47,7 @@ from heads import EagleDraft, MedusaHeads, load_heads  # noqa: E402
 from heads.checkpoint import read_config, resolve_folder  # noqa: E402
 from heads.lora import lora_merged  # noqa: E402
 from train.config import RecipeError, load_recipe  # noqa: E402
+from train.console import warnings_as_lines  # noqa: E402
 from train.data import read_distilled  # noqa: E402
 from train.eagle import EagleTrainee  # noqa: E402
 from train.features import (  # noqa: E402
@@ -235,4 +236,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

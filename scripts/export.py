@@ -11,10 +11,10 @@ from __future__ import annotations
 import argparse
 import json
 import sys
-import warnings
 from pathlib import Path
 
 from heads.export import TARGETS, ExportError, export_heads
+from train.console import warnings_as_lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,13 +31,11 @@ def main(argv: list[str] | None = None) -> int:
         help="tgi: the base's Hub id or path as TGI sees it (default: the one the heads record)",
     )
     args = parser.parse_args(argv)
-    with warnings.catch_warnings():  # said as a line, not with the library's source line
-        warnings.showwarning = lambda message, *_: print(f"warning: {message}", file=sys.stderr)
-        try:
-            out = export_heads(args.heads, args.to, args.out, args.base_name)
-        except (ExportError, FileNotFoundError, ValueError) as e:
-            print(f"export failed: {e}", file=sys.stderr)
-            return 2
+    try:
+        out = export_heads(args.heads, args.to, args.out, args.base_name)
+    except (ExportError, FileNotFoundError, ValueError) as e:
+        print(f"export failed: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.to} layout to {out}")
     if args.to == "trtllm":  # its converter assumes 4 heads of 1 layer unless told
         config = json.loads((Path(out) / "config.json").read_text())
@@ -51,4 +49,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

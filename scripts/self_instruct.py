@@ -45,6 +45,7 @@ from tqdm import tqdm
 from heads.base import load_base
 from train.answering import eos_token_ids
 from train.config import Recipe, RecipeError, SelfInstructConfig, load_recipe
+from train.console import warnings_as_lines
 from train.data import ChatTemplateError, render_conversation
 from train.distilled import asked_turns, write_atomic
 from train.prompts import Prompt, PromptSourceError, jsonl_records, load_prompts
@@ -302,4 +303,5 @@ def main(argv: list[str] | None = None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    with warnings_as_lines():  # a library warning as one line
+        raise SystemExit(main())

@@ -30,6 +30,7 @@ from train.checkpoint import (
     save_checkpoint,
 )
 from train.config import Recipe
+from train.console import warnings_as_lines
 from train.features import base_features, base_targets, collate, draft_vocabulary
 from train.init_heads import read_init_heads
 from train.losses import (
@@ -345,4 +346,5 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    with warnings_as_lines():  # a library warning as one line
+        main()

@@ -4,6 +4,7 @@ stdin, answers streamed to stdout, one statistics line per answer on stderr."""
 import io
 import json
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 from types import SimpleNamespace
@@ -388,3 +389,16 @@ def test_as_trained_chats_under_the_prompts_the_heads_record(
     with pytest.raises(SystemExit) as stop:
         _chat(monkeypatch, ["Hi."], "--base", str(folders["base"]), "--as-trained")
     assert stop.value.code == 2 and "give --heads" in capsys.readouterr().err
+
+
+def test_the_command_line_says_a_library_warning_as_one_line(folders, tmp_path):
+    """Heads recorded for another base of the same sizes: chat.py run as a command says so in
+    one `warning:` line, without Python's file, line and source line."""
+    renamed = shutil.copytree(folders["base"], tmp_path / "renamed-base")
+    argv = [sys.executable, str(ROOT / "scripts" / "chat.py"), "--base", str(renamed)]
+    argv += ["--heads", str(folders["medusa"]), "--threads", "1"]
+    done = subprocess.run(argv, input="", capture_output=True, text=True, cwd=ROOT, timeout=300)
+    assert done.returncode == 0, done.stderr
+    said = [line for line in done.stderr.splitlines() if "trained on" in line]
+    assert len(said) == 1 and said[0].startswith("warning: these heads were trained on '")
+    assert "UserWarning" not in done.stderr and "warnings.warn(" not in done.stderr
