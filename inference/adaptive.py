@@ -14,8 +14,13 @@ re-try judged a good arm by one unlucky step. An arm re-tried and found clearly 
 best (under `backoff_below` of its rate) waits twice as long before its next try (up to
 `max_explore_every` steps), so a drafter that does not pay here costs almost nothing; an arm
 found close to the best (a lookup that found nothing this time costs what a plain step does, and
-pays in bursts) keeps the base interval. Every arm is lossless, so choosing among them never
-changes the output distribution (greedy output stays identical to the base's).
+pays in bursts) keeps the base interval, unless none of its drafts was ever accepted (`idle_after`
+or more of them: steps on which it drafted something, so a lookup's dry steps do not count): a
+drafter whose drafts are never accepted (fresh, untrained heads) cannot pay until they are, and
+a tree about as cheap as a plain step (5 nodes on a CPU once grouped K/V heads are read as
+cached) would otherwise be re-tried every `explore_every` steps for good, each re-try also
+paying the drafter's catch-up over the plain steps' tokens. Every arm is lossless, so choosing among them never changes the
+output distribution (greedy output stays identical to the base's).
 
 Static trees under greedy decoding share their measurements. A static tree's node is a path of
 ranks (`(0, 1)`: the drafter's top-1 token, then its top-2 after it), the same token in every
@@ -53,6 +58,7 @@ class Arm:
     tokens: float = 0.0  # mean, then EMA, of tokens gained per step
     seconds: float = 0.0  # mean, then EMA, of seconds per step
     tries: int = 0
+    proposals: int = 0  # steps on which it drafted something (a lookup may find nothing)
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
     # A static tree's nodes as paths of ranks (from its greedy steps), else None.
@@ -73,6 +79,9 @@ class AdaptivePolicy:
         max_explore_every: the longest wait between re-tries of an arm.
         backoff_below: a re-tried arm whose rate is under this fraction of the best arm's
             waits twice as long for its next try; otherwise it waits `explore_every`.
+        idle_after: a drafting arm that has drafted on this many steps or more and never
+            gained a token past the bonus one (estimated tokens per step 1) waits twice as long
+            too, whatever its rate: it cannot pay until a draft of it is accepted.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged); also of each path's acceptance rate.
         time_smoothing: another weight for the seconds per step (None: `smoothing`). A short
@@ -90,6 +99,7 @@ class AdaptivePolicy:
     explore_steps: int = 4
     max_explore_every: int = 512
     backoff_below: float = 0.9
+    idle_after: int = 12
     smoothing: float = 0.05
     time_smoothing: float | None = None
     pooled: bool = True
@@ -163,13 +173,16 @@ class AdaptivePolicy:
         drafted: Sequence[Choice] | None = None,
         accepted: Choice = (),
         static: bool = True,
+        proposed: bool = True,
     ) -> None:
         """Record a step of arm `index`: the tokens it gained and its seconds. On a greedy
         step, also `drafted` (paths of ranks, the root left out: a static tree's nodes, or with
         `static=False` the paths a dynamic tree's step measured, which feed the shared rates but
-        are not the arm's shape) and `accepted` (the deepest accepted path; () when none was)."""
+        are not the arm's shape) and `accepted` (the deepest accepted path; () when none was).
+        `proposed`: whether the arm drafted anything on this step (a lookup may find nothing)."""
         arm = self.arms[index]
         arm.tries += 1
+        arm.proposals += proposed and arm.options is not None
         arm.tokens += self._weight(arm.tries) * (tokens - arm.tokens)
         arm.seconds += self._weight(arm.tries, self.time_smoothing) * (seconds - arm.seconds)
         if drafted is not None:
@@ -190,7 +203,13 @@ class AdaptivePolicy:
             if self._retry_steps_left > 0:
                 return  # judged when its re-try ends
             self._retry = None
-        if self.estimate_rate(index) >= self.backoff_below * self.estimate_rate(self.best()):
+        idle = (
+            arm.options is not None
+            and arm.proposals >= self.idle_after
+            and self.estimate_tokens(index) <= 1.0
+        )
+        close = self.estimate_rate(index) >= self.backoff_below * self.estimate_rate(self.best())
+        if close and not idle:
             arm.interval = self.explore_every
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)

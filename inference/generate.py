@@ -440,7 +440,8 @@ class SpeculativeGenerator:
                         ranking = draft.root_ranking.tolist()  # new[0]: the base's token there
                         drafted, static = [(j,) for j in range(len(ranking))], False
                         deepest = (ranking.index(new[0]),) if new[0] in ranking else ()
-                policy.update(arm, len(new), seconds, drafted, deepest, static)
+                proposed = draft.tree.num_nodes > 1  # a lookup that found nothing did not
+                policy.update(arm, len(new), seconds, drafted, deepest, static, proposed)
             new, done = stopping.cut(new)
             stats["finished"] = stopping.finished
             stats["accepted_lengths"].append(len(new))

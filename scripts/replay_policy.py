@@ -42,6 +42,10 @@ POLICIES: dict[str, tuple[Callable[[list], AdaptivePolicy], bool]] = {
     "per-arm averages": (lambda options: AdaptivePolicy.from_options(options, pooled=False), True),
     "shared path rates of static trees' steps only": (AdaptivePolicy.from_options, False),
     "shared path rates (default)": (AdaptivePolicy.from_options, True),
+    "shared path rates, arms that never gained not backed off (before 2026-12-07)": (
+        lambda options: AdaptivePolicy.from_options(options, idle_after=sys.maxsize),
+        True,
+    ),
     "shared path rates, seconds a short average (time_smoothing 0.25)": (
         lambda options: AdaptivePolicy.from_options(options, time_smoothing=0.25),
         True,

@@ -162,11 +162,57 @@ def test_the_summary_gives_the_estimates_the_policy_decides_on():
 
 
 def test_an_arm_close_to_the_best_keeps_the_base_interval():
-    """A lookup that found nothing costs what a plain step does: no back-off for it."""
+    """A lookup that found nothing this time costs what a plain step does, and pays in bursts:
+    no back-off for it."""
     policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
-    # The lookup's rate is 0.95 of plain decoding's.
-    chosen = drive(policy, 1000, lambda step, arm: (1, 1.0 if arm == 0 else 1.05))
+    tried = 0
+
+    def outcome(step, arm):
+        nonlocal tried
+        if arm == 0:
+            return 1, 1.0
+        tried += 1  # its first step gains 3 tokens, every other one nothing
+        return (3 if tried == 1 else 1), 1.05
+
+    chosen = drive(policy, 1000, outcome)
+    assert policy.estimate_rate(1) >= 0.9 * policy.estimate_rate(0)  # close to the best
+    tries = [t for t in retries(chosen, 1) if t[0] >= 100]  # once its burst has faded
+    assert len(tries) >= 20
+    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
+
+
+@pytest.mark.parametrize("seconds", [1.05, 1.0])
+def test_an_arm_that_never_gains_a_token_is_backed_off_however_cheap(seconds):
+    """Fresh untrained heads: no draft is ever accepted. A tree that costs about what a plain
+    step does is still backed off once it has run `idle_after` (12) steps: its warmup and two
+    re-tries, then waits of 64, 128, ... steps. (One measured faster than plain decoding is the
+    best arm, and runs: the measurement decides.)"""
+    policy = AdaptivePolicy.from_options([None, {"top_k": 4, "depth": 1}])
+    chosen = drive(policy, 3000, lambda step, arm: (1, 1.0 if arm == 0 else seconds))
     tries = retries(chosen, 1)
+    waits = [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
+    assert waits == [32, 32, 64, 128, 256, 512, 512, 512, 512]
+    assert chosen.count(1) == 40  # against ~370 steps for a re-try every 32 steps
+
+
+def test_a_lookup_that_finds_nothing_is_not_idle():
+    """Steps on which a lookup found nothing to draft (plain steps in all but name) are not
+    drafts that failed: however many, the lookup keeps the base interval."""
+    policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
+    dry = (1, 1.02, None, (), True, False)  # nothing proposed
+    chosen = drive(policy, 1000, lambda step, arm: (1, 1.0) if arm == 0 else dry)
+    tries = retries(chosen, 1)
+    assert len(tries) > 20 and policy.arms[1].proposals == 0
+    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
+
+
+def test_plain_decoding_is_never_idle():
+    """Plain decoding gains one token a step by definition: re-tried beside a drafter barely
+    faster, it keeps the base interval."""
+    policy = AdaptivePolicy.from_options([None, {"num_tokens": 3}])
+    chosen = drive(policy, 1000, lambda step, arm: (1, 1.0) if arm == 0 else (2, 1.9))
+    assert policy.best() == 1
+    tries = retries(chosen, 0)
     assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
 
 

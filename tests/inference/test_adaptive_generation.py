@@ -322,6 +322,19 @@ def test_the_output_gives_each_steps_tree_size_plain_steps_one_node():
     assert all(n == 1 for n, size in zip(out.accepted_lengths, out.tree_sizes) if size == 1)
 
 
+def test_the_policy_counts_as_proposals_only_the_steps_a_lookup_drafted_on():
+    """An n-gram lookup's step that found nothing verifies the root alone: the policy is told it
+    proposed nothing (no failed draft toward backing it off as idle), the others it did."""
+    base = make_tiny_llama()
+    gen = SpeculativeGenerator(base, NgramDrafter(num_tokens=3), adaptive=[{}])
+    prompt = torch.tensor([[5, 6, 7, 8, 5, 6, 7, 9, 10, 11, 12, 13]])  # one repeat to find
+    out = gen.generate(prompt, max_new_tokens=30)
+    (lookup,) = gen.policy.arms
+    assert lookup.tries == out.num_steps
+    assert lookup.proposals == sum(size > 1 for size in out.tree_sizes)
+    assert 0 < lookup.proposals < lookup.tries  # found something on some steps, not all
+
+
 def test_a_stats_dict_given_again_describes_only_the_new_streams_steps():
     base = make_tiny_llama()
     heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).init_from_base(base)

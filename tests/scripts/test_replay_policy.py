@@ -10,6 +10,8 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 import replay_policy  # noqa: E402  (scripts/ is not a package)
 
+from inference.adaptive import AdaptivePolicy  # noqa: E402
+
 
 def steps(gains: list[int], seconds: float, drafted=None) -> list[list]:
     """Recorded steps gaining `gains` tokens each; `drafted` a static chain's paths."""
@@ -221,7 +223,8 @@ def test_each_policy_is_replayed_over_orders_of_their_own(monkeypatch):
 
 def test_the_policies_are_the_ones_they_are_named_for(monkeypatch):
     """On a record of a dynamic tree's steps, only the static-trees-only variant learns no path
-    rates; per-arm averages keeps each arm's own; the short average smooths the seconds."""
+    rates; per-arm averages keeps each arm's own; the short average smooths the seconds; the
+    former policy never backs off an arm for its drafts never being accepted."""
     dynamic, position = [], 0
     for n in [1, 2] * 10:
         dynamic.append([position, n, 1.0, [[0], [1]], [0] if n == 2 else [], False])
@@ -237,9 +240,11 @@ def test_the_policies_are_the_ones_they_are_named_for(monkeypatch):
     monkeypatch.setattr(replay_policy, "replay", spy)
     result = replay_policy.compare(rec, [0], orders=1)
     assert list(result["policies"]) == list(replay_policy.POLICIES)
-    assert [bool(p._paths) for p in policies] == [True, False, True, True]
-    assert [p.pooled for p in policies] == [False, True, True, True]
-    assert [p.time_smoothing for p in policies] == [None, None, None, 0.25]
+    assert [bool(p._paths) for p in policies] == [True, False, True, True, True]
+    assert [p.pooled for p in policies] == [False, True, True, True, True]
+    assert [p.time_smoothing for p in policies] == [None, None, None, None, 0.25]
+    default = AdaptivePolicy.idle_after
+    assert [p.idle_after for p in policies] == [default, default, default, sys.maxsize, default]
 
 
 def test_a_record_without_tokens_renders_zero_shares(tmp_path, capsys):
