@@ -19,8 +19,8 @@ or more of them: steps on which it drafted something, so a lookup's dry steps do
 drafter whose drafts are never accepted (fresh, untrained heads) cannot pay until they are, and
 a tree about as cheap as a plain step (5 nodes on a CPU once grouped K/V heads are read as
 cached) would otherwise be re-tried every `explore_every` steps for good, each re-try also
-paying the drafter's catch-up over the plain steps' tokens. Every arm is lossless, so choosing among them never changes the
-output distribution (greedy output stays identical to the base's).
+paying the drafter's catch-up over the plain steps' tokens. Every arm is lossless, so choosing
+among them never changes the output distribution (greedy output stays identical to the base's).
 
 Static trees under greedy decoding share their measurements. A static tree's node is a path of
 ranks (`(0, 1)`: the drafter's top-1 token, then its top-2 after it), the same token in every
@@ -59,6 +59,7 @@ class Arm:
     seconds: float = 0.0  # mean, then EMA, of seconds per step
     tries: int = 0
     proposals: int = 0  # steps on which it drafted something (a lookup may find nothing)
+    gained: bool = False  # whether a step of it ever gained more than the bonus token
     last_step: int = -1
     interval: int = 0  # steps from its last try to its next exploratory one
     # A static tree's nodes as paths of ranks (from its greedy steps), else None.
@@ -81,7 +82,8 @@ class AdaptivePolicy:
             waits twice as long for its next try; otherwise it waits `explore_every`.
         idle_after: a drafting arm that has drafted on this many steps or more and never
             gained a token past the bonus one (estimated tokens per step 1) waits twice as long
-            too, whatever its rate: it cannot pay until a draft of it is accepted.
+            too, whatever its rate, and is not the best arm: it cannot pay until a draft of it
+            is accepted.
         smoothing: EMA weight of the newest measurement (after the first 1/smoothing steps of
             an arm, which are averaged); also of each path's acceptance rate.
         time_smoothing: another weight for the seconds per step (None: `smoothing`). A short
@@ -115,6 +117,8 @@ class AdaptivePolicy:
     def __post_init__(self) -> None:
         if self.warmup < 1 or self.explore_steps < 1:
             raise ValueError("need warmup >= 1 and explore_steps >= 1 (steps per arm per try)")
+        if self.idle_after < 1:
+            raise ValueError("need idle_after >= 1 (drafted steps before an arm may be idle)")
         for arm in self.arms:
             arm.interval = arm.interval or self.explore_every
 
@@ -143,8 +147,22 @@ class AdaptivePolicy:
         return self.estimate_tokens(index) / seconds if seconds > 0 else 0.0
 
     def best(self) -> int:
-        """Index of the arm with the highest measured rate."""
-        return max(range(len(self.arms)), key=self.estimate_rate)
+        """Index of the arm with the highest measured rate, an idle one left out (its drafts
+        never accepted, it can at most match plain decoding: measured faster, it is noise or a
+        tree's forward a little cheaper than a plain step's, and drafting for nothing)."""
+        active = [i for i in range(len(self.arms)) if not self.idle(i)]
+        return max(active or range(len(self.arms)), key=self.estimate_rate)
+
+    def idle(self, index: int) -> bool:
+        """Whether a drafting arm has drafted on `idle_after` steps or more and none of its
+        drafts was ever accepted (nor, for a static tree, any of its paths)."""
+        arm = self.arms[index]
+        return (
+            arm.options is not None
+            and arm.proposals >= self.idle_after
+            and not arm.gained
+            and self.estimate_tokens(index) <= 1.0
+        )
 
     def choose(self) -> int:
         """Index of the arm to use for the next step."""
@@ -182,7 +200,9 @@ class AdaptivePolicy:
         `proposed`: whether the arm drafted anything on this step (a lookup may find nothing)."""
         arm = self.arms[index]
         arm.tries += 1
-        arm.proposals += proposed and arm.options is not None
+        if proposed and arm.options is not None:
+            arm.proposals += 1
+        arm.gained = arm.gained or tokens > 1
         arm.tokens += self._weight(arm.tries) * (tokens - arm.tokens)
         arm.seconds += self._weight(arm.tries, self.time_smoothing) * (seconds - arm.seconds)
         if drafted is not None:
@@ -203,13 +223,8 @@ class AdaptivePolicy:
             if self._retry_steps_left > 0:
                 return  # judged when its re-try ends
             self._retry = None
-        idle = (
-            arm.options is not None
-            and arm.proposals >= self.idle_after
-            and self.estimate_tokens(index) <= 1.0
-        )
         close = self.estimate_rate(index) >= self.backoff_below * self.estimate_rate(self.best())
-        if close and not idle:
+        if close and not self.idle(index):
             arm.interval = self.explore_every
         elif retried:
             arm.interval = min(2 * arm.interval, self.max_explore_every)

@@ -441,7 +441,7 @@ class SpeculativeGenerator:
                         drafted, static = [(j,) for j in range(len(ranking))], False
                         deepest = (ranking.index(new[0]),) if new[0] in ranking else ()
                 proposed = draft.tree.num_nodes > 1  # a lookup that found nothing did not
-                policy.update(arm, len(new), seconds, drafted, deepest, static, proposed)
+                policy.update(arm, len(new), seconds, drafted, deepest, static, proposed=proposed)
             new, done = stopping.cut(new)
             stats["finished"] = stopping.finished
             stats["accepted_lengths"].append(len(new))

@@ -150,14 +150,17 @@ def time_arms(
 
 def _record_steps(policy: AdaptivePolicy) -> list[list]:
     """Make `policy` append each step it is told of to the returned list, as [position, tokens,
-    seconds, drafted, accepted, static] (position: tokens of the generation's steps before it)."""
+    seconds, drafted, accepted, static, proposed] (position: tokens of the generation's steps
+    before it; proposed: whether the step drafted anything)."""
     steps: list[list] = []
     update = policy.update
 
-    def record(index, tokens, seconds, drafted=None, accepted=(), static=True) -> None:
+    def record(
+        index, tokens, seconds, drafted=None, accepted=(), static=True, proposed=True
+    ) -> None:
         position = steps[-1][0] + steps[-1][1] if steps else 0
-        steps.append([position, tokens, seconds, drafted, list(accepted), static])
-        update(index, tokens, seconds, drafted, accepted, static)
+        steps.append([position, tokens, seconds, drafted, list(accepted), static, proposed])
+        update(index, tokens, seconds, drafted, accepted, static, proposed=proposed)
 
     policy.update = record
     return steps

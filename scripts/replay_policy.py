@@ -9,9 +9,10 @@ One bench run cannot tell two policies apart: their difference is a few percent,
 noise between two runs of one setting. A replay holds the text and the machine still. The record
 holds, per prompt, every fixed setting's steps (tokens, seconds, and on greedy steps the paths
 measured and the one accepted: a static tree's nodes, a dynamic tree's root ranking; 5-field
-records, made before commit eeb0b09, hold static trees' only). A policy decodes each prompt
-again: at each step the setting it chooses gives its recorded step that covers the current
-position (a step that began earlier counts its tokens from here on and its whole time, which
+records, made before commit eeb0b09, hold static trees' only; since 2026-12-07 a 7th field says
+whether the step drafted anything, older records' steps count as drafted). A policy decodes
+each prompt again: at each step the setting it chooses gives its recorded step that covers the
+current position (a step that began earlier counts its tokens from here on and its whole time, which
 penalises switching, and feeds no paths), so text that one setting drafts well pays every
 setting that tries there; tokens a last step gained past the generation's end (max_new_tokens,
 EOS) are not counted. Rates count the steps' time only (no prefill or catch-up), unlike the
@@ -98,6 +99,7 @@ def replay(
             j = bisect.bisect_right(starts[k], position) - 1
             start, n, s, drafted, accepted, *rest = per_arm[k][j]
             static = rest[0] if rest else True  # 5-field records: static trees only
+            proposed = rest[1] if len(rest) > 1 else True  # 6-field records: heads, which draft
             paths = None
             if start == position and drafted is not None and (static or dynamic_paths):
                 paths = [tuple(c) for c in drafted]
@@ -107,7 +109,8 @@ def replay(
             n = max(1, n - (position - start))
             kept_n = min(n, end - position)
             s *= slow
-            policy.update(k, n, s, paths, tuple(accepted) if paths is not None else (), static)
+            accepted = tuple(accepted) if paths is not None else ()
+            policy.update(k, n, s, paths, accepted, static, proposed=proposed and start == position)
             position += kept_n
             tokens += kept_n
             seconds += s

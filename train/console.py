@@ -8,7 +8,7 @@ from __future__ import annotations
 import sys
 import warnings
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, suppress
 
 
 @contextmanager
@@ -21,4 +21,8 @@ def warnings_as_lines() -> Iterator[None]:
 
 
 def _say(message, category, filename, lineno, file=None, line=None) -> None:
-    print(f"warning: {message}", file=sys.stderr if file is None else file)
+    file = sys.stderr if file is None else file
+    if file is None:  # no stderr (pythonw): said nowhere, as Python's own display does
+        return
+    with suppress(OSError):  # a closed pipe (`chat.py 2>&1 | head`): not worth a crash
+        print(f"warning: {message}", file=file)

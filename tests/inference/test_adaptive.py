@@ -181,18 +181,61 @@ def test_an_arm_close_to_the_best_keeps_the_base_interval():
     assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
 
 
-@pytest.mark.parametrize("seconds", [1.05, 1.0])
+@pytest.mark.parametrize("seconds", [1.05, 1.0, 0.95])
 def test_an_arm_that_never_gains_a_token_is_backed_off_however_cheap(seconds):
     """Fresh untrained heads: no draft is ever accepted. A tree that costs about what a plain
-    step does is still backed off once it has run `idle_after` (12) steps: its warmup and two
-    re-tries, then waits of 64, 128, ... steps. (One measured faster than plain decoding is the
-    best arm, and runs: the measurement decides.)"""
+    step does, or is measured a little faster, is backed off once it has run `idle_after` (12)
+    steps: its warmup and two re-tries, then waits of 64, 128, ... steps; and it is never the
+    best arm, which stays plain decoding."""
     policy = AdaptivePolicy.from_options([None, {"top_k": 4, "depth": 1}])
     chosen = drive(policy, 3000, lambda step, arm: (1, 1.0 if arm == 0 else seconds))
     tries = retries(chosen, 1)
     waits = [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
-    assert waits == [32, 32, 64, 128, 256, 512, 512, 512, 512]
-    assert chosen.count(1) == 40  # against ~370 steps for a re-try every 32 steps
+    if seconds >= 1.0:
+        assert waits == [32, 32, 64, 128, 256, 512, 512, 512, 512]
+    else:  # the best arm after its warmup, until its 12th draft; then re-tried as the others
+        assert tries[0] == (4, 12) and waits == [32, 64, 128, 256, 512, 512, 512, 512]
+    assert chosen.count(1) <= 44  # against ~370 steps for a re-try every 32 steps
+    assert policy.idle(1) and policy.best() == 0
+
+
+def test_an_idle_arm_whose_draft_is_accepted_gets_the_base_interval_back():
+    """Backed off for drafts never accepted, an arm whose draft is accepted on a later re-try
+    (the text changed) is re-tried every 32 steps again, and stays so through dry stretches."""
+    policy = AdaptivePolicy.from_options([None, {"num_tokens": 3}])
+    tried = 0
+
+    def outcome(step, arm):
+        nonlocal tried
+        if arm == 0:
+            return 1, 1.0
+        tried += 1
+        return (2 if tried == 17 else 1), 1.05  # its fifth try's first step gains a token
+
+    chosen = drive(policy, 3000, outcome)
+    tries = retries(chosen, 1)
+    waits = [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
+    assert waits[:4] == [32, 32, 64, 128] and policy.arms[1].gained
+    assert set(waits[5:]) == {32}  # from the try that gained on
+
+
+def test_a_static_tree_never_accepted_under_greedy_is_idle_by_its_path_rates():
+    """Greedy steps of a static tree estimate its tokens from its paths' rates: none accepted,
+    1 token a step, and the tree is backed off like an arm of its own average."""
+    policy = AdaptivePolicy.from_options([None, {"choices": [[0], [1], [2], [3]]}])
+    policy.greedy = True
+    paths = [(0,), (1,), (2,), (3,)]
+    chosen = drive(
+        policy, 2000, lambda step, arm: (1, 1.0) if arm == 0 else (1, 1.02, paths, (), True)
+    )
+    assert policy.estimate_tokens(1) == 1.0 and policy.arms[1].nodes == frozenset(paths)
+    waits = [b - (a + n) + 1 for (a, n), (b, _) in zip(retries(chosen, 1), retries(chosen, 1)[1:])]
+    assert waits[:5] == [32, 32, 64, 128, 256]
+
+
+def test_idle_after_below_one_is_refused():
+    with pytest.raises(ValueError, match="idle_after >= 1"):
+        AdaptivePolicy.from_options([None, {}], idle_after=0)
 
 
 def test_a_lookup_that_finds_nothing_is_not_idle():

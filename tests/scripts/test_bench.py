@@ -313,11 +313,11 @@ def test_bench_arms_times_each_setting_against_plain_decoding(
         assert sum(len(p[i]) for p in record["prompts"]) == rows[i]["steps"]
     for plain, chain in record["prompts"]:
         assert [s[:2] for s in plain] == [[i, 1] for i in range(len(plain))]
-        assert all(s[3] is None and s[4] == [] for s in plain)
+        assert all(s[3] is None and s[4] == [] and s[6] is False for s in plain)  # no draft
         assert [s[0] for s in chain] == [0, *itertools.accumulate(s[1] for s in chain[:-1])]
-        for _, tokens, seconds, drafted, accepted, static in chain:  # a static tree's steps
+        for _, tokens, seconds, drafted, accepted, static, proposed in chain:  # a static tree's
             assert drafted == [[0], [0, 0]] and accepted in ([], [0], [0, 0]) and static
-            assert tokens == 1 + len(accepted) and seconds > 0
+            assert tokens == 1 + len(accepted) and seconds > 0 and proposed
     capsys.readouterr()
     assert replay_policy.main([str(out / "steps.json"), "--orders", "2"]) == 0
     assert "adaptive, shared path rates (default)" in capsys.readouterr().out

@@ -165,14 +165,14 @@ class Scripted:
     def choose(self):
         return self.choices.pop(0)
 
-    def update(self, *step):
-        self.told.append(step)
+    def update(self, *step, proposed=True):
+        self.told.append((*step, proposed))
 
 
 def test_a_step_that_began_earlier_counts_from_here_and_feeds_no_paths():
     """Plain decoding, then the chain joined mid-step (its tokens from here on, its whole time,
-    no paths), then a chain step of its own whose token past the kept length is told but not
-    counted."""
+    no paths, no proposal of its own), then a chain step of its own whose token past the kept
+    length is told but not counted."""
     chain = steps([3, 3], 1.2, CHAIN)
     rec = {"arms": [None, {"choices": CHAIN}], "prompts": [[steps([1] * 5, 1.0), chain]]}
     rec["lengths"] = [5]
@@ -182,10 +182,20 @@ def test_a_step_that_began_earlier_counts_from_here_and_feeds_no_paths():
         assert rate == pytest.approx(5 / 3.4)
         assert policy.greedy is True
         assert policy.told == [
-            (0, 1, 1.0, None, (), True),
-            (1, 2, 1.2, None, (), True),
-            (1, 3, 1.2, [(0,), (0, 0)], (0, 0), True),
+            (0, 1, 1.0, None, (), True, True),  # a 6-field record's step counts as drafted
+            (1, 2, 1.2, None, (), True, False),
+            (1, 3, 1.2, [(0,), (0, 0)], (0, 0), True, True),
         ]
+
+
+def test_a_seven_field_record_says_which_steps_drafted():
+    """Since 2026-12-07 a step records whether it drafted (a lookup that found nothing did
+    not): the replay tells the policy so."""
+    dry = [[i, 1, 1.0, None, [], True, False] for i in range(3)]
+    rec = {"arms": [{"num_tokens": 3}], "prompts": [[dry]], "lengths": [3]}
+    policy = Scripted([0, 0, 0])
+    replay_policy.replay(rec, policy, [0], [0], dynamic_paths=True)
+    assert [step[-1] for step in policy.told] == [False, False, False]
 
 
 def test_five_field_records_are_static_trees_paths_and_all():

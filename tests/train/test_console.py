@@ -1,5 +1,6 @@
 """train/console.py: a library warning said as one line by the command lines."""
 
+import sys
 import warnings
 
 from train.console import warnings_as_lines
@@ -21,3 +22,20 @@ def test_a_warning_passed_to_a_file_goes_there(tmp_path, capsys):
         warnings.showwarning("to the log", UserWarning, "x.py", 1, file=log)
     assert (tmp_path / "log").read_text() == "warning: to the log\n"
     assert capsys.readouterr().err == ""
+
+
+def test_no_stderr_or_a_closed_one_is_no_error(monkeypatch, capsys):
+    """`pythonw` has no stderr: nothing is said (not on stdout either); a closed pipe does not
+    turn a warning into a crash."""
+    with warnings_as_lines():
+        warnings.simplefilter("always")
+        monkeypatch.setattr(sys, "stderr", None)
+        warnings.warn("nowhere to say it", UserWarning, stacklevel=1)
+
+        class Closed:
+            def write(self, text):
+                raise BrokenPipeError(32, "Broken pipe")
+
+        monkeypatch.setattr(sys, "stderr", Closed())
+        warnings.warn("a closed pipe", UserWarning, stacklevel=1)
+    assert capsys.readouterr().out == ""
