@@ -429,7 +429,7 @@ class SpeculativeGenerator:
             new = accepted[1:].tolist() + [acc.bonus_token]
             if policy and arm is not None:
                 seconds = time.perf_counter() - t_step
-                drafted, deepest, static = None, (), True
+                drafted, deepest, static, proposed = None, (), True, draft.tree.num_nodes > 1
                 if sampling.greedy and options is not None:  # paths of ranks, if any
                     if draft.tree is not paths_of:
                         paths_of, paths = draft.tree, rank_paths(draft.tree)
@@ -440,8 +440,7 @@ class SpeculativeGenerator:
                         ranking = draft.root_ranking.tolist()  # new[0]: the base's token there
                         drafted, static = [(j,) for j in range(len(ranking))], False
                         deepest = (ranking.index(new[0]),) if new[0] in ranking else ()
-                proposed = draft.tree.num_nodes > 1  # a lookup that found nothing did not
-                policy.update(arm, len(new), seconds, drafted, deepest, static, proposed=proposed)
+                policy.update(arm, len(new), seconds, drafted, deepest, static, proposed)
             new, done = stopping.cut(new)
             stats["finished"] = stopping.finished
             stats["accepted_lengths"].append(len(new))
