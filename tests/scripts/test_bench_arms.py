@@ -123,7 +123,7 @@ def test_record_keeps_plain_decodings_lengths(monkeypatch):
     class Policy(SimpleNamespace):
         @classmethod
         def from_options(cls, options):
-            return cls(update=lambda *a: None)
+            return cls(update=lambda *a, **k: None)
 
     monkeypatch.setattr(bench_arms, "AdaptivePolicy", Policy)
     record = {}
