@@ -160,7 +160,7 @@ def _record_steps(policy: AdaptivePolicy) -> list[list]:
     ) -> None:
         position = steps[-1][0] + steps[-1][1] if steps else 0
         steps.append([position, tokens, seconds, drafted, list(accepted), static, proposed])
-        update(index, tokens, seconds, drafted, accepted, static, proposed=proposed)
+        update(index, tokens, seconds, drafted, accepted, static, proposed)
 
     policy.update = record
     return steps
