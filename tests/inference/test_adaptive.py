@@ -71,6 +71,11 @@ def retries(chosen: list[int], arm: int) -> list[tuple[int, int]]:
     return runs
 
 
+def waits(tries: list[tuple[int, int]]) -> list[int]:
+    """Steps from the end of each run of an arm (`retries`) to the start of its next."""
+    return [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
+
+
 def test_an_arm_that_does_not_pay_is_tried_ever_more_rarely():
     """Re-tries (4 steps each) that leave an arm behind double its wait (32, 64, ... 512 steps
     after the try's last step): over 3,000 steps a drafter slower than plain decoding gets its
@@ -79,8 +84,7 @@ def test_an_arm_that_does_not_pay_is_tried_ever_more_rarely():
     chosen = drive(policy, 3000, lambda step, arm: (1, 1.0) if arm == 0 else (1, 1.5))
     tries = retries(chosen, 1)
     assert [length for _, length in tries] == [4] * 9  # warmup, then 8 re-tries of 4 steps
-    waits = [b - (a + 4) + 1 for (a, _), (b, _) in zip(tries, tries[1:])]
-    assert waits == [32, 64, 128, 256, 512, 512, 512, 512]
+    assert waits(tries) == [32, 64, 128, 256, 512, 512, 512, 512]
 
 
 def test_a_weak_drafter_that_pays_is_kept_despite_noisy_steps():
@@ -178,7 +182,7 @@ def test_an_arm_close_to_the_best_keeps_the_base_interval():
     assert policy.estimate_rate(1) >= 0.9 * policy.estimate_rate(0)  # close to the best
     tries = [t for t in retries(chosen, 1) if t[0] >= 100]  # once its burst has faded
     assert len(tries) >= 20
-    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
+    assert set(waits(tries)) == {32}
 
 
 @pytest.mark.parametrize("seconds", [1.05, 1.0, 0.95])
@@ -190,11 +194,11 @@ def test_an_arm_that_never_gains_a_token_is_backed_off_however_cheap(seconds):
     policy = AdaptivePolicy.from_options([None, {"top_k": 4, "depth": 1}])
     chosen = drive(policy, 3000, lambda step, arm: (1, 1.0 if arm == 0 else seconds))
     tries = retries(chosen, 1)
-    waits = [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
+    gaps = waits(tries)
     if seconds >= 1.0:
-        assert waits == [32, 32, 64, 128, 256, 512, 512, 512, 512]
+        assert gaps == [32, 32, 64, 128, 256, 512, 512, 512, 512]
     else:  # the best arm after its warmup, until its 12th draft; then re-tried as the others
-        assert tries[0] == (4, 12) and waits == [32, 64, 128, 256, 512, 512, 512, 512]
+        assert tries[0] == (4, 12) and gaps == [32, 64, 128, 256, 512, 512, 512, 512]
     assert chosen.count(1) <= 44  # against ~370 steps for a re-try every 32 steps
     assert policy.idle(1) and policy.best() == 0
 
@@ -214,9 +218,9 @@ def test_an_idle_arm_whose_draft_is_accepted_gets_the_base_interval_back():
 
     chosen = drive(policy, 3000, outcome)
     tries = retries(chosen, 1)
-    waits = [b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])]
-    assert waits[:4] == [32, 32, 64, 128] and policy.arms[1].gained
-    assert set(waits[5:]) == {32}  # from the try that gained on
+    gaps = waits(tries)
+    assert gaps[:4] == [32, 32, 64, 128] and policy.arms[1].gained
+    assert set(gaps[5:]) == {32}  # from the try that gained on
 
 
 def test_a_static_tree_never_accepted_under_greedy_is_idle_by_its_path_rates():
@@ -229,8 +233,8 @@ def test_a_static_tree_never_accepted_under_greedy_is_idle_by_its_path_rates():
         policy, 2000, lambda step, arm: (1, 1.0) if arm == 0 else (1, 1.02, paths, (), True)
     )
     assert policy.estimate_tokens(1) == 1.0 and policy.arms[1].nodes == frozenset(paths)
-    waits = [b - (a + n) + 1 for (a, n), (b, _) in zip(retries(chosen, 1), retries(chosen, 1)[1:])]
-    assert waits[:5] == [32, 32, 64, 128, 256]
+    gaps = waits(retries(chosen, 1))
+    assert gaps[:5] == [32, 32, 64, 128, 256]
 
 
 def test_idle_after_below_one_is_refused():
@@ -246,7 +250,7 @@ def test_a_lookup_that_finds_nothing_is_not_idle():
     chosen = drive(policy, 1000, lambda step, arm: (1, 1.0) if arm == 0 else dry)
     tries = retries(chosen, 1)
     assert len(tries) > 20 and policy.arms[1].proposals == 0
-    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
+    assert set(waits(tries)) == {32}
 
 
 def test_plain_decoding_is_never_idle():
@@ -256,7 +260,7 @@ def test_plain_decoding_is_never_idle():
     chosen = drive(policy, 1000, lambda step, arm: (1, 1.0) if arm == 0 else (2, 1.9))
     assert policy.best() == 1
     tries = retries(chosen, 0)
-    assert {b - (a + length) + 1 for (a, length), (b, _) in zip(tries, tries[1:])} == {32}
+    assert set(waits(tries)) == {32}
 
 
 def test_a_short_time_average_brings_a_tree_timed_while_busy_back_after_one_re_try():
