@@ -32,12 +32,14 @@ class PretrainedHeads(nn.Module):
     config = None  # set by subclasses
 
     def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
-        """Write config.json, model.safetensors and README.md into `folder`, atomically.
+        """Write config.json, model.safetensors and README.md into `folder`, atomically. A model
+        card written by hand is kept: `folder`'s own, else the one beside the weights these
+        heads were loaded from; otherwise headstart writes its own.
 
         Args:
             dtype: cast floating tensors (e.g. torch.bfloat16 to halve the size); default: as is.
         """
-        from heads.hub import model_card
+        from heads.hub import hand_written_card, model_card
 
         folder = Path(folder)
         adapter = self._base_adapter(folder)  # Medusa-2: checked before anything is written
@@ -57,7 +59,8 @@ class PretrainedHeads(nn.Module):
                 config = json.loads((tmp / CONFIG_NAME).read_text())
                 config["torch_dtype"] = str(floats[0]).removeprefix("torch.")
                 (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            (tmp / "README.md").write_text(model_card(self.config))
+            card = hand_written_card(folder, getattr(self, "source_folder", None))
+            (tmp / "README.md").write_text(card or model_card(self.config))
             folder.mkdir(parents=True, exist_ok=True)
             for f in tmp.iterdir():  # os.replace per file: readers never see a torn file
                 os.replace(f, folder / f.name)

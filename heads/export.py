@@ -25,7 +25,7 @@ from safetensors.torch import load_file, save_file
 
 from heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_heads, resolve_folder
 from heads.eagle_config import engine_refusal
-from heads.hub import model_card
+from heads.hub import headstart_card, model_card
 from heads.lora import LORA_FOLDER
 from heads.medusa import MedusaHeads
 
@@ -128,16 +128,13 @@ def _export_to(heads, src: Path, target: str, out: Path, base_name: str | None) 
         # Written from the loaded heads, in the native layout and dtype of the source: a folder
         # of another layout (Medusa's reference, another trainer's EAGLE-3) or written by an
         # earlier headstart comes out as the engines read it.
+        # A card written by hand is kept; headstart's own is written anew, which says how the
+        # engines serve these heads now (an older one may not).
         heads.save_pretrained(out, dtype=_stored_dtype(src))
-        card = src / "README.md"
-        # a card written by hand is kept; headstart's own is the one just written, which says
-        # how the engines serve these heads now (an older one may not)
-        if card.is_file() and not _headstart_card(card):
-            shutil.copy2(card, out / "README.md")
         # EAGLE-3's config names its aux layers for both engines (`engine_aux_ids`)
         if target == "sglang" and heads.config.version == 1:
             _sglang_eagle1(out)
-            if _headstart_card(out / "README.md"):
+            if headstart_card(out / "README.md"):
                 (out / "README.md").write_text(model_card(heads.config, sglang_layout=True))
         return
     if not is_medusa:
@@ -206,11 +203,6 @@ def check_earlier_export(out: Path) -> None:
             "it (a heads folder saved by save_pretrained or training looks the same): give an "
             "empty or new folder, or remove it yourself if it is an export of an older headstart"
         )
-
-
-def _headstart_card(card: Path) -> bool:
-    """Whether a model card is one headstart wrote (not one written by hand)."""
-    return "library_name: headstart" in card.read_text()
 
 
 def _stored_dtype(folder: Path) -> torch.dtype | None:

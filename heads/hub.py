@@ -11,6 +11,21 @@ from pathlib import Path
 from heads.base import EMBEDDED_GGUF, EMBEDDED_NAME, hub_offline, is_repo_id
 
 
+def headstart_card(card: Path) -> bool:
+    """Whether a model card is one headstart wrote (not one written by hand)."""
+    return "library_name: headstart" in card.read_text()
+
+
+def hand_written_card(*folders: Path | None) -> str | None:
+    """The first model card among `folders`' README.md that headstart did not write: saving
+    heads keeps it (the folder's own, else the one of the folder they were loaded from)."""
+    for folder in folders:
+        card = None if folder is None else Path(folder) / "README.md"
+        if card is not None and card.is_file() and not headstart_card(card):
+            return card.read_text()
+    return None
+
+
 def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:
     """(head kind, vLLM method, vLLM lines, SGLang lines) for a heads config; an engine that would not
     compute the heads as headstart does gets the reason instead of its lines (`engine_refusal`)."""

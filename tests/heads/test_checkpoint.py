@@ -483,3 +483,24 @@ def test_a_base_models_folder_given_for_heads_is_refused(tmp_path):
     assert json.loads((tmp_path / "config.json").read_text())["num_hidden_layers"] == 2
     with pytest.raises(ValueError, match="neither Medusa heads .* got model_type='llama'"):
         load_heads(tmp_path)
+
+
+def test_saving_keeps_a_model_card_written_by_hand(tiny_llama, tmp_path, fake_hub):
+    """Re-saving heads (in bf16, say) over their folder, or loading and saving them elsewhere
+    or to the Hub, keeps the card their owner wrote; headstart's own is written anew."""
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path / "e")
+    assert "library_name: headstart" in (tmp_path / "e/README.md").read_text()
+    mine = "# Our draft\nTrained on our support chats.\n"
+    (tmp_path / "e/README.md").write_text(mine)
+    heads = load_heads(tmp_path / "e")
+    heads.save_pretrained(tmp_path / "e", dtype=torch.bfloat16)
+    assert (tmp_path / "e/README.md").read_text() == mine
+    assert load_heads(tmp_path / "e").fc.weight.dtype == torch.bfloat16
+    heads.save_pretrained(tmp_path / "copy")
+    assert (tmp_path / "copy/README.md").read_text() == mine
+    heads.push_to_hub("me/ours")
+    assert fake_hub.card("me/ours") == mine
+    # heads built in memory, saved over a folder with headstart's card: the card is written anew
+    (tmp_path / "e/README.md").write_text("---\nlibrary_name: headstart\n---\nolder\n")
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path / "e")
+    assert "older" not in (tmp_path / "e/README.md").read_text()
