@@ -14,8 +14,9 @@ in context: a multi-turn prompt is answered turn by turn. Output in `data.output
 
 Resume: rerun the same command; records already in a shard are skipped (a kill -9 loses at most
 the answers not yet in a shard, never duplicates). Changed generation settings are refused,
-except a larger `data.limit`, which extends the run with more prompts, and more `data.sources`
-with no limit, which adds the answers of every prompt not yet answered.
+except a larger `data.limit`, which extends the run with more prompts, more `data.sources`
+with no limit, which adds the answers of every prompt not yet answered, and a larger
+`data.num_samples`, which adds the further answers to every prompt.
 Backends (`data.backend`): batched HF `generate` (one strided share per process) or vLLM.
 """
 

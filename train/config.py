@@ -109,6 +109,11 @@ class SelfInstructConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
+        if not self.seed_sources:
+            raise RecipeError(
+                "self_instruct.seed_sources is empty: name the prompts shown as examples, e.g. "
+                "[embedded] (the default) or a .jsonl file"
+            )
         if self.num_prompts < 1 or self.examples_per_prompt < 1 or self.max_new_tokens < 1:
             raise RecipeError(
                 "need self_instruct.num_prompts, examples_per_prompt, max_new_tokens >= 1"
@@ -156,6 +161,20 @@ class HeadsSpec:
             )
         if self.version not in (1, 3):
             raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
+        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1 or self.heads_lr_multiplier <= 0:
+            raise RecipeError(
+                "need heads.lora_alpha > 0, 0 <= lora_dropout < 1 and heads_lr_multiplier > 0; "
+                f"got {self.lora_alpha}, {self.lora_dropout} and {self.heads_lr_multiplier}"
+            )
+        for name in (  # a loss weight below 0 trains the heads away from its target
+            "kl_weight",
+            "heads_loss_warmup_steps",
+            "feature_loss_weight",
+            "token_loss_weight",
+            "feature_noise",
+        ):
+            if getattr(self, name) < 0:
+                raise RecipeError(f"need heads.{name} >= 0, got {getattr(self, name)}")
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise RecipeError(
                 f"need heads.draft_vocab_size >= 1 (the draft's most frequent tokens), or null "
@@ -237,6 +256,11 @@ class TrainingConfig:
         for name in ("warmup_steps", "eval_every_steps", "save_every_steps", "text_max_tokens"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"need training.{name} >= 0 (0: {_ZERO_MEANS[name]})")
+        if self.loss_decay <= 0:
+            raise RecipeError(
+                f"need training.loss_decay > 0 (head / TTT step k's loss weighs loss_decay^k); "
+                f"got {self.loss_decay}"
+            )
         if self.max_length < 2 or self.max_grad_norm <= 0 or self.weight_decay < 0:
             raise RecipeError(
                 "need training.max_length >= 2, max_grad_norm > 0 and weight_decay >= 0"

@@ -181,6 +181,31 @@ def test_counts_that_would_break_a_run_are_refused_up_front(override, message):
     assert load_recipe(None, [f"{field}=2"]) is not None  # a sane value loads
 
 
+@pytest.mark.parametrize(
+    "override, sane, message",
+    [
+        ("training.loss_decay=-1", "0.5", r"loss_decay > 0 \(head / TTT step k's loss weighs"),
+        ("training.loss_decay=0", "1.0", "loss_decay > 0"),
+        ("heads.kl_weight=-1", "0", "heads.kl_weight >= 0, got -1"),
+        ("heads.heads_loss_warmup_steps=-5", "0", "heads_loss_warmup_steps >= 0, got -5"),
+        ("heads.token_loss_weight=-1", "0.2", "token_loss_weight >= 0"),
+        ("heads.feature_loss_weight=-0.5", "2", "feature_loss_weight >= 0"),
+        ("heads.feature_noise=-1", "0", "feature_noise >= 0"),
+        ("heads.heads_lr_multiplier=0", "1", r"heads_lr_multiplier > 0; got 16, 0.0 and 0"),
+        ("heads.lora_alpha=0", "32", "lora_alpha > 0"),
+        ("heads.lora_dropout=2", "0.1", "0 <= lora_dropout < 1"),
+        ("self_instruct.seed_sources=[]", "[embedded]", "seed_sources is empty: name the"),
+    ],
+)
+def test_loss_settings_that_would_train_the_heads_wrong_are_refused(override, sane, message):
+    """A negative loss weight trains the heads away from their target and a zero learning-rate
+    multiplier never trains them: refused with the recipe, before the base loads."""
+    with pytest.raises(RecipeError, match=message):
+        load_recipe(None, [override])
+    field = override.split("=")[0]
+    assert load_recipe(None, [f"{field}={sane}"]) is not None
+
+
 def test_aux_layers_out_of_order_are_refused_up_front():
     # vLLM and SGLang collect the base's states in layer order: a draft trained on another
     # order would be fed its fc's inputs swapped there
