@@ -319,8 +319,9 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
-def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
-    """Stop on a NaN / infinite loss, naming the checkpoint to go on from (which is kept).
+def check_finite(loss: float, step: int, output_dir: str | Path, what: str = "loss") -> None:
+    """Stop on a NaN / infinite loss (or `what` else: the gradients' norm), naming the
+    checkpoint to go on from (which is kept).
 
     A loss is checked before its update, so no checkpoint holds a NaN; but one saved just
     before the step that diverged holds the weights that step started from, which may be what
@@ -345,7 +346,7 @@ def check_finite(loss: float, step: int, output_dir: str | Path) -> None:
                 f"{earlier})"
             )
     raise TrainingDiverged(
-        f"loss is {loss} at step {step}; training stopped. Lower training.learning_rate or raise "
+        f"{what} is {loss} at step {step}; training stopped. Lower training.learning_rate or raise "
         f"training.warmup_steps (a resumed run takes the new values), then {then}."
     )
 

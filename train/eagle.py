@@ -63,7 +63,7 @@ from train.run import (
     run_training,
     stop_on_bad_input,
 )
-from train.steps import count_steps, epoch_batches, make_optimizer, step_norms
+from train.steps import clip_gradients, count_steps, epoch_batches, make_optimizer, step_norms
 
 
 def ttt_mask(T: int, step: int, key_pad: torch.Tensor, dtype) -> torch.Tensor:
@@ -345,7 +345,7 @@ def training_function(recipe: Recipe) -> dict:
                 lr = scheduler.get_last_lr()[0]  # the rate this update uses
                 accelerator.backward(loss)
                 if accelerator.sync_gradients:
-                    accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
+                    clip_gradients(accelerator, model, recipe, step + 1)
                 optimizer.step()
                 scheduler.step()
                 optimizer.zero_grad()

@@ -9,8 +9,10 @@ import sys
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import DistributedType
 from transformers import get_cosine_schedule_with_warmup
 
+from train.checkpoint import check_finite
 from train.config import Recipe
 
 
@@ -71,3 +73,19 @@ def count_steps(n_examples: int, recipe: Recipe, accelerator: Accelerator) -> tu
             file=sys.stderr,
         )
     return per_epoch, total
+
+
+def clip_gradients(
+    accelerator: Accelerator, model: torch.nn.Module, recipe: Recipe, step: int
+) -> None:
+    """Clip the gradients to `training.max_grad_norm` before the update of optimizer step
+    `step`, and stop as a NaN loss does where their norm is not finite: a finite loss's backward
+    can still overflow, and the update would write NaN into the heads and their next checkpoint.
+    Under fp16 the grad scaler skips such a step itself; DeepSpeed clips and steps in its engine."""
+    norm = accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
+    if (
+        norm is not None
+        and accelerator.mixed_precision != "fp16"
+        and accelerator.distributed_type != DistributedType.DEEPSPEED
+    ):
+        check_finite(float(norm), step, recipe.output.dir, "the gradients' norm")

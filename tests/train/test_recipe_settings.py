@@ -156,6 +156,40 @@ def test_the_logged_loss_is_the_mean_of_the_steps_micro_batches(tiny_task, tmp_p
         assert train_lines[step]["loss"] == pytest.approx((a + b) / 2, rel=1e-6)
 
 
+def test_gradients_that_overflow_under_a_finite_loss_stop_training(
+    tiny_task, tmp_path, monkeypatch, capsys
+):
+    """Step 2's loss is finite but its backward gives NaN gradients (d sqrt(x) at 0, times 0):
+    training stops before that update, as at a NaN loss, and the checkpoint of step 1 holds the
+    finite weights to go on from."""
+    from safetensors.torch import load_file
+
+    real = train.medusa.MedusaTrainee.forward
+
+    def overflowing(self, batch, step=0, norm=None):
+        loss, metrics = real(self, batch, step, norm)
+        if step == 1:  # the second optimizer step (steps count from 0 here)
+            p = next(p for p in self.parameters() if p.requires_grad)
+            loss = loss + 0 * torch.sqrt(p - p).sum()
+        return loss, metrics
+
+    monkeypatch.setattr(train.medusa.MedusaTrainee, "forward", overflowing)
+    out = tmp_path / "out"
+    with pytest.raises(SystemExit) as stopped:
+        run(
+            train.medusa, TINY_MEDUSA, tiny_task, out, *THREE_A_EPOCH, "training.save_every_steps=1"
+        )
+    assert stopped.value.code == 1
+    assert (
+        "error: the gradients' norm is nan at step 2; training stopped" in capsys.readouterr().err
+    )
+    assert not (out / "heads").exists()
+    saved = sorted((out / "checkpoints").iterdir())
+    assert [c.name for c in saved] == ["step-00000001"]
+    weights = load_file(next(saved[0].glob("*.safetensors")))
+    assert weights and all(bool(t.isfinite().all()) for t in weights.values())
+
+
 @pytest.mark.parametrize("kind", ["medusa", "eagle3"])
 def test_heads_record_the_system_prompt_and_template_their_recipe_set(
     kind, request, tiny_task, tmp_path
