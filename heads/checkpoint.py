@@ -143,13 +143,23 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             f"{folder} has no .safetensors weights.{pickle_hint(p.name for p in folder.iterdir())}"
         )
     tensors: dict[str, torch.Tensor] = {}
+    file_of: dict[str, Path] = {}
     for f in files:
         try:
-            tensors.update(load_file(f))
+            part = load_file(f)
         except (SafetensorError, OSError, ValueError) as e:
             raise ValueError(
                 f"{f} is unreadable or truncated ({e}); re-download or re-save it"
             ) from e
+        twice = sorted(name for name in part if name in tensors)
+        if twice:  # a leftover copy (model_v2.safetensors): which one is meant is not known
+            raise ValueError(
+                f"{folder} holds tensor {twice[0]!r} in both {file_of[twice[0]].name} and "
+                f"{f.name}{f' ({len(twice)} names in both)' if len(twice) > 1 else ''}: move "
+                "the file that is not these heads' weights out of the folder"
+            )
+        tensors.update(part)
+        file_of.update(dict.fromkeys(part, f))
     return tensors
 
 

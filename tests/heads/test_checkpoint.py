@@ -302,6 +302,32 @@ def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
         load_heads(tmp_path)
 
 
+def test_a_tensor_in_two_weight_files_is_refused(tiny_llama, tmp_path):
+    """A leftover copy beside the weights (model_v2.safetensors, zeroed here) would replace
+    them unsaid, whichever sorts last: refused, naming both files. Shards with names of their
+    own load together."""
+    from safetensors.torch import load_file, save_file
+
+    _medusa(tiny_llama).save_pretrained(tmp_path / "m")
+    weights = load_file(tmp_path / "m/model.safetensors")
+    save_file(
+        {k: torch.zeros_like(v) for k, v in weights.items()}, tmp_path / "m/model_v2.safetensors"
+    )
+    first = sorted(weights)[0]
+    with pytest.raises(
+        ValueError,
+        match=rf"holds tensor '{first}' in both model.safetensors and model_v2.safetensors "
+        rf"\({len(weights)} names in both\): move the file",
+    ):
+        load_heads(tmp_path / "m")
+    (tmp_path / "m/model_v2.safetensors").unlink()
+    names = sorted(weights)
+    save_file({k: weights[k] for k in names[:2]}, tmp_path / "m/model.safetensors")
+    save_file({k: weights[k] for k in names[2:]}, tmp_path / "m/model-2.safetensors")
+    loaded = load_heads(tmp_path / "m").state_dict()
+    assert all(torch.equal(loaded[k], weights[k]) for k in names)
+
+
 def test_inconsistent_vocab_map_is_refused(tiny_llama, tmp_path):
     _eagle(tiny_llama, 3).save_pretrained(tmp_path)
     t = load_file(tmp_path / "model.safetensors")
