@@ -235,14 +235,7 @@ def load_base(
     if device_map is not None and device is not None:
         raise ValueError("give device or device_map, not both (device_map places every module)")
     device = usable_device(device) if device is not None else _default_device()
-    if isinstance(dtype, str):
-        named = None if dtype == "auto" else getattr(torch, dtype, None)
-        if dtype != "auto" and not isinstance(named, torch.dtype):
-            raise ValueError(
-                f"dtype={dtype!r} is no torch dtype: give one such as 'float32', 'bfloat16', "
-                "'float16', or 'auto' (fp32 on a CPU, bf16 on a GPU)"
-            )
-        dtype = named
+    dtype = floating_dtype(dtype, "'auto' (fp32 on a CPU, bf16 on a GPU)")
     places = set(device_map.values() if isinstance(device_map, dict) else [device_map])
     cpu_only = device_map is not None and places <= {"cpu", "disk"}  # no GPU in the placement
     dtype = dtype or default_dtype("cpu" if cpu_only else device)
@@ -365,6 +358,20 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     if L >= 3:
         return (L - 3, L - 2, L - 1)
     return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
+
+
+def floating_dtype(dtype: torch.dtype | str | None, auto: str) -> torch.dtype | None:
+    """`dtype` as a floating torch.dtype (a name such as "bfloat16" read as torch's), None for
+    None or "auto" (`auto` says what that means, for the error), or a ValueError naming them."""
+    named = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype != "auto" else dtype
+    if dtype is None or dtype == "auto":
+        return None
+    if not isinstance(named, torch.dtype) or not named.is_floating_point:
+        raise ValueError(
+            f"dtype={dtype!r} is no floating torch dtype: give one such as 'float32', "
+            f"'bfloat16', 'float16', or {auto}"
+        )
+    return named
 
 
 def usable_device(device: str | torch.device) -> torch.device:

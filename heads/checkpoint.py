@@ -19,7 +19,14 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import check_model, input_device, is_repo_id, parameter_values
+from heads.base import (
+    check_model,
+    floating_dtype,
+    input_device,
+    is_repo_id,
+    parameter_values,
+    usable_device,
+)
 from heads.cpu import PackedLinear, prepack_linear_weights
 
 WEIGHTS_NAME = "model.safetensors"
@@ -301,14 +308,15 @@ def load_heads(
     revision: str | None = None,
     token: str | None = None,
     device: torch.device | str | None = None,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
 ):
     """Load Medusa heads or an EAGLE draft layer from a folder or a Hub repo id.
 
     The class is chosen from config.json (`model_type: medusa`; `LlamaForCausalLMEagle3`; a
     1-layer Llama = EAGLE-1). With `base`, the heads are checked against it (hidden size, vocab
     size, layer count must match what they were trained on), moved to its device and dtype, and
-    a shared Medusa lm_head is tied to the base's. Without `base`, in `dtype` or else as stored.
+    a shared Medusa lm_head is tied to the base's. Without `base`, in `dtype` or else as stored
+    (`dtype` a torch dtype or its name, "bfloat16"; `device` one torch can use here).
     """
     from heads.eagle import EagleDraft, check_vocab_map, t2d_from_d2t
     from heads.lora import warn_unless_merged
@@ -316,6 +324,8 @@ def load_heads(
 
     if base is not None:
         check_model(base)
+    dtype = floating_dtype(dtype, "'auto' (the base's, without one as stored)")
+    device = usable_device(device) if device is not None else None
     folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
     config, tensors = read_heads_folder(
         folder, base.config.num_hidden_layers if base is not None else None

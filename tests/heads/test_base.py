@@ -57,9 +57,9 @@ def test_dtype_names_are_checked_and_auto_is_the_default(tmp_path, smollm2_token
     assert torch.equal(placed.lm_head.weight, model.lm_head.weight)
     with pytest.raises(ValueError, match="give device or device_map, not both"):
         load_base(str(tmp_path), device="cpu", device_map="auto")
-    with pytest.raises(ValueError, match="dtype='fp32' is no torch dtype"):
+    with pytest.raises(ValueError, match="dtype='fp32' is no floating torch dtype"):
         load_base(str(tmp_path), dtype="fp32", device="cpu")
-    with pytest.raises(ValueError, match="dtype='Tensor' is no torch dtype"):
+    with pytest.raises(ValueError, match="dtype='Tensor' is no floating torch dtype"):
         load_base(str(tmp_path), dtype="Tensor", device="cpu")
 
 

@@ -530,3 +530,21 @@ def test_saving_keeps_a_model_card_written_by_hand(tiny_llama, tmp_path, fake_hu
     (tmp_path / "e/README.md").write_text("---\nlibrary_name: headstart\n---\nolder\n")
     _eagle(tiny_llama, 3).save_pretrained(tmp_path / "e")
     assert "older" not in (tmp_path / "e/README.md").read_text()
+
+
+def test_load_heads_reads_dtype_names_and_refuses_what_this_machine_cannot_use(
+    tiny_llama, tmp_path
+):
+    _eagle(tiny_llama, 3).save_pretrained(tmp_path / "e")
+    assert load_heads(tmp_path / "e", dtype="bfloat16").fc.weight.dtype == torch.bfloat16
+    assert load_heads(tmp_path / "e", base=tiny_llama, dtype="auto").fc.weight.dtype == (
+        tiny_llama.dtype
+    )
+    for bad in ("bf16", "int8", torch.int64):
+        with pytest.raises(ValueError, match=r"is no floating torch dtype: give one such as"):
+            load_heads(tmp_path / "e", dtype=bad)
+    with pytest.raises(ValueError, match="device='gpu' is no torch device: give 'cpu', 'cuda'"):
+        load_heads(tmp_path / "e", device="gpu")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="sees no cuda device on this machine"):
+            load_heads(tmp_path / "e", device="cuda")
