@@ -250,7 +250,14 @@ class AdaptivePolicy:
 
 
 def check_arms(arms: list[dict | None]) -> None:
-    """`{}` is the drafter as configured before any arm ran: no arm may have configured it."""
+    """Each arm is None (plain decoding) or a dict of drafter options; `{}` is the drafter as
+    configured before any arm ran: no arm may have configured it."""
+    odd = [a for a in arms if a is not None and not isinstance(a, dict)]
+    if odd:
+        raise TypeError(
+            f"adaptive arm {odd[0]!r}: an arm is None (plain decoding) or a dict of drafter "
+            "options, e.g. [None, {}, {'top_k': 4, 'depth': 2, 'total_tokens': 6}]"
+        )
     settings = [a for a in arms if a]
     if {} in arms and settings:
         raise ValueError(

@@ -58,6 +58,8 @@ def check_generation_arguments(
         )
     if seed is not None and (not _is_index(seed) or isinstance(seed, bool)):
         raise TypeError(f"seed must be an int, or None for a fresh draw each call; got {seed!r}")
+    if seed is not None and not -(2**63) <= operator.index(seed) < 2**64:  # torch.Generator's
+        raise ValueError(f"seed must be in [-2**63, 2**64), got {seed}")
     if not all(map(math.isfinite, reals)) or temperature < 0 or top_k < 0 or not 0 < top_p <= 1:
         raise ValueError(
             f"need temperature >= 0 (0: greedy), top_k >= 0 (0: off) and 0 < top_p <= 1 "

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import math
+import numbers
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -92,7 +93,19 @@ def tree_from_parents(
     )
 
 
-def _check_choices(choices: Sequence[Sequence[int]]) -> list[Choice]:
+def checked_choices(choices: Sequence[Sequence[int]]) -> list[Choice]:
+    """Paths of ranks as sorted tuples (shallow first), each checked: not empty, no negative
+    rank, no duplicate, every prefix present."""
+    flat = [
+        c
+        for c in choices
+        if isinstance(c, (str, numbers.Number)) or isinstance(c, torch.Tensor) and c.dim() == 0
+    ]
+    if flat:
+        raise TypeError(
+            f"choice {flat[0]!r}: each choice is a path of ranks, a list such as [0] or [0, 1] "
+            "(the choices [[0], [1], [0, 0]], not [0, 1, 0])"
+        )
     out = [tuple(int(r) for r in c) for c in choices]
     present = set()
     for c in out:
@@ -119,7 +132,7 @@ def tree_from_choices(
     parent is `c[:-1]` (the root for a 1-tuple). Nodes are sorted by (depth, choice), so the
     children of a node are in rank order. Every prefix of a choice must be present.
     """
-    ordered = _check_choices(choices)
+    ordered = checked_choices(choices)
     index = {(): 0} | {c: i + 1 for i, c in enumerate(ordered)}
     parents = [-1] + [index[c[:-1]] for c in ordered]
     tree = tree_from_parents(parents, device=device)
@@ -179,7 +192,7 @@ class StaticTree:
     ) -> StaticTree:
         """From choices (paths of ranks) or a preset name of `PRESETS`."""
         choices = get_preset(choices) if isinstance(choices, str) else choices
-        tree = tree_from_choices([tuple(c) for c in choices], device=device)
+        tree = tree_from_choices(choices, device=device)
         return cls(tree, tuple(tree_levels(tree)), int(tree.ranks.max()) + 1)
 
 

@@ -111,6 +111,11 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
             f"got the path {str(heads_or_drafter)!r}: load the heads first, "
             "heads = load_heads(path, base=base), and pass them"
         )
+    if hasattr(heads_or_drafter, "apply_chat_template"):  # a (model, tokenizer) pair's second
+        raise TypeError(
+            "got a tokenizer where the heads or draft model go: load_base returns a (model, "
+            "tokenizer) pair, pass the model alone, e.g. draft, _ = load_base(name)"
+        )
     raise TypeError(
         f"expected MedusaHeads, EagleDraft, a draft model or a Drafter, got {type(heads_or_drafter).__name__}"
     )

@@ -18,6 +18,7 @@ from inference.tree import (
     build_static_tree,
     chain_choices,
     check_ranks,
+    checked_choices,
     get_preset,
     static_tree_capacity,
     tree_from_choices,
@@ -43,9 +44,7 @@ class MedusaDrafter(Drafter):
     def set_tree(self, choices: str | Sequence[Sequence[int]]) -> None:
         """Use a preset name (see `inference.tree.PRESETS`) or explicit Medusa choices."""
         K = self.heads.config.num_heads
-        choices = (
-            get_preset(choices, K) if isinstance(choices, str) else [tuple(c) for c in choices]
-        )
+        choices = get_preset(choices, K) if isinstance(choices, str) else checked_choices(choices)
         too_deep = max((len(c) for c in choices), default=0)
         if too_deep > K:
             raise ValueError(f"tree depth {too_deep} needs {too_deep} heads, these have {K}")

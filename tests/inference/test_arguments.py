@@ -62,6 +62,8 @@ def test_valid_arguments_are_normalised():
         (dict(stop_strings="x", tokenizer="gpt2"), TypeError, "tokenizer='gpt2' has no decode"),
         (dict(seed="a"), TypeError, "seed must be an int, or None"),
         (dict(seed=True), TypeError, "seed must be an int, or None"),
+        (dict(seed=2**64), ValueError, r"seed must be in \[-2\*\*63, 2\*\*64\), got 1844"),
+        (dict(seed=-(2**63) - 1), ValueError, r"seed must be in \[-2\*\*63"),
         (
             dict(acceptance="typical", temperature=0.7, top_p=0.9),
             ValueError,

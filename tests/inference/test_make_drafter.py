@@ -42,3 +42,23 @@ def test_a_draft_models_vocab_size_other_than_the_bases_is_refused():
             SpeculativeGenerator(base, small, num_tokens=3, vocab_size=vocab_size)
     gen = SpeculativeGenerator(base, small, num_tokens=3, vocab_size=256)
     assert gen.drafter.vocab_size == 256
+
+
+def test_arguments_of_the_wrong_shape_say_the_shape_wanted(smollm2_tokenizer):
+    """A string or a number for `adaptive`, flat ranks for `choices`, a (model, tokenizer)
+    pair for the draft model: each refused with the form to give."""
+    base = make_tiny_llama()
+    heads = MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2))
+    for adaptive in ("yes", 1, {"top_k": 4}):
+        with pytest.raises(TypeError, match=r"adaptive must be True, False or a list of arms"):
+            SpeculativeGenerator(base, heads, adaptive=adaptive)
+    with pytest.raises(TypeError, match=r"adaptive arm 'cpu-8': an arm is None .* or a dict"):
+        SpeculativeGenerator(base, heads, adaptive=[None, "cpu-8"])
+    for choices in ([0, 1], [[0], 1]):
+        with pytest.raises(TypeError, match=r"each choice is a path of ranks, a list such as"):
+            SpeculativeGenerator(base, heads, choices=choices)
+    tree = SpeculativeGenerator(base, heads, choices=torch.tensor([[0], [1]])).drafter.tree
+    assert tree.num_nodes == 3  # rows of a tensor are paths too
+    draft = make_tiny_llama(seed=1)
+    with pytest.raises(TypeError, match=r"got a tokenizer where the heads or draft model go"):
+        SpeculativeGenerator(base, (draft, smollm2_tokenizer))
