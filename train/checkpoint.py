@@ -34,9 +34,9 @@ HELD_OUT_SPLIT = (
     "prompt-hash-2"  # 2 (2026-12-05): the prompt tokenised alone, see train.features._prompt_key
 )
 # What a resumed run must share with its checkpoint: the base, the heads (and those it started
-# from), the data and the order of the batches. Anything else (epochs, max_steps, learning rate,
-# logging, eval and save steps, where the data folder lies) may change between a run and its
-# resumption.
+# from), the data, the order of the batches and the loss. Anything else (epochs, max_steps,
+# learning rate, logging, eval and save steps, where the data folder lies) may change between a
+# run and its resumption, and the run says what did.
 RESUME_FIXED = (
     "heads",
     "data.chat_template",
@@ -50,6 +50,8 @@ RESUME_FIXED = (
     "training.text_max_tokens",
     "training.seed",
     "training.init_heads",
+    "training.loss_decay",
+    "training.soft_labels",
 )
 
 
@@ -151,8 +153,9 @@ def resumed_line(path: Path, step: int, total: int) -> str:
     return f"resumed from {path} at step {step}"
 
 
-def check_same_run(path: Path, recipe, processes: int) -> None:
-    """Compare `recipe` and the process count with those that wrote checkpoint `path`.
+def check_same_run(path: Path, recipe, processes: int) -> list[str]:
+    """Compare `recipe` and the process count with those that wrote checkpoint `path`; returns
+    the settings that changed and may (`key: old there, new now`), for the run to say.
 
     Raises:
         RecipeError: they differ on a `RESUME_FIXED` key or in processes: resuming would not
@@ -193,6 +196,24 @@ def check_same_run(path: Path, recipe, processes: int) -> None:
             "values to continue it, or start afresh with training.resume=never (it overwrites "
             "this output) or another output.dir."
         )
+    if saved is None:
+        return []
+    return [
+        f"{key}: {was!r} there, {new!r} now"
+        for key, new in _leaves(now)
+        if key not in ("training.resume", "model.name_or_path")
+        and (was := _lookup(saved, key)) is not _MISSING
+        and was != new
+    ]
+
+
+def _leaves(tree: dict, prefix: str = ""):
+    """(dotted key, value) of every setting of a recipe dict, sections walked into."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from _leaves(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 _MISSING = object()

@@ -131,7 +131,11 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             lock_output("output.dir", recipe.output.dir)
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
-            check_same_run(ckpt, recipe, accelerator.num_processes)
+            changed = check_same_run(ckpt, recipe, accelerator.num_processes)
+            if changed:
+                accelerator.print(
+                    f"resuming {ckpt} with settings changed since: {'; '.join(changed)}"
+                )
     return ckpt
 
 

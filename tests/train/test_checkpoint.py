@@ -38,8 +38,9 @@ def test_what_may_change_on_resume_and_what_may_not(tmp_path):
     recipe = load_recipe(None, ["training.seed=3", f"data.output_dir={data}"])
     ckpt = _checkpoint(tmp_path / "a", recipe)
     moved = shutil.copytree(data, tmp_path / "elsewhere" / "distill")
-    # epochs, learning rate, logging, the data folder's place and the base's spelling may change
-    check_same_run(
+    # epochs, learning rate, logging, the data folder's place and the base's spelling may change,
+    # and what did is said (the base's spelling is the same base)
+    said = check_same_run(
         ckpt,
         load_recipe(
             None,
@@ -54,9 +55,18 @@ def test_what_may_change_on_resume_and_what_may_not(tmp_path):
         ),
         processes=1,
     )
+    assert said == [
+        f"data.output_dir: {str(data)!r} there, {str(moved)!r} now",
+        "training.epochs: 1 there, 9 now",
+        "training.learning_rate: 0.001 there, 0.5 now",
+        "logging.log_every_steps: 10 there, 1 now",
+    ]
+    assert check_same_run(ckpt, recipe, processes=1) == []
     changed = {
         "data.system_prompt=Be brief.": r"data.system_prompt: None there, 'Be brief.' now",
         "training.micro_batch_size=3": "training.micro_batch_size: 8 there, 3 now",
+        "training.loss_decay=0.5": "training.loss_decay: 0.8 there, 0.5 now",  # another loss
+        "training.soft_labels=false": "training.soft_labels: True there, False now",
         "model.name_or_path=meta-llama/Llama-3.2-1B": "model.name_or_path: 'smollm2-135m-instruct'",
     }
     for override, message in changed.items():

@@ -402,7 +402,7 @@ def test_the_draft_vocabulary_is_written_whole_read_on_resume_and_a_damaged_one_
 
 @pytest.mark.slow
 def test_a_resumed_run_takes_the_recipes_learning_rate_on_its_stretched_schedule(
-    tiny_task, tmp_path
+    tiny_task, tmp_path, capsys
 ):
     """A finished 4-step run given 6 steps and another learning rate: its steps 5 and 6 run at
     the rates a 6-step run of that rate has there (the optimizer's saved state brought back the
@@ -410,7 +410,13 @@ def test_a_resumed_run_takes_the_recipes_learning_rate_on_its_stretched_schedule
     out, reference = tmp_path / "out", tmp_path / "reference"
     run(train.medusa, TINY_MEDUSA, tiny_task, out)
     longer = ("training.max_steps=6", "training.learning_rate=0.01")
+    capsys.readouterr()
     run(train.medusa, TINY_MEDUSA, tiny_task, out, *longer)
+    said = capsys.readouterr().out  # the changes are said as the run resumes
+    assert (
+        "step-00000004 with settings changed since: training.max_steps: 4 there, 6 now; training.learning_rate: 0.001 there, 0.01 now"
+        in said
+    )
     run(train.medusa, TINY_MEDUSA, tiny_task, reference, *longer)
     got, want = read_metrics(out)[0], read_metrics(reference)[0]
     assert sorted(got) == [1, 2, 3, 4, 5, 6]
