@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import difflib
 import importlib.util
+import json
 import logging
 import os
 import shutil
@@ -126,6 +127,7 @@ class BaseNotFoundError(FileNotFoundError):
 def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
     """Map a base name to (folder or hub id to load, name to record in heads configs)."""
     name = str(name_or_path)
+    _refuse_heads_folder(Path(name).expanduser())
     if name.lower() == EMBEDDED_NAME:
         gguf = embedded_gguf_path()
         out = cache_dir() / EMBEDDED_NAME
@@ -149,6 +151,30 @@ def resolve_base_path(name_or_path: str | os.PathLike) -> tuple[str, str]:
         # no Hub id without an owner is new enough to look like it: skip the Hub's retries
         raise BaseNotFoundError(f"base model '{name}' not found{_name_hint(name)}")
     return name, name
+
+
+def _refuse_heads_folder(path: Path) -> None:
+    """A heads folder (or a training run's) given as the base, e.g. --base and --heads swapped:
+    say so, with the base the heads name, rather than that it lacks a tokenizer."""
+    config = path / "config.json"
+    if not config.is_file() and (path / "heads" / "config.json").is_file():
+        config = path / "heads" / "config.json"  # a training run's output.dir
+    if not path.is_dir() or not config.is_file():
+        return
+    try:
+        raw = json.loads(config.read_text())
+    except (ValueError, OSError):
+        return  # transformers says what is wrong with it
+    heads = isinstance(raw, dict) and (
+        "base_model_name_or_path" in raw or "medusa_num_heads" in raw
+    )
+    if heads:
+        base = raw.get("base_model_name_or_path") or "the model they were trained on"
+        raise BaseNotFoundError(
+            f"{path} holds draft heads, not a base model: load the base they were trained for "
+            f"({base}) with load_base, and these heads with load_heads (--base and --heads "
+            "on the command line)"
+        )
 
 
 def _close_to_embedded(name: str) -> bool:

@@ -99,6 +99,26 @@ def test_a_missing_base_folder_is_said():
             load_base(name, device="cpu")
 
 
+def test_a_heads_folder_given_as_the_base_says_which_base_to_load(tmp_path, monkeypatch):
+    """--base and --heads swapped: the heads folder (or the training run's) is named as heads,
+    with the base they record, not as a base folder without a tokenizer."""
+    from heads import MedusaConfig, MedusaHeads
+
+    base = make_tiny_llama()
+    base.config.name_or_path = "org/tiny-base"
+    MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).save_pretrained(
+        tmp_path / "run/heads"
+    )
+    monkeypatch.chdir(tmp_path)
+    for given in (tmp_path / "run/heads", tmp_path / "run", "run"):
+        with pytest.raises(
+            FileNotFoundError,
+            match=r"holds draft heads, not a base model: load the base they were trained for "
+            r"\(org/tiny-base\) with load_base, and these heads with load_heads",
+        ):
+            load_base(given, device="cpu")
+
+
 def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):
     import huggingface_hub
 
