@@ -360,10 +360,10 @@ def main(argv: list[str] | None = None) -> int:
         )
         exclude = read_distilled(args.exclude) if args.exclude else None
         prompts = read_prompts(args.prompts, args.turns, args.limit, exclude, args.per_category)
-        if args.as_trained:  # a missing folder or an unreachable Hub id: before the base
-            folders = [resolve_folder(name) for name in args.heads]
-            if taken := as_trained.take_as_trained(args, folders):
-                print(taken, file=sys.stderr)
+        # a missing folder or an unreachable Hub id is said before the base loads
+        folders = [resolve_folder(name) for name in args.heads]
+        if args.as_trained and (taken := as_trained.take_as_trained(args, folders)):
+            print(taken, file=sys.stderr)
         if args.system_prompt is not None:
             system = [{"role": "system", "content": args.system_prompt}]
             prompts = [dataclasses.replace(p, system=system) for p in prompts]

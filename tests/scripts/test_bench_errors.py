@@ -110,6 +110,18 @@ def test_an_out_that_is_a_file_is_refused_before_the_base_loads(folders, tmp_pat
     assert (tmp_path / "out").read_text() == "notes"
 
 
+def test_a_heads_folder_that_is_not_there_is_said_before_the_base_loads(
+    tmp_path, capsys, monkeypatch
+):
+    """A big base can take minutes to load: a mistyped --heads is said before it."""
+    monkeypatch.setattr(bench.bench_methods, "build_methods", lambda *a: pytest.fail("base loaded"))
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT)
+    argv = ["--base", "smollm2-135m-instruct", "--prompts", str(prompts), "--heads", "/nope"]
+    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert "bench failed: heads folder not found: /nope" in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_refused_run_keeps_an_out_folder_that_was_there(folders, tmp_path):
     prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT)
     (tmp_path / "out").mkdir()
