@@ -165,10 +165,16 @@ def _refuse_heads_folder(path: Path) -> None:
         raw = json.loads(config.read_text())
     except (ValueError, OSError):
         return  # transformers says what is wrong with it
-    heads = isinstance(raw, dict) and (
-        "base_model_name_or_path" in raw or "medusa_num_heads" in raw
-    )
-    if heads:
+    if not isinstance(raw, dict):
+        return
+    tokenizer = any((config.parent / f).is_file() for f in TOKENIZER_FILES)
+    # headstart's heads, vLLM's Medusa; Medusa's reference heads (a Medusa-2 base fine-tuned
+    # with its heads records medusa_num_heads too, and has its tokenizer: a base)
+    if (
+        "headstart_format" in raw
+        or raw.get("model_type") == "medusa"
+        or ("medusa_num_heads" in raw and not tokenizer)
+    ):
         base = raw.get("base_model_name_or_path") or "the model they were trained on"
         raise BaseNotFoundError(
             f"{path} holds draft heads, not a base model: load the base they were trained for "
@@ -211,15 +217,17 @@ def _name_hint(name: str) -> str:
     )
 
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
 def _load_tokenizer(path: str) -> PreTrainedTokenizerBase:
     try:
         return AutoTokenizer.from_pretrained(path)
     except ValueError as e:  # a folder of weights alone: transformers asks for sentencepiece
         folder = Path(path)
-        tokenizer_files = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
-        if folder.is_dir() and not any((folder / f).is_file() for f in tokenizer_files):
+        if folder.is_dir() and not any((folder / f).is_file() for f in TOKENIZER_FILES):
             raise BaseNotFoundError(
-                f"base model folder {path} has no tokenizer ({', '.join(tokenizer_files)}): "
+                f"base model folder {path} has no tokenizer ({', '.join(TOKENIZER_FILES)}): "
                 "save the model's tokenizer there too (tokenizer.save_pretrained(folder))"
             ) from e
         raise

@@ -40,8 +40,9 @@ class PretrainedHeads(nn.Module):
 
     def save_pretrained(self, folder: str | os.PathLike, dtype: torch.dtype | None = None) -> Path:
         """Write config.json, model.safetensors and README.md into `folder`, atomically. A model
-        card written by hand is kept: `folder`'s own, else the one beside the weights these
-        heads were loaded from; otherwise headstart writes its own.
+        card written by hand is kept: `folder`'s own where it holds heads of this kind for this
+        base, else the one beside the weights these heads were loaded from; otherwise headstart
+        writes its own.
 
         Args:
             dtype: cast floating tensors (e.g. torch.bfloat16 to halve the size); default: as is.
@@ -66,7 +67,7 @@ class PretrainedHeads(nn.Module):
                 config = json.loads((tmp / CONFIG_NAME).read_text())
                 config["torch_dtype"] = str(floats[0]).removeprefix("torch.")
                 (tmp / CONFIG_NAME).write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
-            card = hand_written_card(folder, getattr(self, "source_folder", None))
+            card = hand_written_card(folder, getattr(self, "source_folder", None), self.config)
             (tmp / "README.md").write_text(card or model_card(self.config))
             folder.mkdir(parents=True, exist_ok=True)
             for f in tmp.iterdir():  # os.replace per file: readers never see a torn file
@@ -158,12 +159,15 @@ def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
             raise ValueError(
                 f"{f} is unreadable or truncated ({e}); re-download or re-save it"
             ) from e
-        twice = sorted(name for name in part if name in tensors)
-        if twice:  # a leftover copy (model_v2.safetensors): which one is meant is not known
+        # a leftover other copy (model_v2.safetensors): which one is meant is not known (the
+        # same values twice, a consolidated file beside its shards, are the same weights)
+        twice = sorted(n for n in part if n in tensors and not torch.equal(tensors[n], part[n]))
+        if twice:
+            more = f" ({len(twice)} such names)" if len(twice) > 1 else ""
             raise ValueError(
                 f"{folder} holds tensor {twice[0]!r} in both {file_of[twice[0]].name} and "
-                f"{f.name}{f' ({len(twice)} names in both)' if len(twice) > 1 else ''}: move "
-                "the file that is not these heads' weights out of the folder"
+                f"{f.name}, with other values{more}: move the file that is not these heads' "
+                "weights out of the folder"
             )
         tensors.update(part)
         file_of.update(dict.fromkeys(part, f))

@@ -16,14 +16,29 @@ def headstart_card(card: Path) -> bool:
     return "library_name: headstart" in card.read_text()
 
 
-def hand_written_card(*folders: Path | None) -> str | None:
-    """The first model card among `folders`' README.md that headstart did not write: saving
-    heads keeps it (the folder's own, else the one of the folder they were loaded from)."""
-    for folder in folders:
-        card = None if folder is None else Path(folder) / "README.md"
-        if card is not None and card.is_file() and not headstart_card(card):
-            return card.read_text()
-    return None
+def hand_written_card(folder: Path, source: Path | None, config) -> str | None:
+    """The model card written by hand (not by headstart) that heads saved to `folder` keep:
+    the folder's own where it holds heads of the same kind for the same base (not an earlier
+    run's other heads), else the one of the folder `source` they were loaded from."""
+    from heads.config import same_base
+
+    def by_hand(where: Path | None) -> str | None:
+        card = None if where is None else Path(where) / "README.md"
+        if card is None or not card.is_file() or headstart_card(card):
+            return None
+        return card.read_text()
+
+    try:
+        there = json.loads((Path(folder) / "config.json").read_text())
+    except (OSError, ValueError):
+        there = None
+    mine = config.to_dict()
+    same = (
+        isinstance(there, dict)
+        and all(there.get(k) == mine.get(k) for k in ("model_type", "architectures"))
+        and same_base(str(there.get("base_model_name_or_path")), config.base_model_name_or_path)
+    )
+    return (by_hand(folder) if same else None) or by_hand(source)
 
 
 def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str, str, str]:

@@ -44,7 +44,7 @@ average lowers it too.
 from __future__ import annotations
 
 import copy
-from collections.abc import Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from inference.tree import Choice
@@ -249,9 +249,15 @@ class AdaptivePolicy:
         ]
 
 
-def check_arms(arms: list[dict | None]) -> None:
-    """Each arm is None (plain decoding) or a dict of drafter options; `{}` is the drafter as
-    configured before any arm ran: no arm may have configured it."""
+def check_arms(arms: Iterable[Mapping | None]) -> list[dict | None]:
+    """The arms as a list of None (plain decoding) and dicts of drafter options, checked: `{}`
+    is the drafter as configured before any arm ran, so no arm may have configured it."""
+    if isinstance(arms, (str, Mapping)) or not isinstance(arms, Iterable):
+        raise TypeError(
+            f"adaptive must be True, False or a list of arms (None: plain decoding, a dict of "
+            f"drafter options), e.g. [None, {{}}]; got {arms!r}"
+        )
+    arms = [a if a is None or not isinstance(a, Mapping) else dict(a) for a in arms]
     odd = [a for a in arms if a is not None and not isinstance(a, dict)]
     if odd:
         raise TypeError(
@@ -265,3 +271,4 @@ def check_arms(arms: list[dict | None]) -> None:
             "once another arm has configured the drafter, {} no longer means its first "
             "settings; name them instead"
         )
+    return arms

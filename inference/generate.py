@@ -177,13 +177,7 @@ class SpeculativeGenerator:
     @arms.setter
     def arms(self, arms: Sequence[dict | None] | None) -> None:
         if arms is not None:
-            if isinstance(arms, (str, dict)) or not isinstance(arms, Sequence):
-                raise TypeError(
-                    f"adaptive must be True, False or a list of arms (None: plain decoding, a "
-                    f"dict of drafter options), e.g. [None, {{}}]; got {arms!r}"
-                )
-            arms = list(arms)
-            check_arms(arms)
+            arms = check_arms(arms)
             for options in arms:  # now, not when the policy first tries the arm
                 if options:
                     try:

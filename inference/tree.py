@@ -96,6 +96,7 @@ def tree_from_parents(
 def checked_choices(choices: Sequence[Sequence[int]]) -> list[Choice]:
     """Paths of ranks as sorted tuples (shallow first), each checked: not empty, no negative
     rank, no duplicate, every prefix present."""
+    choices = list(choices)  # read twice: a generator of paths too
     flat = [
         c
         for c in choices

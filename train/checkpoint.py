@@ -23,7 +23,7 @@ from transformers.integrations import is_deepspeed_zero3_enabled
 
 from heads.base import default_dtype
 from heads.config import same_base
-from train.config import RecipeError, recipe_to_dict, save_recipe
+from train.config import RecipeError, dotted_items, recipe_to_dict, save_recipe
 from train.feature_cache import cache_base_dtype, weights_fingerprint
 from train.features import VOCAB_FILE, save_draft_vocabulary
 
@@ -200,20 +200,11 @@ def check_same_run(path: Path, recipe, processes: int) -> list[str]:
         return []
     return [
         f"{key}: {was!r} there, {new!r} now"
-        for key, new in _leaves(now)
+        for key, new in dotted_items(now)
         if key not in ("training.resume", "model.name_or_path")
         and (was := _lookup(saved, key)) is not _MISSING
         and was != new
     ]
-
-
-def _leaves(tree: dict, prefix: str = ""):
-    """(dotted key, value) of every setting of a recipe dict, sections walked into."""
-    for k, v in tree.items():
-        if isinstance(v, dict):
-            yield from _leaves(v, f"{prefix}{k}.")
-        else:
-            yield f"{prefix}{k}", v
 
 
 _MISSING = object()

@@ -161,7 +161,9 @@ class HeadsSpec:
             )
         if self.version not in (1, 3):
             raise RecipeError(f"'heads.version' must be 1 or 3, got {self.version}")
-        if self.lora_alpha <= 0 or not 0 <= self.lora_dropout < 1 or self.heads_lr_multiplier <= 0:
+        if not (
+            self.lora_alpha > 0 and 0 <= self.lora_dropout < 1 and self.heads_lr_multiplier > 0
+        ):
             raise RecipeError(
                 "need heads.lora_alpha > 0, 0 <= lora_dropout < 1 and heads_lr_multiplier > 0; "
                 f"got {self.lora_alpha}, {self.lora_dropout} and {self.heads_lr_multiplier}"
@@ -404,6 +406,16 @@ def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
 def recipe_to_dict(recipe: Any) -> dict[str, Any]:
     """The recipe (or one section) as plain YAML-ready data."""
     return dataclasses.asdict(recipe)
+
+
+def dotted_items(tree: dict[str, Any], prefix: str = ""):
+    """(dotted key, value) of every setting of a recipe dict (`recipe_to_dict`'s), sections
+    walked into: ("training.learning_rate", 0.001), ..."""
+    for k, v in tree.items():
+        if isinstance(v, dict):
+            yield from dotted_items(v, f"{prefix}{k}.")
+        else:
+            yield f"{prefix}{k}", v
 
 
 def save_recipe(recipe: Any, path: str | Path) -> None:

@@ -211,12 +211,11 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
 
 
 def _flat(recipe: Recipe) -> dict:
-    from train.config import recipe_to_dict
+    from train.config import dotted_items, recipe_to_dict
 
     return {
-        f"{s}.{k}": v
-        for s, sec in recipe_to_dict(recipe).items()
-        for k, v in sec.items()
+        k: v
+        for k, v in dotted_items(recipe_to_dict(recipe))
         if isinstance(v, int | float | str | bool)
     }
 

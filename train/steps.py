@@ -9,7 +9,6 @@ import sys
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import DistributedType
 from transformers import get_cosine_schedule_with_warmup
 
 from train.checkpoint import check_finite
@@ -81,11 +80,9 @@ def clip_gradients(
     """Clip the gradients to `training.max_grad_norm` before the update of optimizer step
     `step`, and stop as a NaN loss does where their norm is not finite: a finite loss's backward
     can still overflow, and the update would write NaN into the heads and their next checkpoint.
-    Under fp16 the grad scaler skips such a step itself; DeepSpeed clips and steps in its engine."""
+    Under fp16 the grad scaler skips such a step itself. DeepSpeed clips and steps in its engine,
+    within `accelerator.backward`: its norm is of the update just made, and the run stops before
+    a checkpoint holds it."""
     norm = accelerator.clip_grad_norm_(model.parameters(), recipe.training.max_grad_norm)
-    if (
-        norm is not None
-        and accelerator.mixed_precision != "fp16"
-        and accelerator.distributed_type != DistributedType.DEEPSPEED
-    ):
+    if norm is not None and accelerator.mixed_precision != "fp16":
         check_finite(float(norm), step, recipe.output.dir, "the gradients' norm")

@@ -99,24 +99,36 @@ def test_a_missing_base_folder_is_said():
             load_base(name, device="cpu")
 
 
-def test_a_heads_folder_given_as_the_base_says_which_base_to_load(tmp_path, monkeypatch):
+def test_a_heads_folder_given_as_the_base_says_which_base_to_load(
+    tmp_path, monkeypatch, smollm2_tokenizer
+):
     """--base and --heads swapped: the heads folder (or the training run's) is named as heads,
-    with the base they record, not as a base folder without a tokenizer."""
-    from heads import MedusaConfig, MedusaHeads
+    with the base they record, not as a base folder without a tokenizer. A Medusa-2 base, whose
+    config Medusa's reference marks with its heads' count, is still a base."""
+    import json
 
-    base = make_tiny_llama()
+    from heads import EagleConfig, EagleDraft, MedusaConfig, MedusaHeads
+
+    base = make_tiny_llama(vocab_size=len(smollm2_tokenizer))
     base.config.name_or_path = "org/tiny-base"
     MedusaHeads(MedusaConfig.from_base(base.config, num_heads=2)).save_pretrained(
         tmp_path / "run/heads"
     )
+    EagleDraft(EagleConfig.from_base(base.config, version=3)).save_pretrained(tmp_path / "e3")
     monkeypatch.chdir(tmp_path)
-    for given in (tmp_path / "run/heads", tmp_path / "run", "run"):
+    for given in (tmp_path / "run/heads", tmp_path / "run", "run", tmp_path / "e3"):
         with pytest.raises(
             FileNotFoundError,
             match=r"holds draft heads, not a base model: load the base they were trained for "
             r"\(org/tiny-base\) with load_base, and these heads with load_heads",
         ):
             load_base(given, device="cpu")
+    base.save_pretrained(tmp_path / "medusa2")
+    smollm2_tokenizer.save_pretrained(tmp_path / "medusa2")
+    config = json.loads((tmp_path / "medusa2/config.json").read_text())
+    config.update(medusa_num_heads=3, medusa_num_layers=1)
+    (tmp_path / "medusa2/config.json").write_text(json.dumps(config))
+    assert load_base(tmp_path / "medusa2", device="cpu")[0].config.medusa_num_heads == 3
 
 
 def test_a_name_that_does_not_load_says_what_was_meant(monkeypatch):

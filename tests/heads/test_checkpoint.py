@@ -1,5 +1,6 @@
 import json
 import re
+import shutil
 import warnings
 
 import pytest
@@ -303,11 +304,9 @@ def test_truncated_safetensors_is_a_clear_error(tiny_llama, tmp_path):
 
 
 def test_a_tensor_in_two_weight_files_is_refused(tiny_llama, tmp_path):
-    """A leftover copy beside the weights (model_v2.safetensors, zeroed here) would replace
-    them unsaid, whichever sorts last: refused, naming both files. Shards with names of their
-    own load together."""
-    from safetensors.torch import load_file, save_file
-
+    """A leftover copy of other weights beside them (model_v2.safetensors, zeroed here) would
+    replace them unsaid, whichever sorts last: refused, naming both files. Shards with names of
+    their own load together."""
     _medusa(tiny_llama).save_pretrained(tmp_path / "m")
     weights = load_file(tmp_path / "m/model.safetensors")
     save_file(
@@ -316,10 +315,12 @@ def test_a_tensor_in_two_weight_files_is_refused(tiny_llama, tmp_path):
     first = sorted(weights)[0]
     with pytest.raises(
         ValueError,
-        match=rf"holds tensor '{first}' in both model.safetensors and model_v2.safetensors "
-        rf"\({len(weights)} names in both\): move the file",
+        match=rf"holds tensor '{first}' in both model.safetensors and model_v2.safetensors, "
+        rf"with other values \({len(weights)} such names\): move the file",
     ):
         load_heads(tmp_path / "m")
+    shutil.copy(tmp_path / "m/model.safetensors", tmp_path / "m/model_v2.safetensors")
+    load_heads(tmp_path / "m")  # the same weights twice (a consolidated file beside its shards)
     (tmp_path / "m/model_v2.safetensors").unlink()
     names = sorted(weights)
     save_file({k: weights[k] for k in names[:2]}, tmp_path / "m/model.safetensors")
@@ -530,6 +531,15 @@ def test_saving_keeps_a_model_card_written_by_hand(tiny_llama, tmp_path, fake_hu
     (tmp_path / "e/README.md").write_text("---\nlibrary_name: headstart\n---\nolder\n")
     _eagle(tiny_llama, 3).save_pretrained(tmp_path / "e")
     assert "older" not in (tmp_path / "e/README.md").read_text()
+    # other heads (another kind, or for another base) saved where these were: not their card
+    (tmp_path / "e/README.md").write_text(mine)
+    _medusa(tiny_llama).save_pretrained(tmp_path / "e")
+    assert "library_name: headstart" in (tmp_path / "e/README.md").read_text()
+    (tmp_path / "e/README.md").write_text(mine)
+    other = _eagle(make_tiny_llama(), 3)
+    other.config.base_model_name_or_path = "org/another-base"
+    other.save_pretrained(tmp_path / "e")
+    assert "org/another-base" in (tmp_path / "e/README.md").read_text()
 
 
 def test_load_heads_reads_dtype_names_and_refuses_what_this_machine_cannot_use(

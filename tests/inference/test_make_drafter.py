@@ -3,6 +3,7 @@ with the way to load it, a tuple is a union as a list is, and a draft model's vo
 be the base's, fewer columns as more."""
 
 from pathlib import Path
+from types import MappingProxyType
 
 import pytest
 import torch
@@ -58,7 +59,12 @@ def test_arguments_of_the_wrong_shape_say_the_shape_wanted(smollm2_tokenizer):
         with pytest.raises(TypeError, match=r"each choice is a path of ranks, a list such as"):
             SpeculativeGenerator(base, heads, choices=choices)
     tree = SpeculativeGenerator(base, heads, choices=torch.tensor([[0], [1]])).drafter.tree
-    assert tree.num_nodes == 3  # rows of a tensor are paths too
+    assert tree.num_nodes == 3  # rows of a tensor are paths too, and a generator's
+    assert (
+        SpeculativeGenerator(base, heads, choices=((i,) for i in range(3))).drafter.max_nodes == 4
+    )
+    arms = (a for a in [None, MappingProxyType({"choices": [[0]]})])  # any iterable of mappings
+    assert SpeculativeGenerator(base, heads, adaptive=arms).arms == [None, {"choices": [[0]]}]
     draft = make_tiny_llama(seed=1)
     with pytest.raises(TypeError, match=r"got a tokenizer where the heads or draft model go"):
         SpeculativeGenerator(base, (draft, smollm2_tokenizer))

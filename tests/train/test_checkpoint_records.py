@@ -174,6 +174,27 @@ def test_an_infinite_loss_stops_training_as_a_nan_does(tmp_path, loss):
         check_finite(loss, 3, tmp_path)
 
 
+def test_gradients_are_checked_where_no_grad_scaler_skips_their_step(tmp_path):
+    """A non-finite norm stops the run, but under fp16, whose grad scaler skips that step
+    itself; no norm (DeepSpeed before its first step) is no check."""
+    from types import SimpleNamespace
+
+    from train.checkpoint import TrainingDiverged
+    from train.config import load_recipe
+    from train.steps import clip_gradients
+
+    recipe = load_recipe(None, [f"output.dir={tmp_path}"])
+    norms = {"bf16": float("nan"), "no": float("inf")}
+    for precision, norm in norms.items():
+        fake = SimpleNamespace(clip_grad_norm_=lambda p, m, n=norm: torch.tensor(n))
+        fake.mixed_precision = precision
+        with pytest.raises(TrainingDiverged, match=rf"the gradients' norm is {norm} at step 3"):
+            clip_gradients(fake, torch.nn.Linear(1, 1), recipe, 3)
+    for precision, norm in [("fp16", torch.tensor(float("inf"))), ("bf16", None), ("no", 2.5)]:
+        fake = SimpleNamespace(clip_grad_norm_=lambda p, m, n=norm: n, mixed_precision=precision)
+        clip_gradients(fake, torch.nn.Linear(1, 1), recipe, 3)
+
+
 def _names(folder) -> list[str]:
     return sorted(p.name for p in folder.iterdir())
 
