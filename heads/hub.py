@@ -92,7 +92,9 @@ def _usage(config, repo_id: str, sglang_layout: bool = False) -> tuple[str, str,
             f"export_heads('{repo_id}', 'sglang', 'draft-sglang')\"   # headstart\n"
         )
     sglang += (
-        f"python -m sglang.launch_server --model {base} --speculative-algorithm "
+        "# --dtype sets the draft's too: from its config alone SGLang would run a float32 draft "
+        "in float16\n"
+        f"python -m sglang.launch_server --model {base} --dtype bfloat16 --speculative-algorithm "
         f"{'EAGLE3' if config.version == 3 else 'EAGLE'} --speculative-draft-model-path "
         f"{path} --speculative-num-steps 5 --speculative-eagle-topk 8 "
         "--speculative-num-draft-tokens 32"

@@ -390,6 +390,8 @@ def test_model_card_and_push_to_hub(tiny_llama, fake_hub):
     assert '"model": "me/tiny-eagle3"' in card  # vLLM reads the repo as is
     # the config names the aux layers in SGLang's meaning too: it serves the repo as is
     assert "--speculative-draft-model-path me/tiny-eagle3" in card and "export_heads" not in card
+    # SGLang reads the draft's dtype from --dtype, else a float32 draft's config says float16
+    assert "sglang.launch_server --model tiny-llama-0 --dtype bfloat16 --spec" in card
     assert 'return_dict=True)["input_ids"]' in card  # transformers 5's apply_chat_template
     # the 2-layer base's default aux layers repeat one (1, 1, 0): the engines would read fewer
     repeated = model_card(_eagle(tiny_llama, 3).config, "me/x")
