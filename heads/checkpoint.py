@@ -60,7 +60,7 @@ class PretrainedHeads(nn.Module):
                 if dtype is not None and t.is_floating_point():
                     t = t.to(dtype)
                 tensors[name] = t.contiguous().clone()
-            save_file(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
+            write_safetensors(tensors, tmp / WEIGHTS_NAME, metadata={"format": "pt"})
             self.config.save(tmp)
             floats = [t.dtype for t in tensors.values() if t.is_floating_point()]
             if floats:  # engines read the checkpoint dtype from config.json
@@ -118,6 +118,16 @@ class PretrainedHeads(nn.Module):
             return push_folder(
                 tmp, repo_id, private=private, token=token, commit_message=commit_message
             )
+
+
+def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata=None) -> None:
+    """`safetensors.torch.save_file`, readable by others as any file this process writes:
+    safetensors 0.8 leaves its files owner-only (0600), which a server running as another
+    user (a container) cannot read."""
+    save_file(tensors, path, metadata=metadata)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(path, 0o666 & ~umask)
 
 
 def read_config(folder: Path) -> dict:

@@ -21,9 +21,15 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
-from heads.checkpoint import CONFIG_NAME, WEIGHTS_NAME, load_heads, resolve_folder
+from heads.checkpoint import (
+    CONFIG_NAME,
+    WEIGHTS_NAME,
+    load_heads,
+    resolve_folder,
+    write_safetensors,
+)
 from heads.eagle_config import engine_refusal
 from heads.hub import headstart_card, model_card
 from heads.lora import LORA_FOLDER
@@ -229,7 +235,7 @@ def _sglang_eagle1(out: Path) -> None:
     tensors = load_file(out / "model.safetensors")
     weight = tensors["fc.weight"]
     tensors.setdefault("fc.bias", torch.zeros(weight.shape[0], dtype=weight.dtype))
-    save_file(tensors, out / "model.safetensors", metadata={"format": "pt"})
+    write_safetensors(tensors, out / "model.safetensors", metadata={"format": "pt"})
 
 
 def _tgi_base_name(given: str | None, recorded: str) -> str:
@@ -283,7 +289,7 @@ def _write_medusa_lm_head(
             tensors[f"{h}.{i}.linear.bias"] = bias.detach().contiguous()
         tensors[f"{h}.{L}.weight"] = heads.lm_heads[h].weight.detach().contiguous()
     out.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, out / "medusa_lm_head.safetensors")
+    write_safetensors(tensors, out / "medusa_lm_head.safetensors")
     config = {
         "medusa_num_heads": cfg.num_heads,
         "medusa_num_layers": L,

@@ -33,8 +33,8 @@ from pathlib import Path
 import torch
 from accelerate.utils import broadcast_object_list
 from safetensors import safe_open
-from safetensors.torch import save_file
 
+from heads.checkpoint import write_safetensors
 from train.distilled import write_atomic
 from train.features import feature_batches
 
@@ -325,7 +325,7 @@ class _ShardBuffer:
         name = f"{self.prefix}-{self.next_index:05d}.safetensors"
         tmp = self.cache_dir / f".{name}.{socket.gethostname()}.{os.getpid()}.tmp"
         tensors = {k: torch.cat(v).contiguous() for k, v in self.rows.items()}  # (rows, D)
-        save_file(tensors, tmp, metadata={"index": json.dumps(self.index)})
+        write_safetensors(tensors, tmp, metadata={"index": json.dumps(self.index)})
         with open(tmp, "rb+") as f:
             os.fsync(f.fileno())
         tmp.replace(self.cache_dir / name)

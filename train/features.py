@@ -220,12 +220,12 @@ def draft_vocabulary(
 def save_draft_vocabulary(output_dir: str | Path, ids: torch.Tensor) -> None:
     """Write a run's draft vocabulary where a resumed run reads it (a kill mid-write leaves no
     half file behind)."""
-    from safetensors.torch import save_file
+    from heads.checkpoint import write_safetensors
 
     path = Path(output_dir) / VOCAB_FILE
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    save_file({"token_ids": ids.contiguous()}, tmp)
+    write_safetensors({"token_ids": ids.contiguous()}, tmp)
     tmp.replace(path)
 
 

@@ -560,3 +560,18 @@ def test_load_heads_reads_dtype_names_and_refuses_what_this_machine_cannot_use(
     if not torch.cuda.is_available():
         with pytest.raises(ValueError, match="sees no cuda device on this machine"):
             load_heads(tmp_path / "e", device="cuda")
+
+
+def test_saved_weights_are_as_readable_as_the_folders_other_files(tiny_llama, tmp_path):
+    """safetensors 0.8 writes owner-only files (0600): a server running as another user could
+    read the config but not the weights. They take the mode any new file takes here."""
+    import os
+    import stat
+
+    from heads.export import export_heads
+
+    _medusa(tiny_llama).save_pretrained(tmp_path / "m")
+    export_heads(tmp_path / "m", "tgi", tmp_path / "tgi")
+    for path in (tmp_path / "m/model.safetensors", tmp_path / "tgi/medusa_lm_head.safetensors"):
+        mode = stat.S_IMODE(os.stat(path).st_mode)
+        assert mode == stat.S_IMODE(os.stat(tmp_path / "m/config.json").st_mode), oct(mode)
