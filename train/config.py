@@ -258,10 +258,10 @@ class TrainingConfig:
         for name in ("warmup_steps", "eval_every_steps", "save_every_steps", "text_max_tokens"):
             if getattr(self, name) < 0:
                 raise RecipeError(f"need training.{name} >= 0 (0: {_ZERO_MEANS[name]})")
-        if self.loss_decay <= 0:
+        if self.loss_decay < 0:
             raise RecipeError(
-                f"need training.loss_decay > 0 (head / TTT step k's loss weighs loss_decay^k); "
-                f"got {self.loss_decay}"
+                f"need training.loss_decay >= 0 (head / TTT step k's loss weighs loss_decay^k; "
+                f"0: the first alone); got {self.loss_decay}"
             )
         if self.max_length < 2 or self.max_grad_norm <= 0 or self.weight_decay < 0:
             raise RecipeError(

@@ -367,9 +367,8 @@ def training_function(recipe: Recipe) -> dict:
                     else {}
                 )
                 log.log(best, step)
-                accelerator.print(
-                    f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in best.items())
-                )
+                if accelerator.is_main_process:  # on a line of its own, the bar redrawn below
+                    bar.write(f"step {step}: " + ", ".join(f"{k} {v:.3f}" for k, v in best.items()))
             done_epoch = bi + 1 == len(batches)
             if step % save_every == 0 or step == total:
                 state = {

@@ -184,8 +184,7 @@ def test_counts_that_would_break_a_run_are_refused_up_front(override, message):
 @pytest.mark.parametrize(
     "override, sane, message",
     [
-        ("training.loss_decay=-1", "0.5", r"loss_decay > 0 \(head / TTT step k's loss weighs"),
-        ("training.loss_decay=0", "1.0", "loss_decay > 0"),
+        ("training.loss_decay=-1", "0", r"loss_decay >= 0 \(head / TTT step k's loss weighs"),
         ("heads.kl_weight=.nan", "0.5", "'heads.kl_weight' expects a finite float, got nan"),
         ("heads.kl_weight=-1", "0", "heads.kl_weight >= 0, got -1"),
         ("heads.heads_loss_warmup_steps=-5", "0", "heads_loss_warmup_steps >= 0, got -5"),
