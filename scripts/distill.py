@@ -357,15 +357,19 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     start, tokens = time.perf_counter(), 0
     # vLLM batches continuously inside one call: hand it a shard's worth at a time.
     step = max(data.batch_size, data.records_per_shard) if vllm else data.batch_size
-    for b in range(0, len(mine), step):
-        batch = mine[b : b + step]
-        tokens += run_batch(batch, generate, tokenizer, template, recipe)
-        for item in batch:
-            writer.add(item.record())
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
-        if delay:
-            time.sleep(delay)
+    try:
+        for b in range(0, len(mine), step):
+            batch = mine[b : b + step]
+            tokens += run_batch(batch, generate, tokenizer, template, recipe)
+            for item in batch:
+                writer.add(item.record())
+            bar.update(len(batch))
+            bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
+            if delay:
+                time.sleep(delay)
+    except KeyboardInterrupt:  # Ctrl-C: the finished answers not yet in a shard are kept too
+        writer.flush()  # (a shard is written whole under its own name: written again if cut)
+        raise
     writer.flush()
     bar.close()
 

@@ -120,6 +120,31 @@ def test_ctrl_c_keeps_the_shards_and_exits_130(tmp_path, tiny_base, monkeypatch,
     assert capsys.readouterr().err == ""
 
 
+def test_ctrl_c_mid_run_writes_the_answers_finished_before_it(
+    tmp_path, tiny_base, monkeypatch, capsys
+):
+    """Two answers finished, the shard of ten not yet full, Ctrl-C in the third: the two are
+    written (no answer the run made is lost), and the rerun answers the other two alone."""
+    real, calls = distill.run_batch, []
+
+    def third_interrupted(batch, *args):
+        calls.append(len(batch))
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+        return real(batch, *args)
+
+    monkeypatch.setattr(distill, "run_batch", third_interrupted)
+    out = tmp_path / "out"
+    prompts = _word_prompts(tmp_path)
+    recipe = recipe_file(tmp_path, tiny_base, prompts, out, batch_size=1, records_per_shard=10)
+    assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 130
+    assert len(read_records(out)) == 2
+    monkeypatch.setattr(distill, "run_batch", real)
+    assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 0
+    assert "distill: 100%|██████████| 2/2 [" in capsys.readouterr().err  # the other two alone
+    assert len({r["id"] for r in read_records(out)}) == len(read_records(out)) == 4
+
+
 def test_a_resume_with_other_settings_that_shape_the_answers_is_refused(
     tmp_path, tiny_base, capsys
 ):
