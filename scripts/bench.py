@@ -392,8 +392,12 @@ def main(argv: list[str] | None = None) -> int:
         remove_made(made)
         print(f"bench failed: {e}", file=sys.stderr)
         return 2
-    # a prompt whose first turn fits (checked above) gives its records
-    records = run_bench(prompts, methods, tokenizer, args.runs, args.seed, room)
+    except KeyboardInterrupt:
+        return _interrupted(made)
+    try:  # a prompt whose first turn fits (checked above) gives its records
+        records = run_bench(prompts, methods, tokenizer, args.runs, args.seed, room)
+    except KeyboardInterrupt:
+        return _interrupted(made)
     for r in records:
         del r["_ids"]
     results = {
@@ -449,6 +453,17 @@ def _warm_up(prompt: BenchPrompt, methods: list[Method], tokenizer, seed: int) -
         generator = getattr(m.generate, "generator", None)
         if generator is not None:
             generator.policy = None
+
+
+def _interrupted(made: list[Path]) -> int:
+    """Ctrl-C: the folders this run made are removed (the results are written at the end)."""
+    remove_made(made)
+    print(
+        "\nbench interrupted: nothing written (the results are written once every prompt has "
+        "run; --limit N or --per-category K runs fewer)",
+        file=sys.stderr,
+    )
+    return 130
 
 
 if __name__ == "__main__":

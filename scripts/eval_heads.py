@@ -237,4 +237,8 @@ def main(argv: list[str] | None = None) -> int:
 
 if __name__ == "__main__":
     with warnings_as_lines():  # a library warning as one line
-        raise SystemExit(main())
+        try:
+            raise SystemExit(main())
+        except KeyboardInterrupt:  # the scores are printed at the end: nothing to keep
+            print("\neval_heads interrupted: nothing written", file=sys.stderr)
+            raise SystemExit(130) from None

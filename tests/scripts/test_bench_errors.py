@@ -131,6 +131,21 @@ def test_a_refused_run_keeps_an_out_folder_that_was_there(folders, tmp_path):
     assert (tmp_path / "out").is_dir() and not any((tmp_path / "out").iterdir())
 
 
+def test_ctrl_c_says_so_in_a_line_and_removes_the_folder_it_made(
+    folders, tmp_path, capsys, monkeypatch
+):
+    def interrupted(*args):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(bench, "run_bench", interrupted)
+    prompts = _jsonl(tmp_path / "prompts.jsonl", SHAREGPT)
+    argv = ["--base", str(folders["base"]), "--prompts", str(prompts), "--methods", "ngram"]
+    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 130
+    err = capsys.readouterr().err
+    assert "bench interrupted: nothing written (the results are written once every" in err
+    assert "Traceback" not in err and not (tmp_path / "out").exists()
+
+
 def test_the_readmes_mt_bench_file_missing_says_where_to_get_it(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
     assert bench.main(["--prompts", "mt_bench.jsonl", "--base", "never-loaded"]) == 2
