@@ -131,6 +131,19 @@ def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata=Non
 
 
 def read_config(folder: Path) -> dict:
+    path = config_path(folder)
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of settings")
+    return data
+
+
+def config_path(folder: Path) -> Path:
+    """A heads folder's config.json, or a FileNotFoundError that says what the folder is
+    instead (a training run's, one of its checkpoints) and where its heads are."""
     path = folder / CONFIG_NAME
     if not path.is_file():
         if (folder / "heads" / CONFIG_NAME).is_file():  # a training run's output.dir
@@ -144,13 +157,7 @@ def read_config(folder: Path) -> dict:
                 f"training.resume={folder}"
             )
         raise FileNotFoundError(f"{folder} has no {CONFIG_NAME}; is it a heads folder?")
-    try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path} is not valid JSON: {e}") from e
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} holds a JSON {type(data).__name__}, not an object of settings")
-    return data
+    return path
 
 
 def read_tensors(folder: Path) -> dict[str, torch.Tensor]:
@@ -229,6 +236,7 @@ def resolve_folder(
     """A local folder as is, else download a Hub repo's config, weights and card."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
+        config_path(path)  # a training run's folder, or a checkpoint: said before any loading
         if revision is not None:  # a folder here named like a repo id is read as it is
             warnings.warn(
                 f"{path_or_repo_id} is a local folder: revision={revision!r} is for Hub repos "

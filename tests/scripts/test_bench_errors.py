@@ -120,6 +120,14 @@ def test_a_heads_folder_that_is_not_there_is_said_before_the_base_loads(
     assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
     assert "bench failed: heads folder not found: /nope" in capsys.readouterr().err
     assert not (tmp_path / "out").exists()
+    run = tmp_path / "run"  # a training run's folder, its heads in run/heads
+    (run / "heads").mkdir(parents=True)
+    (run / "heads/config.json").write_text("{}")
+    argv[-1] = str(run)
+    assert bench.main([*argv, "--out", str(tmp_path / "out")]) == 2
+    assert f"{run} is a training run's folder: its heads are in {run}/heads" in (
+        capsys.readouterr().err
+    )
 
 
 def test_a_refused_run_keeps_an_out_folder_that_was_there(folders, tmp_path):
