@@ -384,6 +384,11 @@ def load_recipe(path: str | Path | None, overrides: list[str] | tuple[str, ...] 
     if path is not None:
         if Path(path).is_dir():
             raise RecipeError(f"{where} is a folder: give a recipe file (recipes/*.yaml)")
+        if not Path(path).exists():
+            shipped = Path(__file__).parents[1] / "recipes"
+            names = ", ".join(sorted(p.name for p in shipped.glob("*.yaml")))
+            hint = f" (the shipped ones, in recipes/: {names})" if names else ""
+            raise RecipeError(f"recipe {where} not found{hint}")
         try:
             text = Path(path).read_text(encoding="utf-8")
         except UnicodeDecodeError as e:

@@ -206,6 +206,15 @@ def test_loss_settings_that_would_train_the_heads_wrong_are_refused(override, sa
     assert load_recipe(None, [f"{field}={sane}"]) is not None
 
 
+def test_a_recipe_that_is_not_there_is_named_with_the_shipped_ones(tmp_path):
+    with pytest.raises(
+        RecipeError,
+        match=r"recipe .*nope.yaml not found \(the shipped ones, in recipes/: .*"
+        r"smollm2-135m-eagle.yaml",
+    ):
+        load_recipe(tmp_path / "nope.yaml")
+
+
 def test_aux_layers_out_of_order_are_refused_up_front():
     # vLLM and SGLang collect the base's states in layer order: a draft trained on another
     # order would be fed its fc's inputs swapped there
