@@ -334,7 +334,7 @@ def feature_batches(
     device = next(base.parameters()).device
     order = sorted(range(len(examples)), key=lambda i: len(examples[i]["input_ids"]))
     tokens = sum(len(e["input_ids"]) for e in examples)
-    with tqdm(total=tokens, unit="tok", desc=desc, disable=disable_progress) as bar:
+    with tqdm(total=tokens, unit="tok", desc=desc, disable=disable_progress or not examples) as bar:
         for start in range(0, len(order), batch_size):
             idx = order[start : start + batch_size]
             batch = pad_batch([examples[i] for i in idx], pad_token_id)
