@@ -244,6 +244,8 @@ def main(argv: list[str] | None = None) -> int:
         stats = (
             f"[{len(new)} tokens in {seconds:.1f} s: {len(new) / seconds:.1f} tok/s, tau {tau:.2f}"
         )
+        if len(new) >= args.max_new_tokens and (not new or new[-1] not in eos):
+            stats += f"; cut at --max-new-tokens {args.max_new_tokens}"
         if args.compare:
             try:
                 start = time.perf_counter()

@@ -107,6 +107,17 @@ def test_compare_reports_the_speedup_over_hf(folders, monkeypatch, capsys):
     ]
 
 
+def test_an_answer_cut_at_max_new_tokens_is_said_so(folders, monkeypatch, capsys):
+    """Three tokens, none an end of turn, with --max-new-tokens 3: the answer did not end."""
+    _stub_answers(monkeypatch, new=(330, 331, 332))
+    argv = ["--base", str(folders["base"]), "--max-new-tokens"]
+    assert _main(monkeypatch, ["Hi."], *argv, "3") == 0
+    stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
+    assert stats == ["[3 tokens in 1.0 s: 3.0 tok/s, tau 1.00; cut at --max-new-tokens 3]"]
+    assert _main(monkeypatch, ["Hi."], *argv, "4") == 0  # ended before the limit
+    assert "cut at" not in capsys.readouterr().err
+
+
 def test_a_character_split_over_steps_is_shown_once_whole(capsys):
     # the tokenizer decodes a character's first byte alone as U+FFFD: it waits for the rest
     texts = {(1,): "a", (1, 2): "a\ufffd", (1, 2, 3): "a\u00e9"}
