@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import transformers
 from accelerate import PartialState
 from tqdm import tqdm
 
@@ -53,7 +54,7 @@ from train.config import (
     recipe_to_dict,
     refuse_other_run,
 )
-from train.console import warnings_as_lines
+from train.console import one_process_note, warnings_as_lines
 from train.data import (
     ChatTemplateError,
     render_conversation,
@@ -325,11 +326,12 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     mine = todo[state.process_index :: state.num_processes]
     if state.is_main_process:
         logger.info(
-            "%d records: %d already written, %d to generate on %d process(es)",
+            "%d records: %d already written, %d to generate on %d process(es)%s",
             len(items),
             len(items) - len(todo),
             len(todo),
             state.num_processes,
+            one_process_note(state.num_processes),
         )
     # A run that continues a folder draws another stream than a fresh one: else a sample
     # regenerated where its sibling was first drawn would repeat it (num_samples > 1).
@@ -402,6 +404,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", default=[], help="key=value or section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
+    later_rank = int(os.environ.get("RANK", "0")) > 0
+    if later_rank:  # one loading bar, the first process's
+        transformers.utils.logging.disable_progress_bar()
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         manifest = distill(recipe)
@@ -426,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         release_output_locks()
+        if later_rank:
+            transformers.utils.logging.enable_progress_bar()
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]
         print(

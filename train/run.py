@@ -39,6 +39,7 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import Recipe, check_writable, load_recipe, refuse_other_run
+from train.console import one_process_note
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
@@ -188,14 +189,7 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
         )
     processes = accelerator.num_processes
     joined = f"training on {processes} process{'es' if processes > 1 else ''}"
-    launched = os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ
-    if processes == 1 and world == 1 and launched:
-        # what accelerate launch --num_processes N (N > 1) leaves when it starts one process
-        joined += (
-            ": if accelerate launch was asked for several, it started one; several on a machine "
-            "without a GPU need --multi_gpu --num_processes N (--cpu starts one)"
-        )
-    accelerator.print(joined)
+    accelerator.print(joined + one_process_note(processes))
     deepspeed = accelerator.state.deepspeed_plugin
     if deepspeed is not None and deepspeed.is_auto("train_micro_batch_size_per_gpu"):
         # accelerate reads "auto" from a prepared DataLoader; the recipes batch by themselves.
