@@ -95,13 +95,42 @@ def run_training(training_function, argv: list[str] | None, kind: str) -> None:
         release_output_locks()
 
 
+def usage(kind: str) -> str:
+    """The training scripts' help: the command, what it does, and every recipe key."""
+    import dataclasses
+    import textwrap
+
+    what = {"medusa": "Medusa heads", "eagle": "an EAGLE draft layer"}[kind]
+    about = textwrap.fill(
+        f"Train {what} for a frozen base on self-distilled answers (scripts/distill.py), as the "
+        "recipe (recipes/*.yaml) says; each key=value overrides one of its settings, e.g. "
+        "training.max_steps=100 data.limit=64. Rerunning the same command resumes from the "
+        "last checkpoint (training.resume=auto; never: afresh; a checkpoint folder: from "
+        "there). Plain `python` runs one process; accelerate launch runs several.",
+        width=90,
+    )
+    default = Recipe()
+    sections = "\n".join(
+        textwrap.fill(
+            f"{f.name}: " + ", ".join(g.name for g in dataclasses.fields(getattr(default, f.name))),
+            width=90,
+            initial_indent="  ",
+            subsequent_indent="    ",
+        )
+        for f in dataclasses.fields(default)
+    )
+    return (
+        f"usage: accelerate launch train/{kind}.py RECIPE.yaml [section.key=value ...]\n\n"
+        f"{about}\n\nRecipe sections and their keys (defaults: train/config.py, "
+        f"docs/training.md):\n{sections}"
+    )
+
+
 def parse_args(argv: list[str] | None, default_type: str) -> Recipe:
     """`RECIPE.yaml [key=value ...]` -> a validated recipe (errors exit with the message)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] in ("-h", "--help"):
-        print(
-            f"usage: accelerate launch train/{default_type}.py RECIPE.yaml [section.key=value ...]"
-        )
+        print(usage(default_type), file=sys.stdout if argv else sys.stderr)
         raise SystemExit(0 if argv else 2)
     with stop_on_bad_input():
         recipe = load_recipe(argv[0], argv[1:])

@@ -69,11 +69,16 @@ def test_a_run_frees_its_output_folder_however_it_ends(tmp_path):
 
 @pytest.mark.parametrize("argv, code", [([], 2), (["-h"], 0), (["--help"], 0)])
 def test_the_usage_line_and_its_exit_status(argv, code, capsys):
-
+    """Asked for, the help goes to stdout; for a command without its recipe, to stderr. It
+    names every section's keys."""
     with pytest.raises(SystemExit) as exit_:
         parse_args(argv, "medusa")
     assert exit_.value.code == code
-    assert "usage: accelerate launch train/medusa.py RECIPE.yaml" in capsys.readouterr().out
+    said = capsys.readouterr()
+    text = said.out if argv else said.err
+    assert text.startswith("usage: accelerate launch train/medusa.py RECIPE.yaml")
+    assert "\n  training: mode, feature_cache, epochs, max_steps," in text
+    assert "\n  logging: report_to, project, log_every_steps\n" in text
 
 
 def test_the_main_process_keeps_its_warnings(monkeypatch):
