@@ -253,7 +253,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     methods = ",".join(bench_methods.METHODS)
     add("--methods", default=None, help=f"subset of {methods} (default: all the options allow)")
     add("--draft-model", default=None, help="small draft LM sharing the base's tokenizer")
-    add("--max-new-tokens", type=int, default=128)
+    add("--max-new-tokens", type=int, default=128, help="per answer (default 128)")
     add("--limit", type=int, default=None, help="the first K prompts (of --per-category's sample)")
     add(
         "--exclude",
@@ -272,7 +272,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default=1,
         help="timed repeats per prompt: each record is the run of median tokens/s",
     )
-    add("--seed", type=int, default=0)
+    add("--seed", type=int, default=0, help="of the sampling methods' draws (default 0)")
     add(
         "--tree", default=None, help="fixed Medusa tree: preset or JSON choices (default: adaptive)"
     )
@@ -325,7 +325,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         default="sdpa",
         help="attention of the base and the draft model",
     )
-    add("--out", default="runs/bench")
+    add(
+        "--out",
+        default="runs/bench",
+        help="folder for results.json, results.md and the plots (default runs/bench; a rerun "
+        "replaces its results)",
+    )
     args = parser.parse_args(argv)
     counts = (args.limit, args.per_category)
     as_trained.check_flag(parser, args)

@@ -59,7 +59,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         metavar="PATH",
         help="the lookup also reads these answers (a distill output folder); implies --lookup",
     )
-    add("--max-new-tokens", type=int, default=512)
+    add("--max-new-tokens", type=int, default=512, help="per answer (default 512)")
     add("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     add("--top-p", type=float, default=1.0)
     add("--top-k", type=int, default=0)
