@@ -53,7 +53,8 @@ def run_stage(name: str, args: list[str], timings: dict[str, float], folder: str
                 if refused
                 else ""
             )
-            + "Rerunning `make demo` resumes where it stopped."
+            + "Rerunning the same command (make demo, or scripts/demo.py with its flags) resumes "
+            "where it stopped."
         )
 
 
@@ -114,7 +115,6 @@ def main(argv: list[str] | None = None) -> int:
             f"--max-new-tokens {args.max_new_tokens} leaves no room for a prompt in the base's "
             f"context ({context} positions)"
         )
-    out.mkdir(parents=True, exist_ok=True)
     timings: dict[str, float] = {}
 
     run_stage("distill", ["scripts/distill.py", str(MEDUSA)], timings, DISTILLED)
@@ -134,6 +134,7 @@ def main(argv: list[str] | None = None) -> int:
     # about 16 prompts: 2 of each of MT-bench's 8 categories, 16 of HumanEval's or a file's one
     per_category = args.per_category or max(2, round(16 / categories))
     bench_out = out / "bench"
+    out.mkdir(parents=True, exist_ok=True)  # once the stages before have run: not left empty
     run_stage(
         "benchmark",
         [
