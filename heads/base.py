@@ -82,7 +82,10 @@ def embedded_gguf_path() -> Path:
 def _convert_gguf(gguf_path: Path, out_dir: Path, source_name: str) -> None:
     """Dequantise a GGUF once and write a safetensors copy (model + tokenizer) atomically."""
     logger.warning(
-        "Converting %s to safetensors (once; later loads use %s)", gguf_path.name, out_dir
+        "Converting %s to safetensors (once: ~30 s for the embedded model, longer for larger "
+        "ones; later loads use %s)",
+        gguf_path.name,
+        out_dir,
     )
     tokenizer = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
     quantized = AutoModelForCausalLM.from_pretrained(
