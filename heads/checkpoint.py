@@ -7,6 +7,7 @@ naming the tensor) before anything is copied in, so a bad folder never half-load
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -120,14 +121,32 @@ class PretrainedHeads(nn.Module):
             )
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], path: Path, metadata=None) -> None:
-    """`safetensors.torch.save_file`, readable by others as any file this process writes:
-    safetensors 0.8 leaves its files owner-only (0600), which a server running as another
-    user (a container) cannot read."""
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], path: Path, metadata: dict[str, str] | None = None
+) -> None:
+    """`safetensors.torch.save_file`, readable by others as any file this process writes."""
     save_file(tensors, path, metadata=metadata)
-    umask = os.umask(0)
+    as_new_file(path)
+
+
+def as_new_file(path: Path) -> None:
+    """Give a file the mode any new file of this process takes (0644 under the usual umask):
+    safetensors 0.8 (and peft through it) leaves its files owner-only (0600), which a server
+    running as another user (a container) cannot read. Best effort: a mount that refuses
+    chmod keeps the file as written."""
+    with contextlib.suppress(OSError):
+        os.chmod(path, 0o666 & ~_umask())
+
+
+def _umask() -> int:
+    """The process's umask, read without setting it where Linux tells it (setting it, even
+    back at once, would give another thread's new file the wrong mode meanwhile)."""
+    with contextlib.suppress(OSError, ValueError, StopIteration):
+        status = Path("/proc/self/status").read_text().splitlines()
+        return int(next(line for line in status if line.startswith("Umask:")).split()[1], 8)
+    umask = os.umask(0o022)
     os.umask(umask)
-    os.chmod(path, 0o666 & ~umask)
+    return umask
 
 
 def read_config(folder: Path) -> dict:

@@ -63,7 +63,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add("--temperature", type=float, default=0.0, help="0: greedy (default); > 0: sampling")
     add("--top-p", type=float, default=1.0)
     add("--top-k", type=int, default=0)
-    add("--seed", type=int, default=0, help="of the first answer; each answer takes the next")
+    add(
+        "--seed",
+        type=int,
+        default=0,
+        help="of the first answer (default 0); each answer takes the next",
+    )
     add("--system-prompt", default=None, metavar="TEXT", help="the conversation's system turn")
     add("--chat-template", default=None, metavar="TEMPLATE", help="Jinja string or .jinja file")
     add("--as-trained", action="store_true", help=as_trained.HELP)
@@ -244,7 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         stats = (
             f"[{len(new)} tokens in {seconds:.1f} s: {len(new) / seconds:.1f} tok/s, tau {tau:.2f}"
         )
-        if len(new) >= args.max_new_tokens and (not new or new[-1] not in eos):
+        if len(new) >= args.max_new_tokens and new[-1] not in eos:  # the answer had not ended
             stats += f"; cut at --max-new-tokens {args.max_new_tokens}"
         if args.compare:
             try:

@@ -96,6 +96,14 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("--max-new-tokens and --per-category must be >= 1")
     # The stages run in the repository; a path given here is read from where the demo was run.
     out = Path(args.out).resolve() if args.out else ROOT / "runs/demo"
+    if out.exists() and not out.is_dir():
+        parser.error(f"--out {out} is a file: give a folder for the report")
+    from train.config import RecipeError, check_writable
+
+    try:  # said now, not after the stages' half hour
+        check_writable("--out", out)
+    except RecipeError as e:
+        parser.error(str(e))
     if args.prompts and Path(args.prompts).exists():
         args.prompts = str(Path(args.prompts).resolve())
     try:

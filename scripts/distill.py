@@ -54,7 +54,7 @@ from train.config import (
     recipe_to_dict,
     refuse_other_run,
 )
-from train.console import one_process_note, warnings_as_lines
+from train.console import warnings_as_lines
 from train.data import (
     ChatTemplateError,
     render_conversation,
@@ -86,6 +86,7 @@ from train.prompts import (
     expand_sources,
     load_prompts,
 )
+from train.run import one_process_note
 
 logger = logging.getLogger("distill")
 
@@ -404,8 +405,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("overrides", nargs="*", default=[], help="key=value or section.key=value")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    later_rank = int(os.environ.get("RANK", "0")) > 0
-    if later_rank:  # one loading bar, the first process's
+    # one loading bar, the first process's (put back after: distill is called in-process too)
+    hushed = (
+        int(os.environ.get("RANK", "0")) > 0
+        and transformers.utils.logging.is_progress_bar_enabled()
+    )
+    if hushed:
         transformers.utils.logging.disable_progress_bar()
     try:
         recipe = load_recipe(args.recipe, args.overrides)
@@ -431,7 +436,7 @@ def main(argv: list[str] | None = None) -> int:
         return 130
     finally:
         release_output_locks()
-        if later_rank:
+        if hushed:
             transformers.utils.logging.enable_progress_bar()
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]

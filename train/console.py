@@ -5,7 +5,6 @@ a user of a command line nothing and break a chat's or a progress bar's lines in
 
 from __future__ import annotations
 
-import os
 import sys
 import warnings
 from collections.abc import Iterator
@@ -27,16 +26,3 @@ def _say(message, category, filename, lineno, file=None, line=None) -> None:
         return
     with suppress(OSError):  # a closed pipe (`chat.py 2>&1 | head`): not worth a crash
         print(f"warning: {message}", file=file)
-
-
-def one_process_note(processes: int) -> str:
-    """Said after "on 1 process" where `accelerate launch --num_processes N` started one (as it
-    does on a machine without a GPU unless told --multi_gpu); empty otherwise."""
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    launched = os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ
-    if processes == 1 and world == 1 and launched:
-        return (
-            ": if accelerate launch was asked for several, it started one; several on a machine "
-            "without a GPU need --multi_gpu --num_processes N (--cpu starts one)"
-        )
-    return ""

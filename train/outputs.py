@@ -14,6 +14,7 @@ import torch
 from accelerate import Accelerator
 
 from heads.base import gguf_file_name
+from heads.checkpoint import as_new_file
 from heads.hub import HubPushError, push_folder
 from heads.lora import LORA_FOLDER, lora_probe
 from train.config import Recipe, save_recipe
@@ -86,6 +87,8 @@ def save_final(
     if lora:  # the adapter first: the heads' config names it, and saving them checks it is there
         heads.config.base_lora, heads.config.base_lora_probe = LORA_FOLDER, probe
         base.save_pretrained(folder / LORA_FOLDER)
+        for weights in (folder / LORA_FOLDER).glob("*.safetensors"):  # peft's are owner-only
+            as_new_file(weights)
     elif (folder / LORA_FOLDER).is_dir():  # an earlier Medusa-2 run's, in this dir
         shutil.rmtree(folder / LORA_FOLDER)
     heads.save_pretrained(folder, dtype=getattr(torch, recipe.output.heads_dtype))

@@ -39,7 +39,6 @@ from train.checkpoint import (
     resolve_resume,
 )
 from train.config import Recipe, check_writable, load_recipe, refuse_other_run
-from train.console import one_process_note
 from train.feature_cache import FeatureCache, FeatureCacheError, fill_cache
 from train.features import (
     ExampleDataset,
@@ -102,7 +101,8 @@ def usage(kind: str) -> str:
 
     what = {"medusa": "Medusa heads", "eagle": "an EAGLE draft layer"}[kind]
     about = textwrap.fill(
-        f"Train {what} for a frozen base on self-distilled answers (scripts/distill.py), as the "
+        f"Train {what} for a base (frozen, but for Medusa-2's heads.lora_r > 0) on "
+        "self-distilled answers (scripts/distill.py), as the "
         "recipe (recipes/*.yaml) says; each key=value overrides one of its settings, e.g. "
         "training.max_steps=100 data.limit=64. Rerunning the same command resumes from the "
         "last checkpoint (training.resume=auto; never: afresh; a checkpoint folder: from "
@@ -121,8 +121,8 @@ def usage(kind: str) -> str:
     )
     return (
         f"usage: accelerate launch train/{kind}.py RECIPE.yaml [section.key=value ...]\n\n"
-        f"{about}\n\nRecipe sections and their keys (defaults: train/config.py, "
-        f"docs/training.md):\n{sections}"
+        f"{about}\n\nRecipe sections and their keys (defaults and meanings: train/config.py):"
+        f"\n{sections}"
     )
 
 
@@ -167,6 +167,19 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
                     f"resuming {ckpt} with settings changed since: {'; '.join(changed)}"
                 )
     return ckpt
+
+
+def one_process_note(processes: int) -> str:
+    """Said after "on 1 process" where `accelerate launch --num_processes N` started one (as it
+    does on a machine without a GPU unless told --multi_gpu); empty otherwise."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    launched = os.environ.get("MASTER_ADDR") and "ACCELERATE_USE_CPU" in os.environ
+    if processes == 1 and world == 1 and launched:
+        return (
+            ": if accelerate launch was asked for several, it started one; several on a machine "
+            "without a GPU need --multi_gpu --num_processes N (--cpu starts one)"
+        )
+    return ""
 
 
 def make_accelerator(recipe: Recipe) -> Accelerator:

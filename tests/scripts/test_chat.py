@@ -260,7 +260,9 @@ def test_an_answer_of_the_prefills_token_alone_has_tau_one(folders, monkeypatch,
     assert chat.main(argv) == 0
     stats = [line for line in capsys.readouterr().err.splitlines() if line.startswith("[")]
     assert len(stats) == 1
-    assert stats[0].startswith("[1 tokens in ") and stats[0].endswith(", tau 1.00]")
+    assert stats[0].startswith("[1 tokens in ") and stats[0].endswith(
+        ", tau 1.00; cut at --max-new-tokens 1]"
+    )
 
 
 def test_an_answer_that_ends_inside_a_character_shows_its_last_bytes(capsys):

@@ -116,6 +116,9 @@ def test_an_answer_cut_at_max_new_tokens_is_said_so(folders, monkeypatch, capsys
     assert stats == ["[3 tokens in 1.0 s: 3.0 tok/s, tau 1.00; cut at --max-new-tokens 3]"]
     assert _main(monkeypatch, ["Hi."], *argv, "4") == 0  # ended before the limit
     assert "cut at" not in capsys.readouterr().err
+    monkeypatch.setattr(chat, "stop_token_ids", lambda base, tokenizer: [332])
+    assert _main(monkeypatch, ["Hi."], *argv, "3") == 0  # its last token ends the turn
+    assert "cut at" not in capsys.readouterr().err
 
 
 def test_a_character_split_over_steps_is_shown_once_whole(capsys):

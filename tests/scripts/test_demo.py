@@ -69,7 +69,8 @@ def test_a_failed_stage_stops_the_demo_saying_a_rerun_resumes(monkeypatch):
     with pytest.raises(SystemExit) as stop:
         demo.run_stage("distill", ["scripts/distill.py"], {})
     message = str(stop.value.code)
-    assert "stage 'distill' failed (exit 1" in message and "resumes" in message
+    assert "stage 'distill' failed (exit 1" in message
+    assert "Rerunning the same command (make demo, or scripts/demo.py with its flags)" in message
     assert "move it away" not in message  # not a refusal: a folder is not the likely cause
 
 
@@ -116,6 +117,7 @@ def test_bad_flags_stop_the_demo_before_any_stage(tmp_path, monkeypatch, capsys)
             "no room for a prompt in the base's context (8192 positions)",
         ),
         (["--per-category", "0"], "must be >= 1"),
+        (["--out", "bad.jsonl"], "is a file: give a folder for the report"),
     ):
         with pytest.raises(SystemExit) as stop:
             demo.main(argv)
