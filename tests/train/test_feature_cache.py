@@ -273,18 +273,18 @@ def test_a_fill_killed_while_writing_a_shard_leaves_no_shard_under_its_name(
     """A shard is written under a temporary name and renamed: killed mid-write, the cache holds
     no torn shard (which read_index would refuse), and the rerun computes the examples."""
     exs = examples(3)
-    real = fc.save_file
+    real = fc.write_safetensors
 
     def killed_mid_write(tensors, path, metadata=None):
         with open(path, "wb") as f:
             f.write(b"half a shard")
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(fc, "save_file", killed_mid_write)
+    monkeypatch.setattr(fc, "write_safetensors", killed_mid_write)
     with pytest.raises(KeyboardInterrupt):
         fill(base, exs, tmp_path)
     assert not list(tmp_path.glob("features-r*.safetensors"))
-    monkeypatch.setattr(fc, "save_file", real)
+    monkeypatch.setattr(fc, "write_safetensors", real)
     fill(base, exs, tmp_path)  # no "unreadable shard" error
     cache = fc.FeatureCache(tmp_path, exs, torch.float32)
     assert cache[2]["hidden"].shape == (len(exs[2]["input_ids"]), 64)

@@ -13,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 
+import heads.checkpoint
 import train.eagle
 import train.medusa
 from tests.train.conftest import MEDUSA_RUN, TINY_EAGLE, TINY_MEDUSA, load_tiny_base, run
@@ -444,7 +445,7 @@ def test_a_vocabulary_write_killed_midway_leaves_the_earlier_one_whole(tmp_path,
             f.truncate(20)  # only part of it reached the disk
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(safetensors.torch, "save_file", killed_mid_write)
+    monkeypatch.setattr(heads.checkpoint, "save_file", killed_mid_write)  # write_safetensors
     with pytest.raises(KeyboardInterrupt):
         save_draft_vocabulary(tmp_path, torch.tensor([4, 8]))
     monkeypatch.undo()
