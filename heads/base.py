@@ -26,6 +26,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from heads.cpu import prepack_linear_weights
+from heads.placement import default_device, default_dtype, floating_dtype, usable_device
 
 logger = logging.getLogger(__name__)
 
@@ -39,18 +40,6 @@ EMBEDDED_HUB_ID = "HuggingFaceTB/SmolLM2-135M-Instruct"
 def cache_dir() -> Path:
     """Folder for converted base models: `$HEADSTART_CACHE`, else `~/.cache/headstart`."""
     return Path(os.environ.get("HEADSTART_CACHE", Path.home() / ".cache" / "headstart"))
-
-
-def default_dtype(device: torch.device | str | None = None) -> torch.dtype:
-    """fp32 on CPU (exact greedy checks, and many CPUs have no bf16 instructions), bf16 on CUDA."""
-    device = torch.device(device) if device is not None else _default_device()
-    if device.type == "cuda" and torch.cuda.is_bf16_supported():
-        return torch.bfloat16
-    return torch.float32
-
-
-def _default_device() -> torch.device:
-    return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
 def gguf_file_name(name_or_path: str | os.PathLike) -> str | None:
@@ -271,7 +260,7 @@ def load_base(
     """
     if device_map is not None and device is not None:
         raise ValueError("give device or device_map, not both (device_map places every module)")
-    device = usable_device(device) if device is not None else _default_device()
+    device = usable_device(device) if device is not None else default_device()
     dtype = floating_dtype(dtype, "'auto' (fp32 on a CPU, bf16 on a GPU)")
     places = set(device_map.values() if isinstance(device_map, dict) else [device_map])
     cpu_only = device_map is not None and places <= {"cpu", "disk"}  # no GPU in the placement
@@ -395,42 +384,6 @@ def default_aux_layer_ids(num_hidden_layers: int) -> tuple[int, int, int]:
     if L >= 3:
         return (L - 3, L - 2, L - 1)
     return tuple(min(max(i, 0), L - 1) for i in (2, L // 2, L - 3))
-
-
-def floating_dtype(dtype: torch.dtype | str | None, auto: str) -> torch.dtype | None:
-    """`dtype` as a floating torch.dtype (a name such as "bfloat16" read as torch's), None for
-    None or "auto" (`auto` says what that means, for the error), or a ValueError naming them."""
-    named = getattr(torch, dtype, None) if isinstance(dtype, str) and dtype != "auto" else dtype
-    if dtype is None or dtype == "auto":
-        return None
-    if not isinstance(named, torch.dtype) or not named.is_floating_point:
-        raise ValueError(
-            f"dtype={dtype!r} is no floating torch dtype: give one such as 'float32', "
-            f"'bfloat16', 'float16', or {auto}"
-        )
-    return named
-
-
-def usable_device(device: str | torch.device) -> torch.device:
-    """`device` as a torch.device, or a ValueError that says why this machine cannot use it (a
-    name torch does not know; CUDA, MPS or XPU where torch sees none, or too few)."""
-    try:
-        device = torch.device(device)
-    except RuntimeError as e:
-        raise ValueError(
-            f"device={str(device)!r} is no torch device: give 'cpu', 'cuda', 'cuda:1', 'mps', ..."
-        ) from e
-    backend = getattr(torch, device.type, None)
-    available = getattr(backend, "is_available", None)
-    if device.type != "cpu" and callable(available) and not available():
-        raise ValueError(
-            f"device={str(device)!r}, but torch {torch.__version__} sees no {device.type} device "
-            "on this machine: give device='cpu', or install a torch build for it"
-        )
-    count = getattr(backend, "device_count", None)
-    if device.index is not None and callable(count) and device.index >= count():
-        raise ValueError(f"device={str(device)!r}, but torch sees {count()} {device.type} devices")
-    return device
 
 
 def logits_scaling(base: PreTrainedModel) -> Callable[[torch.Tensor], torch.Tensor] | None:

@@ -20,15 +20,9 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import (
-    check_model,
-    floating_dtype,
-    input_device,
-    is_repo_id,
-    parameter_values,
-    usable_device,
-)
+from heads.base import check_model, input_device, is_repo_id, parameter_values
 from heads.cpu import PackedLinear, prepack_linear_weights
+from heads.placement import floating_dtype, usable_device
 
 WEIGHTS_NAME = "model.safetensors"
 CONFIG_NAME = "config.json"

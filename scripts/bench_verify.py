@@ -45,8 +45,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 import bench_report  # noqa: E402  (scripts/ is not a package)
 
 from heads import load_base  # noqa: E402
-from heads.base import usable_device  # noqa: E402
 from heads.export import remove_made  # noqa: E402
+from heads.placement import usable_device  # noqa: E402
 from inference import (  # noqa: E402
     Draft,
     Drafter,

@@ -21,8 +21,8 @@ import yaml
 from accelerate import Accelerator, PartialState
 from transformers.integrations import is_deepspeed_zero3_enabled
 
-from heads.base import default_dtype
 from heads.config import same_base
+from heads.placement import default_dtype
 from train.config import RecipeError, dotted_items, recipe_to_dict, save_recipe
 from train.feature_cache import cache_base_dtype, weights_fingerprint
 from train.features import VOCAB_FILE, save_draft_vocabulary
