@@ -165,20 +165,27 @@ def test_the_summary_gives_the_estimates_the_policy_decides_on():
     assert summary[2]["tokens_per_s"] == 0.0 and summary[2]["steps"] == 0  # never run
 
 
-def test_an_arm_close_to_the_best_keeps_the_base_interval():
-    """A lookup that found nothing this time costs what a plain step does, and pays in bursts:
-    no back-off for it."""
-    policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
+def plain_beside_drafts(gains: dict[int, int]):
+    """An outcome for `drive`: arm 0 (plain) 1 token in 1 s; arm 1 1.05 s a step and 1 token,
+    but `gains[n]` tokens on its n-th step."""
     tried = 0
 
     def outcome(step, arm):
         nonlocal tried
         if arm == 0:
             return 1, 1.0
-        tried += 1  # its first step gains 3 tokens, every other one nothing
-        return (3 if tried == 1 else 1), 1.05
+        tried += 1
+        return gains.get(tried, 1), 1.05
 
-    chosen = drive(policy, 1000, outcome)
+    return outcome
+
+
+def test_an_arm_close_to_the_best_keeps_the_base_interval():
+    """A lookup that found nothing this time costs what a plain step does, and pays in bursts:
+    no back-off for it."""
+    policy = AdaptivePolicy.from_options([None, {"num_tokens": 6}])
+    # its first step gains 3 tokens, every other one nothing
+    chosen = drive(policy, 1000, plain_beside_drafts({1: 3}))
     assert policy.estimate_rate(1) >= 0.9 * policy.estimate_rate(0)  # close to the best
     tries = [t for t in retries(chosen, 1) if t[0] >= 100]  # once its burst has faded
     assert len(tries) >= 20
@@ -207,16 +214,8 @@ def test_an_idle_arm_whose_draft_is_accepted_gets_the_base_interval_back():
     """Backed off for drafts never accepted, an arm whose draft is accepted on a later re-try
     (the text changed) is re-tried every 32 steps again, and stays so through dry stretches."""
     policy = AdaptivePolicy.from_options([None, {"num_tokens": 3}])
-    tried = 0
-
-    def outcome(step, arm):
-        nonlocal tried
-        if arm == 0:
-            return 1, 1.0
-        tried += 1
-        return (2 if tried == 17 else 1), 1.05  # its fifth try's first step gains a token
-
-    chosen = drive(policy, 3000, outcome)
+    # its fifth try's first step (its 17th step) gains a token
+    chosen = drive(policy, 3000, plain_beside_drafts({17: 2}))
     tries = retries(chosen, 1)
     gaps = waits(tries)
     assert gaps[:4] == [32, 32, 64, 128] and policy.arms[1].gained
