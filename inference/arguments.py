@@ -73,6 +73,71 @@ def check_generation_arguments(
     return max_new_tokens, stop_strings
 
 
+_NOT_APPLIED = (
+    "not applied: the verifier keeps the base's own distribution (temperature, top_k and top_p "
+    "only), so that the output is the base's, token for token"
+)
+_NO_RECORDS = (
+    "the output is a GenerationOutput (sequences, accepted_lengths, tree_sizes, timings, "
+    "finished); scores, logits and hidden states are not kept"
+)
+# HF `generate` arguments that the generator does not take, and what to do instead
+HF_INSTEAD = {
+    "do_sample": "sampling is temperature > 0 (with top_k, top_p); temperature=0.0, the "
+    "default, is greedy",
+    "num_beams": "the verifier decodes one sequence, greedy or sampled: no beam search",
+    "num_return_sequences": "one sequence a call: call it again (with another seed to sample "
+    "another)",
+    "max_length": "give max_new_tokens (new tokens, the prompt not counted)",
+    "pad_token_id": "one sequence needs no padding: leave it out",
+    "generation_config": "give its settings as arguments (max_new_tokens, temperature, top_k, "
+    "top_p, eos_token_id, stop_strings)",
+    "stopping_criteria": "give eos_token_id or stop_strings (with tokenizer=)",
+    "use_cache": "the generator always decodes with a cache",
+    "assistant_model": "the drafter is the generator's: SpeculativeGenerator(base, draft_model)",
+    "prompt_lookup_num_tokens": "the drafter is the generator's: SpeculativeGenerator(base, "
+    "None) drafts by n-gram lookup",
+    **dict.fromkeys(
+        (
+            "repetition_penalty",
+            "no_repeat_ngram_size",
+            "min_new_tokens",
+            "min_length",
+            "bad_words_ids",
+            "suppress_tokens",
+            "sequence_bias",
+            "logits_processor",
+            "typical_p",
+            "min_p",
+            "epsilon_cutoff",
+            "eta_cutoff",
+        ),
+        _NOT_APPLIED,
+    ),
+    **dict.fromkeys(
+        (
+            "return_dict_in_generate",
+            "output_scores",
+            "output_logits",
+            "output_attentions",
+            "output_hidden_states",
+        ),
+        _NO_RECORDS,
+    ),
+}
+
+
+def refuse_other_arguments(kwargs: Mapping, where: str) -> None:
+    """Raise TypeError for keyword arguments `where` does not take, saying what to do instead
+    of those HF `generate` takes."""
+    if not kwargs:
+        return
+    name = next(iter(kwargs))
+    if name in HF_INSTEAD:
+        raise TypeError(f"{where}() takes no {name!r} (HF generate's): {HF_INSTEAD[name]}")
+    raise TypeError(f"{where}() got an unexpected keyword argument {name!r}")
+
+
 def _is_index(value) -> bool:
     """An integer as Python reads one: an int, a numpy integer, a one-element integer tensor."""
     try:

@@ -40,6 +40,7 @@ from inference.arguments import (
     check_generation_arguments,
     check_token_ids,
     eos_ids,
+    refuse_other_arguments,
     warn_pad_in_prompt,
 )
 from inference.base_checks import (
@@ -295,6 +296,7 @@ class SpeculativeGenerator:
         acceptance: str = "lossless",
         stats: dict | None = None,
         attention_mask: torch.Tensor | None = None,
+        **others,
     ) -> Iterator[list[int]]:
         """Yield the new tokens of every step (the first yield is the prefill's token).
 
@@ -305,6 +307,7 @@ class SpeculativeGenerator:
         keeps one sequence's), so they speculate worse than one at a time; give each
         concurrent stream its own generator.
         """
+        refuse_other_arguments(others, "stream")
         ids = prompt_ids(input_ids, attention_mask)
         max_new_tokens, stop_strings = check_generation_arguments(
             max_new_tokens, temperature, top_k, top_p, acceptance, stop_strings, tokenizer, seed
@@ -462,6 +465,8 @@ class SpeculativeGenerator:
         tokenizer=None,
         acceptance: str = "lossless",
         attention_mask: torch.Tensor | None = None,
+        streamer=None,
+        **others,
     ) -> GenerationOutput:
         """Generate up to `max_new_tokens` tokens after `input_ids` ((1,T) or (T,)).
 
@@ -473,12 +478,23 @@ class SpeculativeGenerator:
         Medusa's typical acceptance: faster at high temperature but LOSSY (opt-in).
         `eos_token_id` defaults to the base's generation config; `stop_strings` need `tokenizer`.
         `attention_mask` (a tokenizer's, so `generate(**inputs)` works) must be all ones: one
-        sequence, no padding.
+        sequence, no padding. `streamer` (transformers' `TextStreamer`,
+        `TextIteratorStreamer` or another with `put` and `end`) is given the prompt, then each
+        step's new tokens, then `end()`, as HF `generate` gives them. HF `generate`'s other
+        arguments are refused with what to give instead.
         """
+        refuse_other_arguments(others, "generate")
+        if streamer is not None and not all(
+            callable(getattr(streamer, m, None)) for m in ("put", "end")
+        ):
+            raise TypeError(
+                f"streamer={streamer!r} has no put() and end(): give a transformers streamer "
+                "(TextStreamer(tokenizer), TextIteratorStreamer) or iterate over gen.stream()"
+            )
         stats: dict = {}
         prompt = prompt_tensor(input_ids)  # (1,T) or (T,); stream refuses other shapes
         new: list[int] = []
-        for step in self.stream(
+        steps = self.stream(
             input_ids,
             max_new_tokens,
             temperature,
@@ -491,8 +507,15 @@ class SpeculativeGenerator:
             acceptance,
             stats,
             attention_mask,
-        ):
+        )
+        for i, step in enumerate(steps):
+            if streamer is not None:
+                if i == 0:  # after stream's checks of the prompt and arguments
+                    streamer.put(prompt.reshape(1, -1).cpu())
+                streamer.put(torch.tensor(step, dtype=torch.long))
             new.extend(step)
+        if streamer is not None:
+            streamer.end()
         tail = torch.tensor([new], dtype=torch.long, device=self._device)
         sequences = torch.cat([prompt.reshape(1, -1).to(self._device), tail], dim=1)
         keys = ("accepted_lengths", "timings", "finished", "tree_sizes")

@@ -193,9 +193,10 @@ def test_a_prompt_that_fills_the_context_still_gets_the_prefills_token():
 
 def test_generate_takes_the_arguments_and_defaults_of_stream():
     # stream's docstring sends its readers to generate's: the two must not drift apart
+    # (stream yields what generate hands a streamer; generate's output holds stream's stats)
     generate = inspect.signature(SpeculativeGenerator.generate).parameters
     stream = inspect.signature(SpeculativeGenerator.stream).parameters
-    assert {name: p.default for name, p in generate.items()} == {
+    assert {name: p.default for name, p in generate.items() if name != "streamer"} == {
         name: p.default for name, p in stream.items() if name != "stats"
     }
 
@@ -242,3 +243,27 @@ def test_an_empty_stop_string_is_refused():
     for given in (["", "###"], ""):
         with pytest.raises(ValueError, match="holds an empty string, which matches anywhere"):
             check_generation_arguments(stop_strings=given, tokenizer=tokenizer, **kw)
+
+
+def test_hf_generate_arguments_are_refused_with_what_to_give_instead():
+    gen = SpeculativeGenerator(make_tiny_llama(), None)
+    prompt = torch.tensor([[5, 6, 7]])
+    expected = {
+        "do_sample": "sampling is temperature > 0",
+        "max_length": "give max_new_tokens",
+        "pad_token_id": "one sequence needs no padding",
+        "repetition_penalty": "not applied: the verifier keeps the base's own distribution",
+        "output_scores": "the output is a GenerationOutput",
+        "assistant_model": r"the drafter is the generator.s: SpeculativeGenerator\(base, draft_model\)",
+    }
+    for name, says in expected.items():
+        with pytest.raises(
+            TypeError, match=rf"^generate\(\) takes no '{name}' .HF generate's.: {says}"
+        ):
+            gen.generate(prompt, max_new_tokens=2, **{name: 1})
+        with pytest.raises(TypeError, match=rf"^stream\(\) takes no '{name}'"):
+            next(gen.stream(prompt, max_new_tokens=2, **{name: 1}))
+    with pytest.raises(
+        TypeError, match=r"^generate\(\) got an unexpected keyword argument 'max_new_token'$"
+    ):
+        gen.generate(prompt, max_new_token=2)

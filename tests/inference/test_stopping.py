@@ -157,3 +157,51 @@ def test_a_stop_string_ending_where_the_prompt_ends_does_not_stop_the_answer():
     new, done = stopping.cut(list(b" END!"))
     assert new == list(b" END") and done and stopping.finished
     assert stopping.generated == list(b"ok END")
+
+
+class Recorder:
+    """A streamer that keeps what it is given."""
+
+    def __init__(self):
+        self.puts, self.ended = [], 0
+
+    def put(self, value):
+        self.puts.append(value.reshape(-1).tolist())
+
+    def end(self):
+        self.ended += 1
+
+
+def test_a_streamer_is_given_the_prompt_then_each_steps_tokens_then_end():
+    base = make_tiny_llama()
+    prompt = torch.randint(3, 256, (1, 6), generator=torch.Generator().manual_seed(0))
+    hf = Recorder()
+    ref = base.generate(prompt, max_new_tokens=20, do_sample=False, eos_token_id=None, streamer=hf)
+    ours = Recorder()
+    gen = SpeculativeGenerator(base, base, num_tokens=3)  # several tokens a step
+    out = gen.generate(prompt, max_new_tokens=20, eos_token_id=[], streamer=ours)
+    assert torch.equal(out.sequences, ref)
+    assert ours.puts[0] == hf.puts[0] == prompt[0].tolist() and ours.ended == hf.ended == 1
+    assert sum(ours.puts[1:], []) == sum(hf.puts[1:], []) == ref[0, 6:].tolist()
+    # the prefill's token, then one put per verify step
+    assert [len(p) for p in ours.puts[1:]] == [1, *out.accepted_lengths]
+    with pytest.raises(TypeError, match="streamer=.* has no put.. and end..: give a transformers"):
+        gen.generate(prompt, max_new_tokens=2, streamer=print)
+
+
+def test_transformers_text_streamer_prints_what_it_prints_under_hf_generate(
+    smollm2_tokenizer, capsys
+):
+    from transformers import TextStreamer
+
+    tok = smollm2_tokenizer
+    base = make_tiny_llama(vocab_size=len(tok), max_position_embeddings=512)
+    prompt = user_prompt_ids(tok, "Write a haiku about rain.")
+    kw = {"max_new_tokens": 40, "eos_token_id": None}
+    base.generate(prompt, do_sample=False, streamer=TextStreamer(tok, skip_prompt=True), **kw)
+    hf = capsys.readouterr().out
+    gen = SpeculativeGenerator(base, base, num_tokens=3)
+    kw["eos_token_id"] = []
+    gen.generate(prompt, streamer=TextStreamer(tok, skip_prompt=True), **kw)
+    ours = capsys.readouterr().out
+    assert ours == hf and len(hf.strip()) > 0
