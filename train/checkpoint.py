@@ -331,6 +331,33 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
+def run_folder(ckpt: Path) -> Path | None:
+    """The output folder of the run that wrote `ckpt` (OUTPUT/checkpoints/step-N); None for a
+    checkpoint kept elsewhere."""
+    return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
+
+
+def of_this_folder(ckpt: Path, output_dir: str | Path) -> bool:
+    """Whether `ckpt` is one of `output_dir`'s own checkpoints."""
+    return ckpt.resolve().parent == checkpoints_dir(output_dir).resolve()
+
+
+def check_branch(ckpt: Path, output_dir: str | Path) -> None:
+    """`training.resume=PATH` of another folder's checkpoint goes on from it in `output_dir` as
+    a new run there; refused while `output_dir` holds checkpoints, which that run would mix with
+    its own (its rotation would remove its own, resume=auto would take theirs)."""
+    if of_this_folder(ckpt, output_dir):
+        return
+    held = complete_checkpoints(output_dir)
+    if held:
+        raise RecipeError(
+            f"training.resume={ckpt} is another folder's checkpoint, and output.dir="
+            f"{output_dir} holds checkpoints already (latest {held[-1].name}): "
+            "training.resume=auto goes on from those; to go on from this one, give a new "
+            f"output.dir (or remove {checkpoints_dir(output_dir)})"
+        )
+
+
 def check_finite(loss: float, step: int, output_dir: str | Path, what: str = "loss") -> None:
     """Stop on a NaN / infinite loss (or `what` else: the gradients' norm), naming the
     checkpoint to go on from (which is kept).
@@ -370,9 +397,11 @@ def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Acc
     last checkpoints could remove the one resumed from."""
     step = checkpoint_step(ckpt) if ckpt.name.startswith("step-") else None
     root = checkpoints_dir(output_dir)
-    if not accelerator.is_main_process or step is None or ckpt.resolve().parent != root.resolve():
+    if not accelerator.is_main_process or step is None:
         accelerator.wait_for_everyone()
         return
+    for path in root.glob(".tmp-step-*"):  # a save a kill cut short, which no save may redo
+        shutil.rmtree(path)
     later = [p for p in root.glob("step-*") if checkpoint_step(p) > step]
     for path in later:
         shutil.rmtree(path)
@@ -384,10 +413,14 @@ def clear_later_checkpoints(output_dir: str | Path, ckpt: Path, accelerator: Acc
     accelerator.wait_for_everyone()
 
 
-def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
-    """A run that starts afresh (training.resume=never over an earlier run's output) removes
-    that run's checkpoints, which would otherwise outnumber its own in keep_last_checkpoints
-    and be resumed after a kill, and its draft vocabulary, which came from that run's data."""
+def clear_earlier_run(
+    output_dir: str | Path, accelerator: Accelerator, ckpt: Path | None = None
+) -> None:
+    """A run that starts afresh (training.resume=never over an earlier run's output), or from
+    another folder's checkpoint `ckpt`, removes that run's checkpoints, which would otherwise
+    outnumber its own in keep_last_checkpoints and be resumed after a kill, and its draft
+    vocabulary, which came from that run's data. Going on from `ckpt`, its metrics.jsonl takes
+    the lines of the run that wrote it (those past its step go in `MetricsLog`)."""
     if accelerator.is_main_process:
         output = Path(output_dir)
         old = sorted(checkpoints_dir(output).glob("*step-*"))  # and .tmp-step-* of a kill
@@ -398,8 +431,17 @@ def clear_earlier_run(output_dir: str | Path, accelerator: Accelerator) -> None:
         if vocab.is_file():
             vocab.unlink()
             removed.append(vocab.name)
+        if ckpt is not None:
+            metrics = output / "metrics.jsonl"
+            source = run_folder(ckpt)
+            if source is not None and (source / metrics.name).is_file():
+                output.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(source / metrics.name, metrics)
+            elif metrics.is_file():
+                metrics.unlink()
         if removed:
-            print(f"starting afresh in {output}: removed the earlier run's {' and '.join(removed)}")
+            start = "starting afresh" if ckpt is None else f"going on from {ckpt}"
+            print(f"{start} in {output}: removed the earlier run's {' and '.join(removed)}")
     accelerator.wait_for_everyone()
 
 
@@ -408,10 +450,11 @@ def begin_run(recipe, ckpt: Path | None, accelerator: Accelerator, vocab=None) -
     the first write: a run refused for bad input or stopped before leaves the earlier run's
     files as they were. Starting afresh removes the earlier run's checkpoints and draft
     vocabulary; resuming an earlier checkpoint than the latest removes those of the
-    continuation it replaces. `vocab`: the draft vocabulary this run built from its data,
-    written for a resumed run to read."""
-    if ckpt is None:
-        clear_earlier_run(recipe.output.dir, accelerator)
+    continuation it replaces; going on from another folder's checkpoint starts this folder
+    afresh from it. `vocab`: the draft vocabulary this run built from its data (or read with
+    its checkpoint), written for a resumed run to read."""
+    if ckpt is None or not of_this_folder(ckpt, recipe.output.dir):
+        clear_earlier_run(recipe.output.dir, accelerator, ckpt)
     else:
         clear_later_checkpoints(recipe.output.dir, ckpt, accelerator)
     written = (Path(recipe.output.dir) / VOCAB_FILE).is_file()  # the file a resumed run read

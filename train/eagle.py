@@ -17,6 +17,7 @@ and saved before step 1; a resumed run reuses it.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -34,6 +35,7 @@ from train.checkpoint import (
     check_finite,
     load_checkpoint,
     resumed_line,
+    run_folder,
     save_checkpoint,
 )
 from train.config import Recipe
@@ -230,7 +232,7 @@ class EagleTrainee(Trainee):
 
 
 def build_draft(
-    recipe: Recipe, base, train_ds, accelerator, resumed: bool
+    recipe: Recipe, base, train_ds, accelerator, ckpt: Path | None
 ) -> tuple[EagleDraft, torch.Tensor | None]:
     """The draft and the EAGLE-3 draft vocabulary built from the data, which `begin_run` keeps
     for a resumed run to use again (None: EAGLE-1, or `training.init_heads`, whose weights and
@@ -264,11 +266,10 @@ def build_draft(
     if spec.version == 3:  # built once from the data, saved before step 1, reused on resume
         with stop_on_bad_input():
             vocab = draft_vocabulary(
-                recipe.output.dir,
                 train_ds.examples,
                 cfg.draft_vocab_size,
                 base.config.vocab_size,
-                resumed,
+                ckpt and run_folder(ckpt),  # the run that wrote the checkpoint keeps it
             )
         draft.set_vocab_map(vocab)
         if spec.init_from_base:
@@ -297,7 +298,7 @@ def training_function(recipe: Recipe) -> dict:
         recipe, base, tokenizer, accelerator, aux_ids, ckpt
     )
     identity |= data_identity
-    draft, vocab = build_draft(recipe, base, train_ds, accelerator, resumed=ckpt is not None)
+    draft, vocab = build_draft(recipe, base, train_ds, accelerator, ckpt)
     model = EagleTrainee(base, draft, recipe)
     assert_trainable(model, draft.num_trainable_parameters(), accelerator)
     per_epoch, total = count_steps(len(train_ds), recipe, accelerator)

@@ -194,15 +194,17 @@ VOCAB_FILE = "draft_vocab.safetensors"
 
 
 def draft_vocabulary(
-    output_dir: str | Path, examples: Sequence[Example], size: int, vocab_size: int, resumed: bool
+    examples: Sequence[Example], size: int, vocab_size: int, kept: str | Path | None = None
 ) -> torch.Tensor:
     """The reduced draft vocabulary of a run: built from the training targets, and kept in
-    OUTPUT/draft_vocab.safetensors (`save_draft_vocabulary`, once the run begins), which a
-    `resumed` run reads rather than rebuild it. A fresh run never reads an earlier run's."""
+    OUTPUT/draft_vocab.safetensors (`save_draft_vocabulary`, once the run begins). A resumed run
+    reads it from `kept`, the folder of the run that wrote its checkpoint, rather than rebuild
+    it (rebuilt where that folder has none: the same data builds the same). A fresh run never
+    reads an earlier run's."""
     from safetensors.torch import load_file
 
-    path = Path(output_dir) / VOCAB_FILE
-    if resumed and path.is_file():
+    path = Path(kept) / VOCAB_FILE if kept is not None else None
+    if path is not None and path.is_file():
         try:
             ids = load_file(path)["token_ids"]
         except Exception as e:  # safetensors' own error type for a damaged file

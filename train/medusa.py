@@ -13,6 +13,7 @@ Writes OUTPUT/heads (vLLM's MedusaModel layout), checkpoints and metrics.jsonl.
 from __future__ import annotations
 
 import time
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -27,6 +28,7 @@ from train.checkpoint import (
     check_finite,
     load_checkpoint,
     resumed_line,
+    run_folder,
     save_checkpoint,
 )
 from train.config import Recipe
@@ -175,7 +177,7 @@ class MedusaTrainee(Trainee):
 
 
 def build_heads(
-    recipe: Recipe, base, train_ds, accelerator, resumed: bool
+    recipe: Recipe, base, train_ds, accelerator, ckpt: Path | None
 ) -> tuple[MedusaHeads, torch.Tensor | None]:
     """Fresh heads (lm_heads from the base's) and the reduced vocabulary chosen from the data,
     which `begin_run` keeps in OUTPUT/draft_vocab.safetensors for a resumed run to use again
@@ -199,7 +201,7 @@ def build_heads(
     elif vocab is not None:
         with stop_on_bad_input():
             token_map = built = draft_vocabulary(
-                recipe.output.dir, train_ds.examples, vocab, base.config.vocab_size, resumed
+                train_ds.examples, vocab, base.config.vocab_size, ckpt and run_folder(ckpt)
             )
     # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
     with (
@@ -227,7 +229,7 @@ def training_function(recipe: Recipe) -> dict:
         identity = base_identity(base, ckpt)
     train_ds, eval_ds, data_identity = prepare_data(recipe, base, tokenizer, accelerator, ckpt=ckpt)
     identity |= data_identity
-    heads, vocab = build_heads(recipe, base, train_ds, accelerator, resumed=ckpt is not None)
+    heads, vocab = build_heads(recipe, base, train_ds, accelerator, ckpt)
     lora_params = []
     if recipe.heads.lora_r > 0:  # Medusa-2 (online: parse_args refuses training.mode=offline)
         from peft import LoraConfig, get_peft_model

@@ -32,6 +32,7 @@ from inference.base_checks import base_logits, not_full_attention, windowed_cach
 from train.checkpoint import (
     TrainingDiverged,
     built_on_dtype,
+    check_branch,
     check_same_examples,
     check_same_run,
     data_fingerprint,
@@ -161,6 +162,7 @@ def find_resume(recipe: Recipe, accelerator: Accelerator) -> Path | None:
             lock_output("output.dir", recipe.output.dir)
         ckpt = resolve_resume(recipe.training.resume, recipe.output.dir)
         if ckpt is not None:
+            check_branch(ckpt, recipe.output.dir)
             changed = check_same_run(ckpt, recipe, accelerator.num_processes)
             if changed:
                 accelerator.print(

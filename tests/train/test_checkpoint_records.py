@@ -18,6 +18,7 @@ from train.checkpoint import (
     TrainingDiverged,
     base_identity,
     begin_run,
+    check_branch,
     check_finite,
     check_same_examples,
     check_same_run,
@@ -237,19 +238,53 @@ def test_resuming_an_earlier_checkpoint_removes_the_later_ones_and_keeps_the_voc
     )
 
 
-def test_resuming_a_checkpoint_of_another_folder_keeps_this_outputs_checkpoints(tmp_path, capsys):
-    """training.resume=PATH of another run's checkpoint: the later steps of this output are not
-    a continuation of it, and stay."""
+def test_another_folders_checkpoint_is_refused_where_this_output_holds_checkpoints(tmp_path):
+    """training.resume=PATH of another run's checkpoint: this output's checkpoints are not a
+    continuation of it; mixed with its own, rotation would remove the new run's (the others'
+    later steps sort after them) and resume=auto would take the others'."""
     out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
     for step in (4, 6):
         _step(out, step)
     other = _step(elsewhere, 2)
+    with pytest.raises(
+        RecipeError,
+        match=r"another folder's checkpoint, and output.dir=.*out holds "
+        r"checkpoints already \(latest step-00000006\): training.resume=auto goes on",
+    ):
+        check_branch(other, out)
+    check_branch(out / "checkpoints" / "step-00000004", out)  # its own: resumed as before
+    check_branch(other, tmp_path / "new")
+
+
+def test_going_on_from_another_folders_checkpoint_starts_this_folder_from_it(tmp_path, capsys):
+    """The new folder takes the vocabulary read with the checkpoint (not a leftover one), the
+    metrics of the run that wrote it, and no half-written save of an earlier kill."""
+    out, elsewhere = tmp_path / "out", tmp_path / "elsewhere"
+    other = _step(elsewhere, 2)
+    lines = [json.dumps({"step": s, "loss": 1.0 / s}) + "\n" for s in (1, 2, 3)]
+    (elsewhere / "metrics.jsonl").write_text("".join(lines))
+    (out / "checkpoints" / ".tmp-step-00000006").mkdir(parents=True)  # a kill mid-save
+    save_draft_vocabulary(out, torch.tensor([3, 9]))  # an earlier run's, of other data
+    (out / "metrics.jsonl").write_text(json.dumps({"step": 9, "loss": 0.5}) + "\n")
     recipe = load_recipe(None, [f"output.dir={out}"])
 
-    begin_run(recipe, other, FakeAccelerator())
+    begin_run(recipe, other, FakeAccelerator(), vocab=torch.tensor([5, 6]))
 
-    assert _names(out / "checkpoints") == ["step-00000004", "step-00000006"]
-    assert "removed" not in capsys.readouterr().out
+    assert _names(out / "checkpoints") == []
+    assert load_file(out / VOCAB_FILE)["token_ids"].tolist() == [5, 6]
+    assert (out / "metrics.jsonl").read_text() == "".join(lines)  # MetricsLog cuts past step 2
+    assert f"going on from {other} in {out}: removed the earlier run's 1 checkpoint(s) and " in (
+        capsys.readouterr().out
+    )
+
+
+def test_a_resumed_run_removes_a_save_that_a_kill_cut_short(tmp_path):
+    """Its step may never be saved again (another save_every_steps, or the run ends first)."""
+    out = tmp_path / "out"
+    four = _step(out, 4)
+    (out / "checkpoints" / ".tmp-step-00000006").mkdir()
+    begin_run(load_recipe(None, [f"output.dir={out}"]), four, FakeAccelerator())
+    assert _names(out / "checkpoints") == ["step-00000004"]
 
 
 def test_a_run_keeps_its_last_keep_last_checkpoints(tmp_path):
