@@ -88,7 +88,9 @@ def warp_probs(
     logits = logits.float()
     if temperature == 0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    logits = logits / temperature
+    # less the largest first: the same distribution, and a tiny temperature (1e-39) sends the
+    # others to -inf rather than the largest to inf (NaN)
+    logits = (logits - logits.amax(-1, keepdim=True)) / temperature
     if 0 < top_k < logits.shape[-1]:
         kth = logits.topk(top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, -torch.inf)
@@ -298,7 +300,8 @@ def verify_typical(
     """
     if temperature == 0:
         return verify_greedy(tokens, target_logits, tree)
-    p = torch.softmax(target_logits.float() / temperature, dim=-1)  # (N, V)
+    target = target_logits.float()
+    p = torch.softmax((target - target.amax(-1, keepdim=True)) / temperature, dim=-1)  # (N, V)
     entropy = torch.special.entr(p).sum(dim=-1)  # (N,)
     threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
     parents = tree.parents.clamp(min=0)

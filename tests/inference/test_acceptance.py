@@ -94,6 +94,17 @@ def test_warp_probs_greedy_and_bad_args():
         warp_probs(logits, 1.0, top_p=0.0)
 
 
+def test_a_tiny_temperature_samples_the_argmax_and_ties_evenly():
+    """logits / 1e-39 overflows float32 (the largest to inf, NaN after softmax): the largest
+    goes first, so the others go to -inf instead."""
+    logits = torch.tensor([[10.0, 30.0, 20.0], [5.0, 5.0, -3.0]])
+    got = warp_probs(logits, 1e-39)
+    assert got.tolist() == [[0.0, 1.0, 0.0], [0.5, 0.5, 0.0]]
+    assert warp_probs(logits, 1e-39, top_k=2, top_p=0.9).tolist() == got.tolist()
+    acc = verify_typical(torch.tensor([1, 1]), logits, tree_from_parents([-1, 0]), 1e-39)
+    assert acc.nodes.tolist() == [0, 1] and acc.bonus_token in (0, 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # lossless sampling: simple cases
 
@@ -177,6 +188,7 @@ LOGITS = torch.tensor(
         [0.6, 1.3, -0.8, 1.8, 0.0],
     ]
 )
+Q2 = Q.roll(2, dims=-1)  # a second drafter's (a union's): each node says its row (q_rows)
 # root -> {1, 2, 3}, 1 -> {4, 5}, 2 -> {6}
 TREE = tree_from_parents([-1, 0, 0, 0, 1, 1, 2])
 PARENTS = TREE.parents.tolist()
@@ -187,14 +199,16 @@ def draft(roots: torch.Tensor, mode: str, gen: torch.Generator):
     """Tokens (B, N) and `sampled` (N,) for a drafter with distribution Q after each token.
 
     topk: children are Q's top-k; sampled: i.i.d. draws from Q (duplicates happen); mixed: the
-    first child is Q's top-1 and the rest are draws; topk_as_sampled: top-k tokens passed as if
-    drawn from Q (not lossless).
+    first child is Q's top-1 and the rest are draws; two_q: draws, from Q for a node's first
+    child, from Q2 for its others; topk_as_sampled: top-k tokens passed as if drawn from Q, and
+    two_q_as_one: two_q's draws passed as if all drawn from Q (neither lossless).
     """
     tokens = torch.empty(roots.shape[0], TREE.num_nodes, dtype=torch.long)
     tokens[:, 0] = roots
     sampled = torch.zeros(TREE.num_nodes, dtype=torch.bool)
     for c in range(1, TREE.num_nodes):
-        q = Q[tokens[:, PARENTS[c]]]  # (B, V)
+        second = mode in ("two_q", "two_q_as_one") and RANKS[c] > 0
+        q = (Q2 if second else Q)[tokens[:, PARENTS[c]]]  # (B, V)
         if mode in ("topk", "topk_as_sampled") or (mode == "mixed" and RANKS[c] == 0):
             tokens[:, c] = q.argsort(dim=-1, descending=True)[:, RANKS[c]]
         else:
@@ -208,7 +222,11 @@ def draft(roots: torch.Tensor, mode: str, gen: torch.Generator):
 def step(roots, p_table, mode, gen):
     """One draft + verify step; returns the emitted tokens (B, 2), -1 where not emitted."""
     tokens, sampled = draft(roots, mode, gen)
-    last, bonus = verify_sampling_batch(tokens, p_table[tokens], TREE, Q[tokens], sampled, gen)
+    q, q_rows = Q[tokens], None
+    if mode == "two_q":  # rows 0..N-1: Q after each node; N..2N-1: Q2 after each node
+        q = torch.cat([Q[tokens], Q2[tokens]], dim=1)
+        q_rows = torch.tensor([p + TREE.num_nodes * (r > 0) for p, r in zip(PARENTS, RANKS)])
+    last, bonus = verify_sampling_batch(tokens, p_table[tokens], TREE, q, sampled, gen, q_rows)
     on_path = TREE.ancestors[last]  # (B, N)
     depth = TREE.depths[last]
 
@@ -239,7 +257,7 @@ def chi_square(mode: str, p_table: torch.Tensor, seed: int = 0) -> tuple[float, 
     return stat, critical
 
 
-@pytest.mark.parametrize("mode", ["topk", "sampled", "mixed"])
+@pytest.mark.parametrize("mode", ["topk", "sampled", "mixed", "two_q"])
 def test_sampling_is_lossless(mode):
     stat, critical = chi_square(mode, P)
     assert stat < critical, (stat, critical)
@@ -253,9 +271,11 @@ def test_sampling_is_lossless_under_top_p(mode):
     assert stat < critical, (stat, critical)
 
 
-def test_q_rule_on_top_k_drafts_is_biased():
-    # negative control: the same statistic must catch a drafter that is not lossless
-    stat, critical = chi_square("topk_as_sampled", P)
+@pytest.mark.parametrize("mode", ["topk_as_sampled", "two_q_as_one"])
+def test_q_rule_on_drafts_of_another_law_is_biased(mode):
+    # negative controls: the same statistic must catch a drafter that is not lossless (top-k
+    # tokens said to be draws; draws from Q2 judged by Q, as without q_rows)
+    stat, critical = chi_square(mode, P)
     assert stat > 3 * critical, (stat, critical)
 
 

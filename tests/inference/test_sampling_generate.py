@@ -75,8 +75,11 @@ def exact_law(base, temperature, top_p, top_k=0):
 
 def chi_square(gen, base, first_seed, temperature=1.0, top_p=1.0, top_k=0):
     """Pearson's statistic of tokens 2-3 of SAMPLES answers (seeds from `first_seed` on) against
-    the exact law, and its critical value at significance 1e-3."""
+    the exact law, and its critical value at significance 1e-3. Asserts that no answer holds a
+    pair the law gives no mass (top_p / top_k's cut), and that drafted tokens were accepted in
+    some answers (else the test would say nothing about the drafter)."""
     counts = torch.zeros(V, V)
+    drafted = 0  # answers with a drafted token accepted
     for seed in range(first_seed, first_seed + SAMPLES):
         out = gen.generate(
             PROMPT,
@@ -89,7 +92,10 @@ def chi_square(gen, base, first_seed, temperature=1.0, top_p=1.0, top_k=0):
         )
         x = out.sequences[0, -2:]
         counts[x[0], x[1]] += 1
+        drafted += max(out.accepted_lengths, default=1) > 1
     expected = exact_law(base, temperature, top_p, top_k) * SAMPLES
+    assert counts[expected == 0].sum() == 0, "emitted a pair the warped law cannot produce"
+    assert drafted >= SAMPLES // 20, f"drafted tokens accepted in {drafted} of {SAMPLES} answers"
     cells = expected > 5  # the rest are pooled into one cell
     stat = (((counts - expected) ** 2 / expected)[cells]).sum()
     rest_o, rest_e = counts[~cells].sum(), expected[~cells].sum()
