@@ -319,13 +319,16 @@ class EagleConfig(HeadsConfig):
             data["rope_parameters"] = rope
         if "head_dim" not in data:
             data["head_dim"] = data["hidden_size"] // data["num_attention_heads"]
+        # EAGLE's own EAGLE-1 configs (transformers 4.28's) have no grouped heads: as transformers
+        # and the engines read them, one key / value head per query head
+        data.setdefault("num_key_value_heads", data["num_attention_heads"])
+        layers = data.get("base_hidden_layers") or base_num_hidden_layers
         if is_v3:
             data["aux_layer_ids"] = read_aux_ids(data)
             data.setdefault("target_hidden_size", data["hidden_size"])
             # no reduced vocabulary named: the engines draft over the whole one
             if data.get("draft_vocab_size") is None:
                 data["draft_vocab_size"] = data["vocab_size"]
-            layers = data.get("base_hidden_layers") or base_num_hidden_layers
             if data["aux_layer_ids"] is None:
                 if not layers:
                     raise ValueError(
@@ -342,9 +345,12 @@ class EagleConfig(HeadsConfig):
                         "load the folder it was exported from (it drafts one layer off)",
                         stacklevel=2,
                     )
-        else:
+        else:  # unused by EAGLE-1, set as from_base sets them
             data["draft_vocab_size"] = data["vocab_size"]
+            data["target_hidden_size"] = data["hidden_size"]
             data.pop("aux_layer_ids", None)
+            if layers:
+                data["aux_layer_ids"] = list(default_aux_layer_ids(layers))
             data["fc_bias"] = bool(data.pop("bias", False))
         return super().from_dict(data)
 

@@ -303,3 +303,18 @@ def test_an_eagle3_draft_narrower_than_its_base_is_checked_by_target_hidden_size
     narrow = make_tiny_llama(hidden_size=32, num_attention_heads=2, num_key_value_heads=1)
     with pytest.raises(ValueError, match=r"hidden_size=64.*hidden_size=32"):
         load_heads(tmp_path, base=narrow)
+
+
+def test_an_eagle1_config_of_eagles_reference_without_grouped_heads_loads(tmp_path):
+    """EAGLE's own EAGLE-1 configs (written by transformers 4.28, for Vicuna and Llama-2) name
+    no num_key_value_heads: one key / value head per query head, as transformers reads them."""
+    base = make_tiny_llama(num_key_value_heads=4)  # as Llama-2-7B: no grouped heads
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=1))
+    draft.save_pretrained(tmp_path)
+    raw = json.loads((tmp_path / "config.json").read_text())
+    assert raw.pop("num_key_value_heads") == 4
+    (tmp_path / "config.json").write_text(json.dumps(raw))
+    loaded = load_heads(tmp_path, base=base)
+    assert loaded.config.num_key_value_heads == 4
+    # an EAGLE-1 config reads back as from_base built it
+    assert EagleConfig.from_dict(draft.config.to_dict()) == draft.config
