@@ -104,14 +104,24 @@ class PretrainedHeads(nn.Module):
         private: bool | None = None,
         token: str | None = None,
         commit_message: str = "Upload headstart heads",
+        revision: str | None = None,
+        create_pr: bool = False,
     ) -> str:
-        """Save to a temporary folder and upload it to the Hugging Face Hub; returns the URL."""
+        """Save to a temporary folder and upload it to the Hugging Face Hub; returns the URL
+        (`heads.hub.push_folder`: `revision` a branch, made when new; `create_pr` opens a pull
+        request instead of committing)."""
         from heads.hub import push_folder
 
         with tempfile.TemporaryDirectory() as tmp:
             self.save_pretrained(tmp)
             return push_folder(
-                tmp, repo_id, private=private, token=token, commit_message=commit_message
+                tmp,
+                repo_id,
+                private=private,
+                token=token,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
             )
 
 

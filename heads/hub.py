@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 import shutil
 import tempfile
+from collections.abc import Iterable
 from pathlib import Path
 
 from heads.base import EMBEDDED_GGUF, EMBEDDED_NAME, hub_offline, is_repo_id
@@ -221,11 +223,17 @@ def push_folder(
     private: bool | None = None,
     token: str | None = None,
     commit_message: str = "Upload headstart heads",
+    revision: str | None = None,
+    create_pr: bool = False,
 ) -> str:
-    """Create `repo_id` if needed and upload a saved heads folder; returns the commit URL.
+    """Create `repo_id` if needed and upload a saved heads folder; returns the commit URL (with
+    `create_pr`, the pull request's). `revision`: a branch, made from main when new, as
+    transformers' push_to_hub makes it.
 
     The card uploaded names the repo it lives in; the folder's own keeps its placeholders, so
-    the folder can be pushed to another repo too."""
+    the folder can be pushed to another repo too. Weights files at the repo's top that the
+    folder lacks (a sharded or TGI-layout upload before) are deleted in the same commit: loaders
+    read every top-level .safetensors file (the Hub's history keeps them)."""
     from huggingface_hub import HfApi
 
     folder = Path(folder).resolve()  # "." has no name and is its own parent
@@ -245,8 +253,16 @@ def push_folder(
             )
         try:
             api.create_repo(repo_id, private=private, exist_ok=True)
+            if revision is not None and not revision.startswith("refs/pr/"):
+                api.create_branch(repo_id, branch=revision, exist_ok=True)
+            listed = api.list_repo_files(repo_id, revision=revision)
             info = api.upload_folder(
-                folder_path=str(staged), repo_id=repo_id, commit_message=commit_message
+                folder_path=str(staged),
+                repo_id=repo_id,
+                commit_message=commit_message,
+                revision=revision,
+                create_pr=create_pr,
+                delete_patterns=stale_weights(listed, staged) or None,
             )
         except Exception as e:  # network, auth, a name taken: huggingface_hub's and httpx's
             said = str(e).rstrip(". ")
@@ -259,7 +275,20 @@ def push_folder(
             raise HubPushError(
                 f"could not push to the Hub repo {repo_id}: {type(e).__name__}: {said}. {hint}".strip()
             ) from e
+    if create_pr and getattr(info, "pr_url", None):
+        return str(info.pr_url)
     return str(getattr(info, "commit_url", info))
+
+
+def stale_weights(listed: Iterable[str], folder: Path) -> list[str]:
+    """Of a repo's files, the top-level weights (and shard index) that `folder` has not, as
+    exact `delete_patterns` of an upload."""
+    weights = (".safetensors", ".safetensors.index.json")
+    return [
+        glob.escape(name)
+        for name in listed
+        if "/" not in name and name.endswith(weights) and not (folder / name).exists()
+    ]
 
 
 def push_refused() -> str | None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -138,6 +139,8 @@ class FakeHub:
         self.files: dict[str, dict[str, bytes]] = {}  # repo_id -> {file name: bytes}
         self.unreachable = False  # no network: create_repo raises what requests would
         self.commits = 0
+        self.branches: dict[str, set[str]] = {}  # repo_id -> branches made
+        self.pulls: dict[str, dict[str, bytes]] = {}  # repo_id -> files of its last pull request
 
     def __call__(self, token=None) -> FakeHub:  # HfApi(token=...)
         return self
@@ -149,10 +152,45 @@ class FakeHub:
             raise OSError(f"409 Conflict: You already created this model repo: {repo_id}")
         self.private[repo_id] = private
 
-    def upload_folder(self, folder_path, repo_id, commit_message) -> str:
+    def create_branch(self, repo_id, branch, exist_ok=False) -> None:
+        self.branches.setdefault(repo_id, set()).add(branch)
+
+    def list_repo_files(self, repo_id, revision=None) -> list[str]:
+        return sorted(self.files.get(self._ref(repo_id, revision), {}))
+
+    def _ref(self, repo_id, revision) -> str:
+        return repo_id if revision in (None, "main") else f"{repo_id}@{revision}"
+
+    def upload_folder(
+        self,
+        folder_path,
+        repo_id,
+        commit_message,
+        revision=None,
+        create_pr=False,
+        delete_patterns=None,
+    ) -> str:
+        """The repo keeps its other files, as the Hub does, but those `delete_patterns` match."""
+        import fnmatch
+
+        if revision not in (None, "main") and revision not in self.branches.get(repo_id, ()):
+            raise OSError(f"404 Client Error: Invalid rev id: {revision}")
+        ref = self._ref(repo_id, revision)
+        kept = {
+            name: data
+            for name, data in self.files.get(ref, {}).items()
+            if not any(fnmatch.fnmatch(name, p) for p in delete_patterns or ())
+        }
         self.folders[repo_id] = Path(folder_path)
-        self.files[repo_id] = {p.name: p.read_bytes() for p in Path(folder_path).iterdir()}
+        uploaded = {p.name: p.read_bytes() for p in Path(folder_path).iterdir() if p.is_file()}
         self.commits += 1
+        if create_pr:
+            self.pulls[repo_id] = {**kept, **uploaded}
+            return SimpleNamespace(
+                commit_url=f"https://hub/{repo_id}/commit/{self.commits}",
+                pr_url=f"https://hub/{repo_id}/discussions/{self.commits}",
+            )
+        self.files[ref] = {**kept, **uploaded}
         return f"https://hub/{repo_id}/commit/{self.commits}"
 
     def card(self, repo_id: str) -> str:

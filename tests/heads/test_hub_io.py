@@ -86,6 +86,45 @@ def test_pushing_again_to_a_repo_updates_it(tiny_llama, tmp_path, fake_hub):
     assert push_folder(folder, "me/heads") == "https://hub/me/heads/commit/2"  # not a 409
 
 
+def test_a_push_removes_weights_files_the_heads_have_not_and_keeps_the_rest(
+    tiny_llama, tmp_path, fake_hub
+):
+    """A repo that held TGI's layout, or shards, before: loaders read every top-level
+    .safetensors file, so those the new heads lack go in the same commit; other files stay."""
+    fake_hub.files["me/heads"] = {
+        "medusa_lm_head.safetensors": b"tgi",
+        "model-00001-of-00002.safetensors": b"shard",
+        "model.safetensors.index.json": b"{}",
+        "notes.md": b"mine",
+        "old/model.safetensors": b"kept: not at the top",
+    }
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
+    heads.push_to_hub("me/heads")
+    assert sorted(fake_hub.files["me/heads"]) == [
+        "README.md",
+        "config.json",
+        "model.safetensors",
+        "notes.md",
+        "old/model.safetensors",
+    ]
+    download = tmp_path / "download"  # what a snapshot of the repo's top holds
+    download.mkdir()
+    for name, data in fake_hub.files["me/heads"].items():
+        if "/" not in name:
+            (download / name).write_bytes(data)
+    assert load_heads(download, base=tiny_llama).config.num_heads == 2
+
+
+def test_a_push_to_a_branch_makes_it_and_a_pull_request_commits_nothing(tiny_llama, fake_hub):
+    heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
+    assert heads.push_to_hub("me/heads", revision="v2").endswith("/commit/1")
+    assert fake_hub.branches["me/heads"] == {"v2"} and "me/heads" not in fake_hub.files
+    assert "model.safetensors" in fake_hub.files["me/heads@v2"]
+    url = heads.push_to_hub("me/heads", create_pr=True)
+    assert url == "https://hub/me/heads/discussions/2" and "me/heads" not in fake_hub.files
+    assert "model.safetensors" in fake_hub.pulls["me/heads"]
+
+
 @pytest.mark.parametrize("version", [1, 3])
 def test_the_pushed_card_names_the_repo_in_every_serving_line(tmp_path, fake_hub, version):
     """EAGLE-1's card exports for SGLang from the repo; EAGLE-3's SGLang line reads it: both
