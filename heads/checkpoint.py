@@ -46,6 +46,7 @@ class PretrainedHeads(nn.Module):
 
         folder = Path(folder)
         adapter = self._base_adapter(folder)  # Medusa-2: checked before anything is written
+        replaced = self._other_weights(folder)
         folder.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(dir=folder.parent, prefix=f".{folder.name}.tmp"))
         try:
@@ -67,11 +68,32 @@ class PretrainedHeads(nn.Module):
             folder.mkdir(parents=True, exist_ok=True)
             for f in tmp.iterdir():  # os.replace per file: readers never see a torn file
                 os.replace(f, folder / f.name)
+            for f in replaced:  # these heads' own weights, now in model.safetensors
+                f.unlink()
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
         if adapter is not None:
             shutil.copytree(adapter, folder / self.config.base_lora, dirs_exist_ok=True)
         return folder
+
+    def _other_weights(self, folder: Path) -> list[Path]:
+        """Weights files in `folder` that load_heads would read beside the model.safetensors
+        saved there: shards and their index, another layout's. Those of the folder these heads
+        were loaded from (a re-save in place) are replaced; any others are refused."""
+        found = [
+            f
+            for f in sorted(folder.glob("*.safetensors*"))
+            if f.name != WEIGHTS_NAME
+            and f.name.endswith((".safetensors", ".safetensors.index.json"))
+        ]
+        source = getattr(self, "source_folder", None)
+        if not found or (source is not None and Path(source).resolve() == folder.resolve()):
+            return found
+        names = ", ".join(f.name for f in found)
+        raise ValueError(
+            f"{folder} holds {names}, which load_heads would read beside the model.safetensors "
+            "saved there: save into another folder, or move those files out"
+        )
 
     def state_to_save(self) -> dict[str, torch.Tensor]:
         """The tensors `save_pretrained` writes, as the engines read them (the state dict)."""

@@ -101,3 +101,30 @@ def test_saved_weights_are_as_readable_as_the_folders_other_files(tiny_llama, tm
         os.umask(umask)
     for path in (tmp_path / "m/model.safetensors", tmp_path / "tgi/medusa_lm_head.safetensors"):
         assert stat.S_IMODE(os.stat(path).st_mode) == 0o644, path
+
+
+def test_saving_over_other_weights_files_replaces_the_heads_own_and_refuses_others(
+    tiny_llama, tmp_path
+):
+    """load_heads reads every top-level .safetensors file: heads re-saved in place over the
+    shards they were loaded from replace them (the weights now in one file); weights files of
+    something else in the folder are refused, before anything is written."""
+    _medusa(tiny_llama).save_pretrained(tmp_path / "m")
+    weights = load_file(tmp_path / "m/model.safetensors")
+    names = sorted(weights)
+    (tmp_path / "m/model.safetensors").unlink()
+    save_file({k: weights[k] for k in names[:2]}, tmp_path / "m/model-00001-of-00002.safetensors")
+    save_file({k: weights[k] for k in names[2:]}, tmp_path / "m/model-00002-of-00002.safetensors")
+    (tmp_path / "m/model.safetensors.index.json").write_text("{}")
+    load_heads(tmp_path / "m").save_pretrained(tmp_path / "m", dtype=torch.bfloat16)
+    assert sorted(os.listdir(tmp_path / "m")) == ["README.md", "config.json", "model.safetensors"]
+    again = load_heads(tmp_path / "m").state_dict()
+    assert all(torch.equal(again[k], weights[k].to(again[k].dtype)) for k in names)
+
+    (tmp_path / "other").mkdir()
+    save_file({"x": torch.zeros(1)}, tmp_path / "other/medusa_lm_head.safetensors")
+    with pytest.raises(
+        ValueError, match="holds medusa_lm_head.safetensors, which load_heads would read beside"
+    ):
+        _medusa(tiny_llama).save_pretrained(tmp_path / "other")
+    assert os.listdir(tmp_path / "other") == ["medusa_lm_head.safetensors"]
