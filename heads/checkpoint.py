@@ -20,7 +20,7 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 from torch import nn
 
-from heads.base import check_model, input_device, is_repo_id, parameter_values
+from heads.base import check_model, hub_offline, input_device, is_repo_id, parameter_values
 from heads.cpu import PackedLinear, prepack_linear_weights
 from heads.placement import floating_dtype, usable_device
 
@@ -94,6 +94,18 @@ class PretrainedHeads(nn.Module):
             f"{folder} holds {names}, which load_heads would read beside the model.safetensors "
             "saved there: save into another folder, or move those files out"
         )
+
+    @classmethod
+    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, base=None, **kwargs):
+        """`load_heads(path_or_repo_id, base, **kwargs)`, for heads of this class only."""
+        heads = load_heads(path_or_repo_id, base, **kwargs)
+        if not isinstance(heads, cls):
+            kind = type(heads).__name__
+            raise TypeError(
+                f"{path_or_repo_id} holds {kind}, not {cls.__name__}: load it with "
+                f"{kind}.from_pretrained or load_heads"
+            )
+        return heads
 
     def state_to_save(self) -> dict[str, torch.Tensor]:
         """The tensors `save_pretrained` writes, as the engines read them (the state dict)."""
@@ -276,9 +288,13 @@ def pickle_hint(names) -> str:
 
 
 def resolve_folder(
-    path_or_repo_id: str | os.PathLike, revision: str | None = None, token: str | None = None
+    path_or_repo_id: str | os.PathLike,
+    revision: str | None = None,
+    token: str | None = None,
+    **download,
 ) -> Path:
-    """A local folder as is, else download a Hub repo's config, weights and card."""
+    """A local folder as is, else download a Hub repo's config, weights and card (`download`:
+    huggingface_hub's snapshot_download options, cache_dir, local_files_only, force_download)."""
     path = Path(path_or_repo_id).expanduser()
     if path.is_dir():
         config_path(path)  # a training run's folder, or a checkpoint: said before any loading
@@ -306,6 +322,7 @@ def resolve_folder(
                 token=token,
                 # lora/: Medusa-2 adapter (heads/lora.py), its config a JSON file
                 allow_patterns=[CONFIG_NAME, "*.safetensors", "README.md", "lora/*"],
+                **download,
             )
         )
     except (OSError, ValueError) as e:  # no such repo, no network, a gated repo without token
@@ -314,10 +331,16 @@ def resolve_folder(
         ) from e
     if any(folder.glob("*.safetensors")):
         return folder
+    if hub_offline() or download.get("local_files_only"):  # the snapshot of the cache
+        raise FileNotFoundError(
+            f"the cached copy of {repo_id} ({folder}) has no .safetensors weights (a download "
+            "cut short?): download it again online (unset HF_HUB_OFFLINE, or "
+            "local_files_only=False)"
+        )
     # Pickled weights are not downloaded (they are never loaded): name them from the listing.
     try:
         hint = pickle_hint(list_repo_files(repo_id, revision=revision, token=token))
-    except (OSError, ValueError):  # offline, with the snapshot from the cache
+    except Exception:  # huggingface_hub's and httpx's: the listing only adds a hint
         hint = ""
     raise FileNotFoundError(f"the Hub repo {repo_id} has no .safetensors weights.{hint}")
 
@@ -376,8 +399,13 @@ def load_heads(
     token: str | None = None,
     device: torch.device | str | None = None,
     dtype: torch.dtype | str | None = None,
+    cache_dir: str | os.PathLike | None = None,
+    local_files_only: bool = False,
+    force_download: bool = False,
 ):
-    """Load Medusa heads or an EAGLE draft layer from a folder or a Hub repo id.
+    """Load Medusa heads or an EAGLE draft layer from a folder or a Hub repo id (downloaded with
+    `revision`, `token`, `cache_dir`, `local_files_only` and `force_download` as
+    huggingface_hub's snapshot_download takes them).
 
     The class is chosen from config.json (`model_type: medusa`; `LlamaForCausalLMEagle3`; a
     1-layer Llama = EAGLE-1). With `base`, the heads are checked against it (hidden size, vocab
@@ -393,7 +421,14 @@ def load_heads(
         check_model(base)
     dtype = floating_dtype(dtype, "'auto' (the base's, without one as stored)")
     device = usable_device(device) if device is not None else None
-    folder = resolve_folder(path_or_repo_id, revision=revision, token=token)
+    folder = resolve_folder(
+        path_or_repo_id,
+        revision,
+        token,
+        cache_dir=cache_dir,
+        local_files_only=local_files_only,
+        force_download=force_download,
+    )
     config, tensors = read_heads_folder(
         folder, base.config.num_hidden_layers if base is not None else None
     )

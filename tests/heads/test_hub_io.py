@@ -49,7 +49,7 @@ def _fake_hub(monkeypatch, remote: Path, calls: list):
     import huggingface_hub
 
     def snapshot_download(repo_id, revision=None, token=None, allow_patterns=None, **kwargs):
-        calls.append({"repo_id": repo_id, "revision": revision, "token": token})
+        calls.append({"repo_id": repo_id, "revision": revision, "token": token, **kwargs})
         local = remote.parent / f"snapshot-{len(calls)}"
         for path in remote.rglob("*"):
             name = path.relative_to(remote).as_posix()
@@ -77,6 +77,26 @@ def test_a_hub_download_takes_the_revision_token_and_the_medusa2_adapter(
     assert (folder / "lora" / "adapter_config.json").is_file()
     assert (folder / "model.safetensors").is_file() and (folder / "config.json").is_file()
     assert not (folder / "pytorch_model.bin").exists()
+
+
+def test_load_heads_and_from_pretrained_take_huggingface_hubs_download_options(
+    tiny_llama, tmp_path, monkeypatch
+):
+    remote = tmp_path / "remote"
+    MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2)).save_pretrained(remote)
+    calls = []
+    _fake_hub(monkeypatch, remote, calls)
+    options = {"cache_dir": str(tmp_path / "cache"), "local_files_only": True}
+    heads = MedusaHeads.from_pretrained("me/medusa", tiny_llama, force_download=True, **options)
+    assert isinstance(heads, MedusaHeads) and heads.config.num_heads == 2
+    assert calls == [
+        {"repo_id": "me/medusa", "revision": None, "token": None, "force_download": True, **options}
+    ]
+    with pytest.raises(TypeError, match="me/medusa holds MedusaHeads, not EagleDraft: load it"):
+        EagleDraft.from_pretrained("me/medusa")
+    (remote / "model.safetensors").unlink()  # a download cut short, in the cache
+    with pytest.raises(FileNotFoundError, match="the cached copy of me/medusa .* has no "):
+        load_heads("me/medusa", local_files_only=True)
 
 
 def test_pushing_again_to_a_repo_updates_it(tiny_llama, tmp_path, fake_hub):
