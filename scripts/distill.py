@@ -26,6 +26,7 @@ import argparse
 import json
 import logging
 import os
+import signal
 import sys
 import time
 from dataclasses import dataclass, field
@@ -370,9 +371,9 @@ def distill(recipe: Recipe) -> dict[str, Any]:
             bar.set_postfix(tok_s=f"{tokens / (time.perf_counter() - start):.1f}")
             if delay:
                 time.sleep(delay)
-    except KeyboardInterrupt:  # Ctrl-C: the finished answers not yet in a shard are kept too
-        writer.flush()  # (a shard is written whole under its own name: written again if cut)
-        raise
+    except BaseException:  # Ctrl-C, SIGTERM (main makes it one) or an error (out of memory):
+        writer.flush()  # the finished answers not yet in a shard are kept too (a shard is
+        raise  # written whole under its own name: written again if cut)
     writer.flush()
     bar.close()
 
@@ -397,6 +398,20 @@ def merged_record(recorded: dict, key: str, now: str, verb: str, out_dir: Path, 
     return "+".join(sorted({*was.split("+"), now}))
 
 
+def sigterm_as_ctrl_c():
+    """SIGTERM (timeout, Slurm, docker stop, torchrun stopping its workers) stops distill as
+    Ctrl-C does, keeping the finished answers; returns the handler it replaced (None where
+    signals cannot be set: off the main thread)."""
+
+    def terminated(signum, frame):
+        raise KeyboardInterrupt
+
+    try:
+        return signal.signal(signal.SIGTERM, terminated)
+    except ValueError:
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
@@ -412,6 +427,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     if hushed:
         transformers.utils.logging.disable_progress_bar()
+    terminated = sigterm_as_ctrl_c()
     try:
         recipe = load_recipe(args.recipe, args.overrides)
         manifest = distill(recipe)
@@ -438,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
         release_output_locks()
         if hushed:
             transformers.utils.logging.enable_progress_bar()
+        if terminated is not None:
+            signal.signal(signal.SIGTERM, terminated)
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]
         print(

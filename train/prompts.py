@@ -164,7 +164,8 @@ def _turn(
         raise ValueError(
             f"turn {i}: unsupported role {turn[role_key]!r} (known: {', '.join(roles)})"
         )
-    empty = empty_answers and role == "assistant"
+    # an empty system turn is one (data.system_prompt="": no template default either)
+    empty = role == "system" or (empty_answers and role == "assistant")
     return {"role": role, "content": _text(turn[text_key], f"turn {i}", empty)}
 
 

@@ -5,8 +5,11 @@ with other settings, the records' fields and prompts at max_length's edge."""
 from __future__ import annotations
 
 import json
+import os
+import signal
 from types import SimpleNamespace
 
+import pytest
 import torch
 
 from tests.scripts.test_distill import distill, read_records, recipe_file
@@ -120,24 +123,34 @@ def test_ctrl_c_keeps_the_shards_and_exits_130(tmp_path, tiny_base, monkeypatch,
     assert capsys.readouterr().err == ""
 
 
-def test_ctrl_c_mid_run_writes_the_answers_finished_before_it(
-    tmp_path, tiny_base, monkeypatch, capsys
+@pytest.mark.parametrize("stop", ["ctrl-c", "sigterm", "error"])
+def test_a_run_stopped_mid_way_writes_the_answers_finished_before_it(
+    tmp_path, tiny_base, monkeypatch, capsys, stop
 ):
-    """Two answers finished, the shard of ten not yet full, Ctrl-C in the third: the two are
-    written (no answer the run made is lost), and the rerun answers the other two alone."""
+    """Two answers finished, the shard of ten not yet full, Ctrl-C, SIGTERM or an error (out of
+    memory) in the third: the two are written (no answer the run made is lost), and the rerun
+    answers the other two alone."""
     real, calls = distill.run_batch, []
 
     def third_interrupted(batch, *args):
         calls.append(len(batch))
         if len(calls) == 3:
-            raise KeyboardInterrupt
+            if stop == "sigterm":
+                os.kill(os.getpid(), signal.SIGTERM)
+            raise KeyboardInterrupt if stop == "ctrl-c" else RuntimeError("out of memory")
         return real(batch, *args)
 
     monkeypatch.setattr(distill, "run_batch", third_interrupted)
     out = tmp_path / "out"
     prompts = _word_prompts(tmp_path)
     recipe = recipe_file(tmp_path, tiny_base, prompts, out, batch_size=1, records_per_shard=10)
-    assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 130
+    before = signal.getsignal(signal.SIGTERM)
+    if stop == "error":
+        with pytest.raises(RuntimeError, match="out of memory"):
+            distill.main([str(recipe), "data.max_new_tokens=2"])
+    else:
+        assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 130
+    assert signal.getsignal(signal.SIGTERM) is before  # put back
     assert len(read_records(out)) == 2
     monkeypatch.setattr(distill, "run_batch", real)
     assert distill.main([str(recipe), "data.max_new_tokens=2"]) == 0

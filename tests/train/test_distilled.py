@@ -307,3 +307,16 @@ def test_training_examples_carry_the_recipes_system_prompt(smollm2_tokenizer, tm
         "<|im_start|>system\nBe brief.<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
         "<|im_start|>assistant\nHello.<|im_end|>\n"
     )
+
+
+def test_an_empty_system_prompt_distilled_with_the_answers_trains(smollm2_tokenizer, tmp_path):
+    """data.system_prompt="" (none, and not the template's default either): distill records an
+    empty system turn, which training reads as one."""
+    turns = [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"}]
+    write_shard(tmp_path, [{"conversations": [*turns, {"from": "gpt", "value": "Hello."}]}])
+    recipe = load_recipe(None, [f"data.output_dir={tmp_path}", "data.system_prompt="])
+    [example], _ = load_examples(recipe, smollm2_tokenizer)
+    assert smollm2_tokenizer.decode(example["input_ids"]) == (
+        "<|im_start|>system\n<|im_end|>\n<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello.<|im_end|>\n"
+    )
