@@ -180,12 +180,19 @@ def build_items(
         seen.add(pid)
         system = [m for m in asked if m["role"] == "system"]
         users = [m["content"] for m in asked if m["role"] == "user"]
-        first = render_conversation(
-            [*system, {"role": "user", "content": users[0]}],
-            tokenizer,
-            chat_template=template,
-            add_generation_prompt=True,
-        )
+        try:
+            first = render_conversation(
+                [*system, {"role": "user", "content": users[0]}],
+                tokenizer,
+                chat_template=template,
+                add_generation_prompt=True,
+            )
+        except ChatTemplateError as e:  # a system turn a template without that role refuses
+            if data.on_error == "stop":
+                raise ChatTemplateError(f"{prompt.source}: {e}") from e
+            logger.warning("skipping malformed record %s: %s", prompt.source, e)
+            malformed.append(f"{prompt.source}: {e}")
+            continue
         ids = tokenizer(first, add_special_tokens=False)["input_ids"]
         if len(ids) + data.max_new_tokens > data.max_length:
             too_long += 1

@@ -231,3 +231,27 @@ def test_a_first_turn_that_just_fits_max_length_is_kept(tmp_path, smollm2_tokeni
         )
         items, counts = distill.build_items(recipe, smollm2_tokenizer, template)
         assert (len(items), counts["too_long_skipped"]) == (kept, 1 - kept)
+
+
+def test_a_record_the_chat_template_cannot_render_is_skipped_naming_it(
+    tmp_path, tiny_base, capsys, caplog
+):
+    """A ShareGPT record with a system turn, under a template without that role (Gemma's): that
+    record is skipped with its file and line (data.on_error=skip), or stops the run there."""
+    from tests.train.test_data import GEMMA_TEMPLATE
+
+    (tmp_path / "gemma.jinja").write_text(GEMMA_TEMPLATE)
+    prompts = tmp_path / "p.jsonl"
+    system = [{"from": "system", "value": "Be brief."}, {"from": "human", "value": "Hi"}]
+    lines = [{"prompt": "word"}, {"conversations": system}, {"prompt": "word word"}]
+    prompts.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    out = tmp_path / "out"
+    template = f"data.chat_template={tmp_path / 'gemma.jinja'}"
+    recipe = str(recipe_file(tmp_path, tiny_base, prompts, out))
+    assert distill.main([recipe, template, "data.on_error=stop", "data.max_new_tokens=2"]) == 2
+    assert "p.jsonl:2: the chat template cannot render" in capsys.readouterr().err
+    assert distill.main([recipe, template, "data.max_new_tokens=2"]) == 0
+    assert "skipping malformed record" in caplog.text and "p.jsonl:2" in caplog.text
+    assert len(read_records(out)) == 2
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["counts"]["malformed_skipped"] == 1 and manifest["complete"]
