@@ -29,6 +29,7 @@ command writes the same file on the same machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import random
@@ -199,6 +200,49 @@ def read_kept(path: Path) -> list[dict]:
     return kept
 
 
+def settings_path(out: Path) -> Path:
+    """Where the settings that wrote `out`'s prompts are kept: OUTPUT.settings.json."""
+    return out.with_name(out.name + ".settings.json")
+
+
+def writing_settings(recipe: Recipe) -> dict:
+    """What shapes the prompts written (a rerun may raise num_prompts only)."""
+    cfg = recipe.self_instruct
+    settings = {
+        "model": recipe.model.name_or_path,
+        **{k: v for k, v in dataclasses.asdict(cfg).items() if k not in ("num_prompts", "output")},
+        "batch_size": recipe.data.batch_size,  # the batches' seeds follow it
+    }
+    if cfg.method == MAGPIE:  # what the base is shown
+        settings.pop("seed_sources")
+        settings.pop("examples_per_prompt")
+        settings["chat_template"] = recipe.data.chat_template
+        settings["system_prompt"] = recipe.data.system_prompt
+    return settings
+
+
+def check_same_settings(out: Path, settings: dict, written: bool) -> None:
+    """Refuse to add to prompts written under other settings (those of a folder from before
+    settings were recorded are taken as they are)."""
+    path = settings_path(out)
+    if not written or not path.is_file():
+        return
+    try:
+        recorded = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise PromptSourceError(f"{path} cannot be read ({e}): delete it to go on") from e
+    changed = [
+        f"{k}: {recorded.get(k)!r} there, {v!r} now"
+        for k, v in settings.items()
+        if recorded.get(k) != v
+    ]
+    if changed:
+        raise PromptSourceError(
+            f"{out} holds prompts written under other settings ({'; '.join(changed)}): rerun "
+            "with those (num_prompts may grow), or give another self_instruct.output"
+        )
+
+
 def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) -> dict:
     """Write (or continue) the prompt file; returns counts. `write` stands in for the model
     (with `tokenizer`, the base's, for magpie's chat template)."""
@@ -220,6 +264,8 @@ def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) ->
             f"{out} holds prompts written by the other self_instruct method; give this one its "
             "own self_instruct.output"
         )
+    settings = writing_settings(recipe)
+    check_same_settings(out, settings, bool(kept))
     prefix = end = None
     if write is None:
         dtype = None if recipe.model.dtype == "auto" else recipe.model.dtype
@@ -236,6 +282,7 @@ def self_instruct(recipe: Recipe, write: Write | None = None, tokenizer=None) ->
     if write is None:
         write = transformers_writer(model, tokenizer, cfg, end)
     out.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(settings_path(out), json.dumps(settings, indent=2, ensure_ascii=False) + "\n")
     seen = NearDuplicates(cfg.max_similarity)
     for text in [t for texts in pools.values() for t in texts] + [r["prompt"] for r in kept]:
         seen.add(text)
@@ -297,6 +344,13 @@ def main(argv: list[str] | None = None) -> int:
     except (RecipeError, PromptSourceError, ChatTemplateError, FileNotFoundError) as e:
         print(f"self_instruct failed: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:  # the file is rewritten whole after every batch
+        print(
+            "\nself_instruct interrupted: the prompts kept are in the file; the same command "
+            "writes the rest",
+            file=sys.stderr,
+        )
+        return 130
     rejected = ", ".join(f"{n} {why}" for why, n in sorted(summary["rejected"].items()))
     print(f"{summary['kept']} prompts in {summary['output']} (rejected: {rejected or 'none'})")
     return 0

@@ -498,3 +498,30 @@ def test_special_tokens_are_left_out_of_a_request(smollm2_tokenizer):
     cfg = load_recipe(None, ["self_instruct.max_new_tokens=32"]).self_instruct
     write = si.transformers_writer(model, smollm2_tokenizer, cfg)
     assert write([si.list_prompt(["Say hi."])]) == [("Say hello to me", True)]
+
+
+def test_a_rerun_under_other_settings_is_refused_and_ctrl_c_is_one_line(
+    tmp_path, capsys, monkeypatch
+):
+    """The prompts kept came from the recorded settings: adding others' to them would make a
+    file no command writes; num_prompts may grow."""
+    r = recipe(tmp_path, "self_instruct.num_prompts=1")
+    si.self_instruct(r, write=Writer([("Write a short poem about the sea.", True)] * 4))
+    recorded = json.loads((tmp_path / "out" / "prompts.jsonl.settings.json").read_text())
+    assert recorded["temperature"] == 1.0 and "num_prompts" not in recorded
+    hotter = recipe(tmp_path, "self_instruct.num_prompts=2", "self_instruct.temperature=1.3")
+    with pytest.raises(PromptSourceError, match=r"temperature: 1.0 there, 1.3 now\): rerun"):
+        si.self_instruct(hotter, write=Writer([]))
+    more = recipe(tmp_path, "self_instruct.num_prompts=2")
+    assert (
+        si.self_instruct(more, write=Writer([("Name three rivers in Asia.", True)] * 4))["kept"]
+        == 2
+    )
+
+    def interrupted(recipe):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(si, "self_instruct", interrupted)
+    (tmp_path / "r.yaml").write_text("{}")
+    assert si.main([str(tmp_path / "r.yaml")]) == 130
+    assert "self_instruct interrupted: the prompts kept are in the file" in capsys.readouterr().err
