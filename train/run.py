@@ -184,6 +184,27 @@ def one_process_note(processes: int) -> str:
     return ""
 
 
+def fill_deepspeed_config(config: dict, recipe: Recipe) -> list[str]:
+    """Fill a DeepSpeed config's "auto" values that accelerate would fill otherwise: the micro
+    batch (accelerate reads it from a prepared DataLoader; the recipes batch by themselves) and
+    the gradient clipping (accelerate's 1.0; DeepSpeed clips in its engine, so the recipe's
+    max_grad_norm is applied only through it). Returns notes on values the config sets itself
+    that differ from the recipe's."""
+    training, notes = recipe.training, []
+    if config.get("train_micro_batch_size_per_gpu") == "auto":
+        config["train_micro_batch_size_per_gpu"] = training.micro_batch_size
+    clipping = config.get("gradient_clipping", "auto")
+    if clipping == "auto":
+        config["gradient_clipping"] = training.max_grad_norm
+    elif clipping != training.max_grad_norm:
+        notes.append(
+            f"note: the DeepSpeed config's gradient_clipping {clipping} is applied, not "
+            f"training.max_grad_norm {training.max_grad_norm} (DeepSpeed clips in its engine: "
+            'set it to "auto" to take the recipe\'s)'
+        )
+    return notes
+
+
 def make_accelerator(recipe: Recipe) -> Accelerator:
     log_with = None if recipe.logging.report_to == "none" else recipe.logging.report_to
     packages = {"wandb": ("wandb",), "tensorboard": ("tensorboard", "tensorboardX")}
@@ -235,11 +256,9 @@ def make_accelerator(recipe: Recipe) -> Accelerator:
     joined = f"training on {processes} process{'es' if processes > 1 else ''}"
     accelerator.print(joined + one_process_note(processes))
     deepspeed = accelerator.state.deepspeed_plugin
-    if deepspeed is not None and deepspeed.is_auto("train_micro_batch_size_per_gpu"):
-        # accelerate reads "auto" from a prepared DataLoader; the recipes batch by themselves.
-        deepspeed.deepspeed_config["train_micro_batch_size_per_gpu"] = (
-            recipe.training.micro_batch_size
-        )
+    if deepspeed is not None:
+        for note in fill_deepspeed_config(deepspeed.deepspeed_config, recipe):
+            accelerator.print(note)
     if recipe.training.mixed_precision == "auto":
         accelerator.print(f"mixed precision: {precision} ({why})")
     if log_with:

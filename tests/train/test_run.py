@@ -26,6 +26,7 @@ from train.run import (
     Trainee,
     assert_trainable,
     evaluate,
+    fill_deepspeed_config,
     load_frozen_base,
     make_accelerator,
     parse_args,
@@ -294,3 +295,19 @@ def test_a_plain_run_removes_an_earlier_medusa2_adapter_from_its_heads(tiny_llam
     folder = save_final(recipe, heads, Accelerator(cpu=True), {})
     assert not (folder / "lora").exists()
     assert not load_heads(folder).config.base_lora
+
+
+def test_a_deepspeed_config_takes_the_recipes_micro_batch_and_gradient_clipping():
+    """DeepSpeed clips in its engine (accelerate's clip_grad_norm_ only reads the norm there),
+    and accelerate fills an "auto" clipping with 1.0: the recipe's max_grad_norm goes in, and a
+    value the config sets itself is said to rule."""
+    recipe = load_recipe(TINY_MEDUSA, ["training.max_grad_norm=0.5", "training.micro_batch_size=3"])
+    config = {"train_micro_batch_size_per_gpu": "auto", "gradient_clipping": "auto"}
+    assert fill_deepspeed_config(config, recipe) == []
+    assert config == {"train_micro_batch_size_per_gpu": 3, "gradient_clipping": 0.5}
+    config = {"train_micro_batch_size_per_gpu": 2}  # no clipping named: the recipe's
+    assert fill_deepspeed_config(config, recipe) == [] and config["gradient_clipping"] == 0.5
+    config = {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
+    [note] = fill_deepspeed_config(config, recipe)
+    assert "gradient_clipping 1.0 is applied, not training.max_grad_norm 0.5" in note
+    assert config == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
