@@ -42,6 +42,7 @@ from tqdm import tqdm
 from heads.base import load_base, resolve_base_path
 from train.answering import (
     Generate,
+    attention_heads,
     eos_token_ids,
     transformers_generator,
     use_vllm,
@@ -346,7 +347,7 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     # regenerated where its sibling was first drawn would repeat it (num_samples > 1).
     seed = data.seed + state.process_index + 104_729 * len(done)
     generate = (
-        vllm_generator(model_path, recipe, eos_ids, seed)
+        vllm_generator(model_path, recipe, eos_ids, seed, attention_heads(model_path))
         if vllm
         else transformers_generator(model, tokenizer, recipe, eos_ids)
     )

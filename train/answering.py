@@ -135,11 +135,52 @@ def transformers_generator(
     return generate
 
 
+def attention_heads(model_path: str) -> tuple[int, int] | None:
+    """The base's query and key / value heads, from its config (None where it cannot be read)."""
+    from transformers import AutoConfig
+
+    try:
+        config = AutoConfig.from_pretrained(model_path)
+    except Exception:  # vLLM reads the model its own way and says what it cannot
+        return None
+    config = getattr(config, "text_config", None) or config
+    heads = getattr(config, "num_attention_heads", None)
+    if not heads:
+        return None
+    return heads, getattr(config, "num_key_value_heads", None) or heads
+
+
+def tensor_parallel_size(gpus: int, heads: tuple[int, int] | None) -> int:
+    """The most of `gpus` that vLLM can split a base of `heads` (query, key / value) over: a
+    size that divides the query heads, and the key / value heads or is a multiple of them
+    (Qwen2.5-7B's 28 and 4 on 8 GPUs: 4)."""
+    most = max(gpus, 1)
+    if not heads:
+        return most
+    query, kv = heads
+    size = max(d for d in range(1, most + 1) if query % d == 0 and (kv % d == 0 or d % kv == 0))
+    if size < most:
+        logger.warning(
+            "vLLM splits the base over %d of the %d GPUs: tensor parallelism must divide its %d "
+            "attention heads (and its %d key / value heads, or be a multiple of them)",
+            size,
+            most,
+            query,
+            kv,
+        )
+    return size
+
+
 def vllm_generator(
-    model_path: str, recipe: Recipe, eos_ids: list[int], seed: int | None = None
+    model_path: str,
+    recipe: Recipe,
+    eos_ids: list[int],
+    seed: int | None = None,
+    heads: tuple[int, int] | None = None,
 ) -> Generate:
-    """vLLM offline engine; tensor-parallel over the visible GPUs (run it as one process);
-    sampling seeded with `seed` (default: data.seed)."""
+    """vLLM offline engine; tensor-parallel over the visible GPUs (run it as one process), or
+    as many of them as the base's `heads` (`attention_heads`) allow; sampling seeded with `seed`
+    (default: data.seed)."""
     from vllm import LLM, SamplingParams
 
     data = recipe.data
@@ -149,7 +190,7 @@ def vllm_generator(
         dtype=dtype,
         seed=data.seed if seed is None else seed,
         max_model_len=data.max_length,
-        tensor_parallel_size=max(torch.cuda.device_count(), 1),
+        tensor_parallel_size=tensor_parallel_size(torch.cuda.device_count(), heads),
     )
     params = SamplingParams(
         temperature=data.temperature,

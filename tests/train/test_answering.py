@@ -13,6 +13,7 @@ from heads.base import load_base
 from train.answering import (
     eos_token_ids,
     split_answer,
+    tensor_parallel_size,
     transformers_generator,
     use_vllm,
     vllm_generator,
@@ -243,3 +244,13 @@ def test_auto_answers_with_vllm_where_it_is_installed_and_a_gpu_is_visible(monke
     assert use_vllm(_backend("auto")) is True
     assert use_vllm(_backend("vllm")) is True
     assert use_vllm(_backend("transformers")) is False
+
+
+def test_vllm_splits_the_base_over_a_number_of_gpus_that_divides_its_heads(caplog):
+    """vLLM refuses a tensor-parallel size that does not divide the attention heads (or fit the
+    key / value heads): Qwen2.5-7B (28 and 4) goes over 4 of 8 GPUs, Llama-3-8B (32, 8) all 8."""
+    assert tensor_parallel_size(8, (32, 8)) == 8 and not caplog.text
+    assert tensor_parallel_size(8, (64, 8)) == 8 and tensor_parallel_size(16, (32, 8)) == 16
+    assert tensor_parallel_size(8, (28, 4)) == 4  # 7 divides 28 but is no multiple of 4
+    assert "over 4 of the 8 GPUs: tensor parallelism must divide its 28 attention" in caplog.text
+    assert tensor_parallel_size(0, (28, 4)) == 1 and tensor_parallel_size(8, None) == 8
