@@ -33,9 +33,7 @@ ANSWERS = SimpleNamespace(examples=[{"input_ids": list(range(400)), "loss_mask":
 def _build_draft(task, out, *overrides: str):
     recipe = load_recipe(TINY_EAGLE, [*task.overrides(out), *overrides])
     base = load_tiny_base(task)
-    draft, vocab = train.eagle.build_draft(
-        recipe, base, ANSWERS, Accelerator(cpu=True), resumed=False
-    )
+    draft, vocab = train.eagle.build_draft(recipe, base, ANSWERS, Accelerator(cpu=True), ckpt=None)
     return base, draft, vocab
 
 

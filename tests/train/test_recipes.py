@@ -208,7 +208,7 @@ def test_eagle3_draft_starts_from_the_base_unless_the_recipe_says_not(
         TINY_EAGLE, [*tiny_task.overrides(tmp_path), f"heads.init_from_base={from_base}"]
     )
     answers = SimpleNamespace(examples=[{"input_ids": list(range(400)), "loss_mask": [1] * 400}])
-    draft, _ = train.eagle.build_draft(recipe, base, answers, Accelerator(cpu=True), resumed=False)
+    draft, _ = train.eagle.build_draft(recipe, base, answers, Accelerator(cpu=True), ckpt=None)
     kept = draft.to_base_ids(torch.arange(256))
     starts_as_base = torch.equal(draft.lm_head.weight, base.lm_head.weight[kept])
     mlp = draft.midlayer.mlp.down_proj.weight
@@ -442,3 +442,18 @@ def test_hard_labels_outside_a_reduced_draft_vocabulary_add_no_nan(tmp_path):
         far[0, 3:] = torch.tensor([200, 201, 202, 203, 204])  # none drafted, for either head
         loss, _ = trainee({**batch, "input_ids": far})
         assert float(loss) == 0.0
+
+
+def test_the_vicuna_recipes_template_is_fastchats_v1_1_after_the_bos_token(smollm2_tokenizer):
+    """Vicuna's tokenizer has no chat template and adds BOS itself; headstart tokenises the
+    rendered text without special tokens, so the template writes BOS."""
+    from train.data import render_conversation
+
+    recipe = load_recipe(TINY_MEDUSA.parent / "vicuna-7b-medusa.yaml", [])
+    turns = [{"role": "user", "content": "Hi"}, {"role": "assistant", "content": "Hello."}]
+    text = render_conversation(turns, smollm2_tokenizer, chat_template=recipe.data.chat_template)
+    assert text == (
+        f"{smollm2_tokenizer.bos_token}A chat between a curious user and an artificial "
+        "intelligence assistant. The assistant gives helpful, detailed, and polite answers to "
+        "the user's questions. USER: Hi ASSISTANT: Hello.</s>"
+    )
