@@ -172,7 +172,7 @@ def build_items(
     )
     items: list[WorkItem] = []
     seen: set[str] = set()
-    too_long = 0
+    too_long = unrendered = 0
     for prompt in prompts:
         asked = asked_turns(prompt.messages, data.system_prompt)
         pid = conversation_id(asked)  # prompt_id(prompt.messages, data.system_prompt)
@@ -189,10 +189,12 @@ def build_items(
                 add_generation_prompt=True,
             )
         except ChatTemplateError as e:  # a system turn a template without that role refuses
+            if data.system_prompt is not None:  # the recipe's, in every record
+                raise ChatTemplateError(f"data.system_prompt: {e}") from e
             if data.on_error == "stop":
                 raise ChatTemplateError(f"{prompt.source}: {e}") from e
-            logger.warning("skipping malformed record %s: %s", prompt.source, e)
-            malformed.append(f"{prompt.source}: {e}")
+            logger.warning("skipping %s: %s", prompt.source, e)
+            unrendered += 1
             continue
         ids = tokenizer(first, add_special_tokens=False)["input_ids"]
         if len(ids) + data.max_new_tokens > data.max_length:
@@ -204,6 +206,7 @@ def build_items(
         "prompts": len(prompts),
         "malformed_skipped": len(malformed),
         "too_long_skipped": too_long,
+        "unrendered_skipped": unrendered,  # records the chat template cannot render
     }
     return items, counts
 
@@ -285,11 +288,14 @@ def distill(recipe: Recipe) -> dict[str, Any]:
     eos_ids = eos_token_ids(tokenizer, gen_config, template)
 
     items, counts = build_items(recipe, tokenizer, template, settings.get("order", "shuffle"))
-    if not items:  # every prompt too long: nothing to answer, and training would find nothing
+    if not items:  # nothing to answer, and training would find nothing
+        unrendered = counts["unrendered_skipped"]
+        also = f"; the chat template cannot render {unrendered} (said above)" if unrendered else ""
         raise DistillError(
-            f"all {counts['prompts']} prompts are too long: a prompt must fit in "
-            f"data.max_length - data.max_new_tokens = {data.max_length - data.max_new_tokens} "
-            "tokens; raise data.max_length or lower data.max_new_tokens"
+            f"none of the {counts['prompts']} prompts can be answered: "
+            f"{counts['too_long_skipped']} are too long (a prompt must fit in data.max_length - "
+            f"data.max_new_tokens = {data.max_length - data.max_new_tokens} tokens: raise "
+            f"data.max_length or lower data.max_new_tokens){also}"
         )
     sha1 = template_sha1(template)
     check_template(out_dir, sha1)
@@ -470,7 +476,12 @@ def main(argv: list[str] | None = None) -> int:
             f"wrote {counts['records_written']} of {counts['records_expected']} records to "
             f"{recipe.data.output_dir} ({counts['unfinished']} cut at max_new_tokens, "
             f"{counts['too_long_skipped']} prompts too long, "
-            f"{counts['malformed_skipped']} malformed records skipped)"
+            f"{counts['malformed_skipped']} malformed records skipped"
+            + (
+                f", {counts['unrendered_skipped']} the chat template cannot render)"
+                if counts.get("unrendered_skipped")
+                else ")"
+            )
         )
         if counts.get("turns_dropped_too_long"):
             print(

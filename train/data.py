@@ -358,7 +358,8 @@ def read_distilled(output_dir: str | Path) -> list[tuple[list[Message], bool]]:
         try:
             if isinstance(record, Exception):  # a line that is not UTF-8 or not JSON
                 raise record
-            messages = normalize_record(record, empty_answers=True)  # an answer ended at once
+            # an answer ended at once; an empty system turn, distill's data.system_prompt=""
+            messages = normalize_record(record, empty_answers=True, empty_system=True)
             conversations.append((messages, bool(record.get("finished", True))))
         except ValueError as e:
             raise ValueError(

@@ -91,12 +91,16 @@ RECORD_FORMS = (
 )
 
 
-def normalize_record(record: Any, empty_answers: bool = False) -> list[Message]:
+def normalize_record(
+    record: Any, empty_answers: bool = False, empty_system: bool = False
+) -> list[Message]:
     """Turn one ShareGPT / OpenAI / MT-bench / `prompt` record into a list of messages.
 
     Leading assistant turns (some ShareGPT dumps start with one) are dropped. Raises ValueError
     naming the problem when the record has none of the known forms or a bad turn (empty text;
-    `empty_answers` takes empty assistant turns: a base that ended its turn at once).
+    `empty_answers` takes empty assistant turns: a base that ended its turn at once). An empty
+    system turn is kept with `empty_system` (distill's, under data.system_prompt=""), else read
+    as none (the template's default system prompt applies, as without one).
     """
     if not isinstance(record, dict):
         raise ValueError(f"a record must be a JSON object, got {type(record).__name__}")
@@ -128,6 +132,8 @@ def normalize_record(record: Any, empty_answers: bool = False) -> list[Message]:
     rest = [m for m in messages if m["role"] != "system"]
     if any(m["role"] == "system" for m in messages[len(system) :]):
         raise ValueError("a system message may only come first")
+    if not empty_system:
+        system = [m for m in system if m["content"].strip()]
     while rest and rest[0]["role"] == "assistant":
         rest.pop(0)
     if not any(m["role"] == "user" for m in rest):
@@ -164,8 +170,7 @@ def _turn(
         raise ValueError(
             f"turn {i}: unsupported role {turn[role_key]!r} (known: {', '.join(roles)})"
         )
-    # an empty system turn is one (data.system_prompt="": no template default either)
-    empty = role == "system" or (empty_answers and role == "assistant")
+    empty = role == "system" or (empty_answers and role == "assistant")  # see normalize_record
     return {"role": role, "content": _text(turn[text_key], f"turn {i}", empty)}
 
 

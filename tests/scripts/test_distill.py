@@ -103,6 +103,7 @@ def test_distill_end_to_end(tmp_path, tiny_base, capsys):
         "prompts": 9,
         "malformed_skipped": 1,
         "too_long_skipped": 1,
+        "unrendered_skipped": 0,
         "records_expected": 8,
         "records_written": 8,
         "unfinished": 8,
@@ -347,7 +348,8 @@ def test_bad_input_is_a_clear_error(tmp_path, tiny_base, capsys, monkeypatch):
     # every prompt too long: said, and nothing written (training would find no shards)
     no_room = [str(recipe), "data.on_error=skip", "data.max_new_tokens=300", "data.max_length=256"]
     assert distill.main(no_room) == 2
-    assert "prompts are too long: a prompt must fit in" in capsys.readouterr().err
+    said = capsys.readouterr().err
+    assert "prompts can be answered: " in said and "are too long (a prompt must fit in" in said
     assert not (tmp_path / "o").exists()
     # a base that is neither here nor on the Hub (offline here: the Hub cannot be asked)
     monkeypatch.setattr(huggingface_hub.constants, "HF_HUB_OFFLINE", True)

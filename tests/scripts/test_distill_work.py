@@ -253,7 +253,12 @@ def test_a_record_the_chat_template_cannot_render_is_skipped_naming_it(
     assert distill.main([recipe, template, "data.on_error=stop", "data.max_new_tokens=2"]) == 2
     assert "p.jsonl:2: the chat template cannot render" in capsys.readouterr().err
     assert distill.main([recipe, template, "data.max_new_tokens=2"]) == 0
-    assert "skipping malformed record" in caplog.text and "p.jsonl:2" in caplog.text
+    assert "skipping " in caplog.text and "p.jsonl:2: the chat template cannot" in caplog.text
+    assert "1 the chat template cannot render)" in capsys.readouterr().out
     assert len(read_records(out)) == 2
     manifest = json.loads((out / "manifest.json").read_text())
-    assert manifest["counts"]["malformed_skipped"] == 1 and manifest["complete"]
+    assert manifest["counts"]["unrendered_skipped"] == 1 and manifest["complete"]
+    # the recipe's system prompt goes in every record: the recipe is what cannot be rendered
+    system = "data.system_prompt=Be brief."
+    assert distill.main([recipe, template, system, "data.output_dir=" + str(tmp_path / "o2")]) == 2
+    assert "data.system_prompt: the chat template cannot render" in capsys.readouterr().err

@@ -285,3 +285,16 @@ def test_a_group_expands_every_template_and_slot_combination_in_order():
 def test_the_stdlib_function_prompts_are_capped_at_320():
     coding = [text for category, text in prompt_set._stdlib_prompts() if category == "coding"]
     assert len(coding) == 320
+
+
+def test_an_empty_system_turn_is_none_in_a_prompt_file_and_kept_in_distills_answers(tmp_path):
+    """A prompt file's empty system turn (some ShareGPT dumps write one for none) leaves the
+    template's default system prompt; distill writes one for data.system_prompt="", which
+    training keeps."""
+    turns = [{"from": "system", "value": ""}, {"from": "human", "value": "Hi"}]
+    record = {"conversations": [*turns, {"from": "gpt", "value": "Hello."}]}
+    assert [m["role"] for m in normalize_record(record)] == ["user", "assistant"]
+    kept = normalize_record(record, empty_system=True)
+    assert kept[0] == {"role": "system", "content": ""}
+    prompts, skipped = read_source(str(write_jsonl(tmp_path / "p.jsonl", [record])))
+    assert skipped == [] and [m["role"] for m in prompts[0].messages] == ["user", "assistant"]
