@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import warnings
@@ -25,6 +26,8 @@ from heads.cpu import PackedLinear, prepack_linear_weights
 from heads.placement import floating_dtype, usable_device
 
 WEIGHTS_NAME = "model.safetensors"
+# Other layouts load_heads reads, which a re-save in place replaces: shards, TGI's Medusa file
+LOADED_LAYOUTS = re.compile(r"model-\d+-of-\d+\.safetensors|medusa_lm_head\.safetensors")
 CONFIG_NAME = "config.json"
 
 
@@ -77,26 +80,27 @@ class PretrainedHeads(nn.Module):
         return folder
 
     def _other_weights(self, folder: Path) -> list[Path]:
-        """Weights files in `folder` that load_heads would read beside the model.safetensors
-        saved there: shards and their index, another layout's. Those of the folder these heads
-        were loaded from (a re-save in place) are replaced; any others are refused."""
-        found = [
-            f
-            for f in sorted(folder.glob("*.safetensors*"))
-            if f.name != WEIGHTS_NAME
-            and f.name.endswith((".safetensors", ".safetensors.index.json"))
-        ]
+        """Weights files in `folder` that loaders would read beside the model.safetensors saved
+        there: a shard index (vLLM and transformers read the shards it names, not the new file)
+        is replaced; shards and TGI's file too when they are the ones these heads were loaded
+        from (a re-save in place). Any other .safetensors file is refused."""
+        index = folder / "model.safetensors.index.json"
+        found = sorted(p for p in folder.glob("*.safetensors") if p.name != WEIGHTS_NAME)
         source = getattr(self, "source_folder", None)
-        if not found or (source is not None and Path(source).resolve() == folder.resolve()):
-            return found
-        names = ", ".join(f.name for f in found)
-        raise ValueError(
-            f"{folder} holds {names}, which load_heads would read beside the model.safetensors "
-            "saved there: save into another folder, or move those files out"
-        )
+        in_place = source is not None and Path(source).resolve() == folder.resolve()
+        own = [p for p in found if in_place and LOADED_LAYOUTS.fullmatch(p.name)]
+        others = [p.name for p in found if p not in own]
+        if others:
+            raise ValueError(
+                f"{folder} holds {', '.join(others)}, which load_heads would read beside the "
+                "model.safetensors saved there: save into another folder, or move those out"
+            )
+        return own + ([index] if index.is_file() else [])
 
     @classmethod
-    def from_pretrained(cls, path_or_repo_id: str | os.PathLike, base=None, **kwargs):
+    def from_pretrained(
+        cls, path_or_repo_id: str | os.PathLike, base: nn.Module | None = None, **kwargs
+    ) -> PretrainedHeads:
         """`load_heads(path_or_repo_id, base, **kwargs)`, for heads of this class only."""
         heads = load_heads(path_or_repo_id, base, **kwargs)
         if not isinstance(heads, cls):

@@ -252,15 +252,16 @@ class EagleDraft(PretrainedHeads):
     def set_vocab_map(self, draft_to_base: torch.Tensor) -> None:
         """EAGLE-3: set d2t / t2d from the base ids kept in the draft vocabulary (draft index i is
         base id draft_to_base[i]; headstart passes them sorted)."""
-        ids = torch.as_tensor(draft_to_base, dtype=torch.long).cpu()
+        ids = torch.as_tensor(draft_to_base, dtype=torch.long, device="cpu")
         if ids.numel() != self.config.draft_vocab_size:
             raise ValueError(f"need {self.config.draft_vocab_size} base ids, got {ids.numel()}")
         # Checked before anything is set: a refused map leaves the draft's own.
         if ids.unique().numel() != ids.numel():
             raise ValueError("the draft vocabulary's base ids must be distinct: one is repeated")
-        d2t = ids - torch.arange(ids.numel())
+        # on the CPU, as ids, also under torch.device("cuda") as the default device
+        d2t = ids - torch.arange(ids.numel(), device="cpu")
         target_ids(d2t, self.t2d.numel())  # each id in the base vocabulary
-        t2d = torch.zeros(self.t2d.shape, dtype=torch.bool)
+        t2d = torch.zeros(self.t2d.shape, dtype=torch.bool, device="cpu")
         t2d[ids] = True
         self.d2t.copy_(d2t)
         self.t2d.copy_(t2d)
@@ -320,8 +321,8 @@ def _as_llama_norm(module: nn.Module, weight: torch.Tensor) -> torch.Tensor | No
     if weight.dim() != 1 or weight.is_meta:
         return None
     eps = getattr(module, "variance_epsilon", None) or getattr(module, "eps", 1e-6)
-    x = torch.randn(2, weight.numel(), generator=torch.Generator().manual_seed(0))
-    x = x.to(weight.device)
+    probe = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(2, weight.numel(), generator=probe, device="cpu").to(weight.device)
     out = module(x.to(weight.dtype)).float()
     normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
     for candidate in (weight, 1 + weight):

@@ -300,8 +300,7 @@ def verify_typical(
     """
     if temperature == 0:
         return verify_greedy(tokens, target_logits, tree)
-    target = target_logits.float()
-    p = torch.softmax((target - target.amax(-1, keepdim=True)) / temperature, dim=-1)  # (N, V)
+    p = warp_probs(target_logits, temperature)  # (N, V)
     entropy = torch.special.entr(p).sum(dim=-1)  # (N,)
     threshold = torch.clamp(posterior_alpha * torch.exp(-entropy), max=posterior_threshold)
     parents = tree.parents.clamp(min=0)

@@ -141,7 +141,7 @@ def attention_heads(model_path: str) -> tuple[int, int] | None:
 
     try:
         config = AutoConfig.from_pretrained(model_path)
-    except Exception:  # vLLM reads the model its own way and says what it cannot
+    except (OSError, ValueError, KeyError):  # vLLM reads it its own way and says what fails
         return None
     config = getattr(config, "text_config", None) or config
     heads = getattr(config, "num_attention_heads", None)
@@ -150,14 +150,14 @@ def attention_heads(model_path: str) -> tuple[int, int] | None:
     return heads, getattr(config, "num_key_value_heads", None) or heads
 
 
-def tensor_parallel_size(gpus: int, heads: tuple[int, int] | None) -> int:
-    """The most of `gpus` that vLLM can split a base of `heads` (query, key / value) over: a
+def tensor_parallel_size(gpus: int, head_counts: tuple[int, int] | None) -> int:
+    """The most of `gpus` that vLLM can split a base of `head_counts` (query, key / value) over: a
     size that divides the query heads, and the key / value heads or is a multiple of them
     (Qwen2.5-7B's 28 and 4 on 8 GPUs: 4)."""
     most = max(gpus, 1)
-    if not heads:
+    if not head_counts:
         return most
-    query, kv = heads
+    query, kv = head_counts
     size = max(d for d in range(1, most + 1) if query % d == 0 and (kv % d == 0 or d % kv == 0))
     if size < most:
         logger.warning(
@@ -176,10 +176,10 @@ def vllm_generator(
     recipe: Recipe,
     eos_ids: list[int],
     seed: int | None = None,
-    heads: tuple[int, int] | None = None,
+    head_counts: tuple[int, int] | None = None,
 ) -> Generate:
     """vLLM offline engine; tensor-parallel over the visible GPUs (run it as one process), or
-    as many of them as the base's `heads` (`attention_heads`) allow; sampling seeded with `seed`
+    as many of them as the base's `head_counts` (`attention_heads`) allow; sampling seeded with `seed`
     (default: data.seed)."""
     from vllm import LLM, SamplingParams
 
@@ -190,7 +190,7 @@ def vllm_generator(
         dtype=dtype,
         seed=data.seed if seed is None else seed,
         max_model_len=data.max_length,
-        tensor_parallel_size=tensor_parallel_size(torch.cuda.device_count(), heads),
+        tensor_parallel_size=tensor_parallel_size(torch.cuda.device_count(), head_counts),
     )
     params = SamplingParams(
         temperature=data.temperature,

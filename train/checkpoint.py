@@ -334,6 +334,7 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
 def run_folder(ckpt: Path) -> Path | None:
     """The output folder of the run that wrote `ckpt` (OUTPUT/checkpoints/step-N); None for a
     checkpoint kept elsewhere."""
+    ckpt = ckpt.resolve()  # "step-00000010" given from inside checkpoints/, or a link to it
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 

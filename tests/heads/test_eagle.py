@@ -336,3 +336,19 @@ def test_init_from_base_names_what_a_granite_or_starcoder2_layer_does_otherwise(
     assert "the MLP: copied" not in notes
     llama = make_tiny_llama()  # a Llama's layer carries over whole
     assert EagleDraft(EagleConfig.from_base(llama.config, version=3)).init_from_base(llama) == []
+
+
+def test_a_draft_built_on_the_cpu_takes_its_vocabulary_under_another_default_device():
+    """torch.device("cuda") as a context (the GPU tests build their drafts so) makes the default
+    device of tensors created without one: the vocabulary map and the norm probe name theirs
+    (the meta device stands in for CUDA here)."""
+    from heads.eagle import _as_llama_norm
+
+    base = make_tiny_llama(seed=3)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    norm = base.model.norm
+    with torch.device("meta"):
+        draft.set_vocab_map(torch.arange(0, 256, 8, device="cpu"))
+        assert _as_llama_norm(norm, norm.weight) is norm.weight  # its probe draws on the CPU
+    assert draft.d2t.device.type == "cpu" and draft.d2t.tolist() == [7 * i for i in range(32)]
+    assert draft.t2d.sum() == 32

@@ -77,8 +77,8 @@ def _fake_vllm(monkeypatch) -> list[int]:
     """use_vllm says yes, and vllm_generator answers "ok" at once; returns the batch sizes."""
     batches = []
 
-    def vllm_generator(model_path, recipe, eos_ids, seed, heads):
-        assert heads == (4, 2)  # the tiny base's, for vLLM's tensor-parallel size
+    def vllm_generator(model_path, recipe, eos_ids, seed, head_counts):
+        assert head_counts == (4, 2)  # the tiny base's, for vLLM's tensor-parallel size
 
         def generate(prompts):
             batches.append(len(prompts))
