@@ -59,6 +59,7 @@ from train.run import (
     evaluate,
     find_resume,
     gather_for_reading,
+    keep_rotary_in_fp32,
     load_frozen_base,
     make_accelerator,
     prepare_data,
@@ -306,6 +307,7 @@ def training_function(recipe: Recipe) -> dict:
         recipe, [p for p in draft.parameters() if p.requires_grad], total
     )
     model, optimizer, scheduler = accelerator.prepare(model, optimizer, scheduler)
+    keep_rotary_in_fp32(accelerator.unwrap_model(model))  # DeepSpeed's bf16 cast them
     step, epoch, skip, best = 0, 0, 0, {}
     if ckpt is not None:
         state = load_checkpoint(accelerator, ckpt, optimizer, scheduler)

@@ -337,6 +337,33 @@ def load_frozen_base(recipe: Recipe, accelerator: Accelerator, dtype: str | None
     return base, tokenizer
 
 
+def keep_rotary_in_fp32(model: torch.nn.Module) -> int:
+    """Set RoPE's inverse frequencies back to float32 where a cast of the whole model (DeepSpeed's
+    bf16 engine casts every buffer of the model it wraps) left them in a lower precision:
+    transformers keeps them in float32, as do the engines that serve the heads, so the heads
+    would train on the base's features at other angles (0.7 rad off at position 4,096 in bf16).
+    Recomputed as transformers initialises them; returns how many modules were set back."""
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    restored = 0
+    for module in model.modules():
+        freq = getattr(module, "inv_freq", None)
+        rotary = "RotaryEmbedding" in type(module).__name__ and hasattr(module, "original_inv_freq")
+        if not rotary or freq is None or freq.dtype == torch.float32:
+            continue
+        init = {
+            "default": getattr(module, "compute_default_rope_parameters", None),
+            **ROPE_INIT_FUNCTIONS,
+        }.get(getattr(module, "rope_type", None))
+        if init is None:
+            continue
+        value, _ = init(module.config)
+        module.inv_freq = value.float().to(freq.device)
+        module.original_inv_freq = module.inv_freq.clone()
+        restored += 1
+    return restored
+
+
 def gather_for_reading(*params: torch.nn.Parameter):
     """Whole parameters to read under ZeRO-3 (where each process holds a shard); else a no-op."""
     if not is_deepspeed_zero3_enabled():

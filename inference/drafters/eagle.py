@@ -230,13 +230,14 @@ class EagleDrafter(Drafter):
         prefix = self.cache.get_seq_length() - len(cached)  # pairs of the accepted sequence
         F, dev = frontier.numel(), frontier.device
         column_of = {c: i for i, c in enumerate(cached)}
-        allowed = torch.zeros(F, len(cached) + F, dtype=torch.bool)  # (F, C), built on the host
+        parents = all_parents.tolist()  # one read from the device, not one per ancestor
+        allowed = torch.zeros(F, len(cached) + F, dtype=torch.bool, device="cpu")  # (F, C)
         for row, c in enumerate(frontier.tolist()):
             allowed[row, len(cached) + row] = True
-            p = int(all_parents[c]) - 1
+            p = parents[c] - 1
             while p >= 0:
                 allowed[row, column_of[p]] = True
-                p = int(all_parents[p]) - 1
+                p = parents[p] - 1
         mask = frontier_attention_mask(allowed.to(dev), prefix, self._dtype)
         pos = torch.full((1, F), prefix - 1 + d, device=dev)
         with grouped_kv_attention(dev):

@@ -27,6 +27,7 @@ from train.run import (
     assert_trainable,
     evaluate,
     fill_deepspeed_config,
+    keep_rotary_in_fp32,
     load_frozen_base,
     make_accelerator,
     parse_args,
@@ -311,3 +312,26 @@ def test_a_deepspeed_config_takes_the_recipes_micro_batch_and_gradient_clipping(
     [note] = fill_deepspeed_config(config, recipe)
     assert "gradient_clipping 1.0 is applied, not training.max_grad_norm 0.5" in note
     assert config == {"train_micro_batch_size_per_gpu": 2, "gradient_clipping": 1.0}
+
+
+def test_rope_frequencies_cast_with_the_model_are_set_back_to_float32():
+    """DeepSpeed's bf16 engine casts the model it wraps whole, RoPE's inverse frequencies too:
+    set back to float32, as transformers (and the serving engines) compute them, for the base
+    and the EAGLE draft; a model already in float32 is left as it is."""
+    from heads import EagleConfig, EagleDraft
+
+    base = make_tiny_llama(rope_theta=500000.0)
+    draft = EagleDraft(EagleConfig.from_base(base.config, version=3, draft_vocab_size=32))
+    want = {
+        name: b.clone()
+        for name, b in [*base.named_buffers(), *draft.named_buffers()]
+        if name.endswith("inv_freq")
+    }
+    model = nn.ModuleDict({"base": base, "draft": draft})
+    assert keep_rotary_in_fp32(model) == 0
+    model.bfloat16()
+    assert all(b.dtype == torch.bfloat16 for n, b in model.named_buffers() if n.endswith("freq"))
+    assert keep_rotary_in_fp32(model) == 2
+    for name, b in [*base.named_buffers(), *draft.named_buffers()]:
+        if name.endswith("inv_freq"):
+            assert b.dtype == torch.float32 and torch.equal(b, want[name]), name
