@@ -85,6 +85,12 @@ def make_drafter(base: PreTrainedModel, heads_or_drafter, **options) -> Drafter:
                     f"the heads are on {where}, the base takes its inputs on {device}: move "
                     f"them with heads.to('{device}') (load_heads(..., base=base) places them)"
                 )
+    model = getattr(heads_or_drafter, "model", heads_or_drafter)  # ModelDrafter.model
+    if isinstance(model, PreTrainedModel) and input_device(model) != device:
+        raise ValueError(  # its ids and the sampling generator live on the base's input device
+            f"the draft model takes its inputs on {input_device(model)}, the base on {device}: "
+            f"move it with draft.to('{device}') (or load it there)"
+        )
     if isinstance(heads_or_drafter, ModelDrafter):
         check_padded_vocab(heads_or_drafter.vocab_size, base, "ModelDrafter(model, ..., ")
     if isinstance(heads_or_drafter, Drafter):

@@ -1,9 +1,10 @@
 """A draft model's drafting costs: one draft forward per chain token, a cache that follows the
 sequence (a padded vocabulary's too), proposing again on the same sequence."""
 
+import pytest
 import torch
 
-from inference import ModelDrafter
+from inference import ModelDrafter, SpeculativeGenerator
 from inference.draft import Sampling
 from tests.conftest import make_tiny_llama
 
@@ -68,3 +69,14 @@ def test_a_temperature_alone_leaves_the_drafts_law_untruncated():
         law = draft(sequence[None]).logits[0, -1].float().softmax(-1)
     assert proposal.sampled[1:].all()
     torch.testing.assert_close(proposal.draft_probs[0], law, atol=1e-6, rtol=1e-5)
+
+
+def test_a_draft_model_on_another_device_than_the_bases_inputs_is_refused():
+    """Its ids, and the generator a sampled chain draws with, are the base's device's (the meta
+    device stands in for another GPU)."""
+    base, draft = make_tiny_llama(), make_tiny_llama(seed=1).to("meta")
+    for given in (draft, ModelDrafter(draft), [draft, None]):
+        with pytest.raises(
+            ValueError, match="draft model takes its inputs on meta, the base on cpu"
+        ):
+            SpeculativeGenerator(base, given)
