@@ -58,6 +58,17 @@ def split_answer(new_tokens: list[int], eos_ids: list[int]) -> tuple[list[int], 
     return new_tokens, False
 
 
+CACHE_BUCKET = 256  # a compiled static-cache step is compiled again for each cache length
+
+
+def static_cache_length(needed: int, compiled: bool) -> int:
+    """The static cache's length for a batch that needs `needed` positions: rounded up to a
+    multiple of CACHE_BUCKET where transformers compiles the step (a GPU), so that batches of
+    other prompt lengths share a few compiled graphs (torch.compile stops compiling after 8
+    shapes and runs the rest uncompiled)."""
+    return -(-needed // CACHE_BUCKET) * CACHE_BUCKET if compiled else needed
+
+
 def transformers_generator(
     model,
     tokenizer,
@@ -105,7 +116,8 @@ def transformers_generator(
             attention_mask[i, T - len(p) :] = 1
         input_ids, attention_mask = input_ids.to(device), attention_mask.to(device)
         # A growing cache re-copies itself every step: costly for a batch.
-        cache = StaticCache(model.config, T + data.max_new_tokens) if static_cache else None
+        length = static_cache_length(T + data.max_new_tokens, compiled=device.type != "cpu")
+        cache = StaticCache(model.config, length) if static_cache else None
         rows = list(range(B))  # the prompt of each batch row
         answers: list[tuple[list[int], bool]] = [([], False)] * B
         produced = 0

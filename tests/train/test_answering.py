@@ -13,6 +13,7 @@ from heads.base import load_base
 from train.answering import (
     eos_token_ids,
     split_answer,
+    static_cache_length,
     tensor_parallel_size,
     transformers_generator,
     use_vllm,
@@ -254,3 +255,14 @@ def test_vllm_splits_the_base_over_a_number_of_gpus_that_divides_its_heads(caplo
     assert tensor_parallel_size(8, (28, 4)) == 4  # 7 divides 28 but is no multiple of 4
     assert "over 4 of the 8 GPUs: tensor parallelism must divide its 28 attention" in caplog.text
     assert tensor_parallel_size(0, (28, 4)) == 1 and tensor_parallel_size(8, None) == 8
+
+
+def test_a_compiled_static_cache_takes_a_length_of_a_few_buckets():
+    # on a GPU transformers compiles the static-cache step once per cache length
+    assert [static_cache_length(n, compiled=True) for n in (1, 256, 257, 1300)] == [
+        256,
+        256,
+        512,
+        1536,
+    ]
+    assert static_cache_length(1300, compiled=False) == 1300  # a CPU: exactly what it needs
