@@ -153,7 +153,10 @@ class FakeHub:
         self.private[repo_id] = private
 
     def create_branch(self, repo_id, branch, exist_ok=False) -> None:
-        self.branches.setdefault(repo_id, set()).add(branch)
+        """A new branch starts from main, as on the Hub."""
+        if branch not in self.branches.setdefault(repo_id, set()):
+            self.files[f"{repo_id}@{branch}"] = dict(self.files.get(repo_id, {}))
+        self.branches[repo_id].add(branch)
 
     def list_repo_files(self, repo_id, revision=None) -> list[str]:
         return sorted(self.files.get(self._ref(repo_id, revision), {}))

@@ -136,12 +136,16 @@ def test_a_push_removes_weights_files_the_heads_have_not_and_keeps_the_rest(
 
 
 def test_a_push_to_a_branch_makes_it_and_a_pull_request_commits_nothing(tiny_llama, fake_hub):
+    fake_hub.files["me/heads"] = {"medusa_lm_head.safetensors": b"tgi", "notes.md": b"mine"}
     heads = MedusaHeads(MedusaConfig.from_base(tiny_llama.config, num_heads=2))
     assert heads.push_to_hub("me/heads", revision="v2").endswith("/commit/1")
-    assert fake_hub.branches["me/heads"] == {"v2"} and "me/heads" not in fake_hub.files
-    assert "model.safetensors" in fake_hub.files["me/heads@v2"]
+    assert fake_hub.branches["me/heads"] == {"v2"}
+    assert sorted(fake_hub.files["me/heads"]) == ["medusa_lm_head.safetensors", "notes.md"]
+    branch = fake_hub.files["me/heads@v2"]  # made from main; its stale weights go there
+    assert sorted(branch) == ["README.md", "config.json", "model.safetensors", "notes.md"]
     url = heads.push_to_hub("me/heads", create_pr=True)
-    assert url == "https://hub/me/heads/discussions/2" and "me/heads" not in fake_hub.files
+    assert url == "https://hub/me/heads/discussions/2"
+    assert sorted(fake_hub.files["me/heads"]) == ["medusa_lm_head.safetensors", "notes.md"]
     assert "model.safetensors" in fake_hub.pulls["me/heads"]
 
 
