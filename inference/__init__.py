@@ -7,7 +7,8 @@ from inference.drafters.medusa import MedusaDrafter
 from inference.drafters.model import ModelDrafter
 from inference.drafters.ngram import NgramDrafter, NgramTable
 from inference.drafters.union import UnionDrafter
-from inference.generate import GenerationOutput, SpeculativeGenerator, make_drafter
+from inference.generate import SpeculativeGenerator, make_drafter
+from inference.output import GenerationOutput
 from inference.tree import PRESETS, Tree, get_preset, tree_from_choices, tree_from_parents
 
 __all__ = [

@@ -19,7 +19,6 @@ import time
 import warnings
 from collections.abc import Iterator, Sequence
 from contextlib import nullcontext
-from dataclasses import dataclass, field
 
 import torch
 from torch import nn
@@ -54,6 +53,7 @@ from inference.draft import Draft, Drafter, Sampling
 from inference.drafters import make_drafter
 from inference.kv_cache import keep_accepted
 from inference.mask import grouped_kv_attention, tree_attention_mask, tree_position_ids
+from inference.output import GenerationOutput
 from inference.prompt import prompt_ids, prompt_tensor
 from inference.stopping import Stopping
 from inference.tree import rank_paths, tree_from_parents
@@ -64,33 +64,6 @@ from inference.tree import rank_paths, tree_from_parents
 # cost(N) < tau * cost(1): from tau 1.4 at 16 rows, 2.5 at 32. Trees up to this many nodes
 # compute every row in one call; larger ones only the rows visited.
 DENSE_LOGITS_MAX_NODES = 16
-
-
-@dataclass
-class GenerationOutput:
-    """Result of `SpeculativeGenerator.generate` (batch size 1)."""
-
-    sequences: torch.Tensor  # (1, prompt + new) long
-    accepted_lengths: list[int]  # tokens gained per verify step, bonus token included
-    # seconds: base, draft, other, total; prefill_base and prefill_draft, the parts of base and
-    # draft spent on the prompt (the prefill forward, the drafter's first pass over the prompt)
-    timings: dict[str, float] = field(default_factory=dict)
-    finished: bool = False  # an EOS token or a stop string ended the generation
-    # nodes each verify step verified, root included: 1 for a plain step (the adaptive policy's,
-    # a drafter's with nothing to propose, a tree past the context)
-    tree_sizes: list[int] = field(default_factory=list)
-
-    @property
-    def mean_accepted_length(self) -> float:
-        """tau, Spec-Bench's "mean accepted tokens" (plain decoding = 1.0; so is a generation
-        without a verify step: max_new_tokens=1, or an end of turn as the first token)."""
-        if not self.accepted_lengths:
-            return 1.0
-        return sum(self.accepted_lengths) / len(self.accepted_lengths)
-
-    @property
-    def num_steps(self) -> int:
-        return len(self.accepted_lengths)
 
 
 class SpeculativeGenerator:
