@@ -52,7 +52,6 @@ from train.run import (
     evaluate,
     find_resume,
     gather_for_reading,
-    keep_rotary_in_fp32,
     load_frozen_base,
     make_accelerator,
     prepare_data,
@@ -60,6 +59,7 @@ from train.run import (
     stop_on_bad_input,
 )
 from train.steps import clip_gradients, count_steps, epoch_batches, make_optimizer, step_norms
+from train.zero import keep_rotary_in_fp32
 
 
 class MedusaTrainee(Trainee):

@@ -26,13 +26,12 @@ from train.run import (
     Trainee,
     assert_trainable,
     evaluate,
-    fill_deepspeed_config,
-    keep_rotary_in_fp32,
     load_frozen_base,
     make_accelerator,
     parse_args,
     run_training,
 )
+from train.zero import fill_deepspeed_config, keep_rotary_in_fp32
 
 QUIET = SimpleNamespace(print=lambda *a, **k: None, is_main_process=True, log=lambda *a, **k: None)
 
