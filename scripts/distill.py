@@ -472,16 +472,16 @@ def main(argv: list[str] | None = None) -> int:
             signal.signal(signal.SIGTERM, terminated)
     if PartialState(cpu=not torch.cuda.is_available()).is_main_process:
         counts = manifest["counts"]
+        skipped = [
+            f"{counts['unfinished']} cut at max_new_tokens",
+            f"{counts['too_long_skipped']} prompts too long",
+            f"{counts['malformed_skipped']} malformed records skipped",
+        ]
+        if counts.get("unrendered_skipped"):  # not in a manifest from before it was counted
+            skipped.append(f"{counts['unrendered_skipped']} the chat template cannot render")
         print(
             f"wrote {counts['records_written']} of {counts['records_expected']} records to "
-            f"{recipe.data.output_dir} ({counts['unfinished']} cut at max_new_tokens, "
-            f"{counts['too_long_skipped']} prompts too long, "
-            f"{counts['malformed_skipped']} malformed records skipped"
-            + (
-                f", {counts['unrendered_skipped']} the chat template cannot render)"
-                if counts.get("unrendered_skipped")
-                else ")"
-            )
+            f"{recipe.data.output_dir} ({', '.join(skipped)})"
         )
         if counts.get("turns_dropped_too_long"):
             print(

@@ -331,16 +331,18 @@ def resolve_resume(resume: str, output_dir: str | Path) -> Path | None:
     return path
 
 
-def run_folder(ckpt: Path) -> Path | None:
-    """The output folder of the run that wrote `ckpt` (OUTPUT/checkpoints/step-N); None for a
-    checkpoint kept elsewhere."""
+def run_folder(ckpt: Path | None) -> Path | None:
+    """The output folder of the run that wrote `ckpt` (OUTPUT/checkpoints/step-N), resolved;
+    None for a checkpoint kept elsewhere, or none."""
+    if ckpt is None:
+        return None
     ckpt = ckpt.resolve()  # "step-00000010" given from inside checkpoints/, or a link to it
     return ckpt.parent.parent if ckpt.parent.name == "checkpoints" else None
 
 
 def of_this_folder(ckpt: Path, output_dir: str | Path) -> bool:
     """Whether `ckpt` is one of `output_dir`'s own checkpoints."""
-    return ckpt.resolve().parent == checkpoints_dir(output_dir).resolve()
+    return run_folder(ckpt) == Path(output_dir).resolve()
 
 
 def check_branch(ckpt: Path, output_dir: str | Path) -> None:

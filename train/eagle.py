@@ -270,7 +270,7 @@ def build_draft(
                 train_ds.examples,
                 cfg.draft_vocab_size,
                 base.config.vocab_size,
-                ckpt and run_folder(ckpt),  # the run that wrote the checkpoint keeps it
+                run_folder(ckpt),  # the run that wrote the checkpoint keeps it
             )
         draft.set_vocab_map(vocab)
         if spec.init_from_base:

@@ -202,7 +202,7 @@ def build_heads(
     elif vocab is not None:
         with stop_on_bad_input():
             token_map = built = draft_vocabulary(
-                train_ds.examples, vocab, base.config.vocab_size, ckpt and run_folder(ckpt)
+                train_ds.examples, vocab, base.config.vocab_size, run_folder(ckpt)
             )
     # Every process at once: under ZeRO-3 gathering the lm_head's shards is a collective.
     with (
